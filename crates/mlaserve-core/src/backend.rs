@@ -1,0 +1,116 @@
+//! The [`Backend`] trait: what the engine asks of a device to run one step.
+//!
+//! A step is a [`Batch`] of sequence chunks. Each chunk carries its new tokens, the
+//! number of tokens already in the paged latent cache before them, and the block table
+//! that maps its positions to physical cache blocks of [`BLOCK_SIZE`] tokens. Chunks of
+//! different kinds (a prefill chunk, a decode window of `1 + k` tokens) mix freely, so
+//! the scheduler can build mixed steps. The backend writes the latent cache entries of
+//! the new tokens and returns the hidden state of every new token (kept on the device:
+//! the MTP drafter consumes it) and logits for the rows the caller asked for.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+/// Tokens per page of the latent KV cache (FlashMLA's page size).
+pub const BLOCK_SIZE: usize = 64;
+
+/// One sequence's slice of a step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// Token ids processed in this step, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: Vec<u32>,
+    /// Tokens of this sequence already in the cache (for this layer stack) before `tokens`.
+    pub start_pos: usize,
+    /// Physical block ids; must cover positions `0..start_pos + tokens.len()`.
+    pub block_table: Vec<u32>,
+}
+
+/// A step's input: chunks, and which flattened token rows need logits.
+///
+/// Rows are numbered over the concatenation of all chunks' tokens in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Batch {
+    pub seqs: Vec<SeqChunk>,
+    /// Flattened row indices whose logits are returned, in this order.
+    pub logit_rows: Vec<u32>,
+}
+
+impl Batch {
+    /// Total number of new tokens in the step.
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Checks shapes against the model and the cache size; every backend calls this.
+    pub fn validate(&self, vocab_size: usize, num_blocks: usize, max_positions: usize) -> Result<()> {
+        let n = self.num_tokens();
+        for (i, s) in self.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(Error::Batch(format!("sequence {i} has no new tokens")));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > max_positions {
+                return Err(Error::Batch(format!("sequence {i} reaches position {end} > {max_positions}")));
+            }
+            if s.block_table.len() * BLOCK_SIZE < end {
+                return Err(Error::Batch(format!(
+                    "sequence {i}: block table of {} blocks cannot hold {end} positions",
+                    s.block_table.len()
+                )));
+            }
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
+                return Err(Error::Batch(format!("sequence {i}: block id {b} >= {num_blocks}")));
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+                return Err(Error::Batch(format!("sequence {i}: token id {t} >= vocab size {vocab_size}")));
+            }
+        }
+        if let Some(&r) = self.logit_rows.iter().find(|&&r| r as usize >= n) {
+            return Err(Error::Batch(format!("logit row {r} >= {n} tokens")));
+        }
+        Ok(())
+    }
+}
+
+/// What a forward returns.
+#[derive(Debug)]
+pub struct ForwardOutput<H> {
+    /// Hidden state of every new token, in row order. For the target model this is the
+    /// state after the final norm; for an MTP layer it is the block output (residual
+    /// added) before `shared_head.norm` — exactly what the next drafting stage consumes.
+    pub hidden: H,
+    /// `logit_rows.len() × vocab_size` logits, row-major, on the host.
+    pub logits: Vec<f32>,
+}
+
+/// A device that runs the model: the CPU reference backend, the CUDA backend.
+///
+/// One backend instance is one tensor-parallel rank. Calls are made from one thread.
+pub trait Backend {
+    /// Hidden states of a step's tokens, resident wherever the backend computes.
+    type Hidden;
+
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+
+    /// Number of physical cache blocks (shared by the target layers and the MTP layers).
+    fn num_blocks(&self) -> usize;
+
+    /// Target model forward over `batch`: writes the latent cache of the main layers.
+    fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>>;
+
+    /// MTP layer `layer` (0-based, < `num_nextn_predict_layers`) over `batch`, where the
+    /// token at row `r` is the embedding input and row `hidden_rows[r]` of `prev` is the
+    /// hidden input (`h_i` of DESIGN §3). Writes that MTP layer's latent cache. Logits
+    /// come from the layer's `shared_head`.
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &Self::Hidden,
+        hidden_rows: &[u32],
+    ) -> Result<ForwardOutput<Self::Hidden>>;
+
+    /// Copies hidden rows to the host (`rows × hidden_size`), for tests and debugging.
+    fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>>;
+}

@@ -1,0 +1,17 @@
+//! mlaserve-core: the vocabulary every other crate speaks.
+//!
+//! It owns the model configuration (HF `config.json`), the error type, sampling
+//! parameters, the batch/step types a backend consumes, and the [`Backend`] and
+//! [`Collective`] traits. It knows nothing about CUDA, tonic or the scheduler.
+
+pub mod backend;
+pub mod collective;
+pub mod config;
+pub mod error;
+pub mod sampling;
+
+pub use backend::{Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
+pub use collective::{Collective, SingleRank};
+pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
+pub use error::{Error, Result};
+pub use sampling::SamplingParams;
