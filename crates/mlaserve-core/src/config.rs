@@ -247,7 +247,7 @@ impl ModelConfig {
                 return Err(Error::config(name, "value 0 is not allowed"));
             }
         }
-        if self.qk_rope_head_dim == 0 || self.qk_rope_head_dim % 2 != 0 {
+        if self.qk_rope_head_dim == 0 || !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(Error::config(
                 "qk_rope_head_dim",
                 format!("value {} must be even and positive", self.qk_rope_head_dim),
@@ -256,11 +256,11 @@ impl ModelConfig {
         if self.q_lora_rank == Some(0) {
             return Err(Error::config("q_lora_rank", "value 0 is not allowed (use null)"));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(Error::config("rope_theta", format!("value {} must be positive", self.rope_theta)));
         }
         if let Some(y) = &self.rope_scaling {
-            if !(y.factor >= 1.0) {
+            if y.factor.is_nan() || y.factor < 1.0 {
                 return Err(Error::config("rope_scaling.factor", format!("value {} must be >= 1", y.factor)));
             }
             if y.original_max_position_embeddings == 0 {
@@ -290,7 +290,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         match &self.moe {
             None => false,
-            Some(m) => layer >= m.first_k_dense_replace && layer % m.moe_layer_freq == 0,
+            Some(m) => layer >= m.first_k_dense_replace && layer.is_multiple_of(m.moe_layer_freq),
         }
     }
 
@@ -392,7 +392,9 @@ fn parse_rope(o: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>)> {
         (Some(Value::Object(p)), _) => ("rope_parameters", Some(p)),
         (_, Some(Value::Object(p))) => ("rope_scaling", Some(p)),
         (Some(Value::Null) | None, Some(Value::Null) | None) => ("rope_scaling", None),
-        (Some(v), _) if !v.is_null() => return Err(Error::config("rope_parameters", format!("expected an object, got {v}"))),
+        (Some(v), _) if !v.is_null() => {
+            return Err(Error::config("rope_parameters", format!("expected an object, got {v}")))
+        }
         (_, Some(v)) => return Err(Error::config("rope_scaling", format!("expected an object, got {v}"))),
         _ => ("rope_scaling", None),
     };
@@ -413,7 +415,10 @@ fn parse_rope(o: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>)> {
     match kind.as_deref() {
         None | Some("default") => Ok((theta, None)),
         Some("yarn") => {
-            let factor = r.opt_f64("factor").map_err(|e| rename(e, field))?.ok_or_else(|| Error::config(f("factor"), "missing"))?;
+            let factor = r
+                .opt_f64("factor")
+                .map_err(|e| rename(e, field))?
+                .ok_or_else(|| Error::config(f("factor"), "missing"))?;
             let original = r
                 .opt_usize("original_max_position_embeddings")
                 .map_err(|e| rename(e, field))?
@@ -432,7 +437,9 @@ fn parse_rope(o: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>)> {
                 }),
             ))
         }
-        Some(x) => Err(Error::config(f("rope_type"), format!("unsupported value {x:?} (only \"yarn\" or \"default\")"))),
+        Some(x) => {
+            Err(Error::config(f("rope_type"), format!("unsupported value {x:?} (only \"yarn\" or \"default\")")))
+        }
     }
 }
 
@@ -452,7 +459,10 @@ fn parse_quant(o: &Map<String, Value>) -> Result<Option<Fp8Config>> {
     let r = Reader(q);
     let method = r.opt_str("quant_method").map_err(|e| rename(e, "quantization_config"))?;
     if method.as_deref() != Some("fp8") {
-        return Err(Error::config("quantization_config.quant_method", format!("unsupported value {method:?} (only \"fp8\")")));
+        return Err(Error::config(
+            "quantization_config.quant_method",
+            format!("unsupported value {method:?} (only \"fp8\")"),
+        ));
     }
     if let Some(fmt) = r.opt_str("fmt").map_err(|e| rename(e, "quantization_config"))? {
         if fmt != "e4m3" {
@@ -520,9 +530,10 @@ impl Reader<'_> {
     fn opt_str(&self, k: &str) -> Result<Option<String>> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => {
-                v.as_str().map(|s| Some(s.to_string())).ok_or_else(|| Error::config(k, format!("expected a string, got {v}")))
-            }
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_string()))
+                .ok_or_else(|| Error::config(k, format!("expected a string, got {v}"))),
         }
     }
 }

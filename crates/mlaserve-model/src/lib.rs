@@ -1,0 +1,23 @@
+//! mlaserve-model: everything about a checkpoint on disk.
+//!
+//! [`weights`] memory-maps safetensors files (single or sharded), checks names, shapes
+//! and dtypes, dequantises fp8 block-scaled weights and reads only a tensor-parallel
+//! rank's slice. [`names`] is the one place that spells HF weight names. [`tokenizer`]
+//! wraps `tokenizer.json` and the EOS ids. [`presets`] writes deterministic random
+//! checkpoints (`mlaserve gen-model`) used by tests and benchmarks.
+
+pub mod names;
+pub mod presets;
+pub mod tokenizer;
+pub mod weights;
+
+pub use tokenizer::Tokenizer;
+pub use weights::{Shard, Weights};
+
+use mlaserve_core::{ModelConfig, Result};
+use std::path::Path;
+
+/// Loads and validates `<dir>/config.json`.
+pub fn load_config(dir: &Path) -> Result<ModelConfig> {
+    ModelConfig::from_file(&dir.join("config.json"))
+}
