@@ -8,10 +8,12 @@ pub mod backend;
 pub mod collective;
 pub mod config;
 pub mod error;
+pub mod local_group;
 pub mod sampling;
 
 pub use backend::{Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
 pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};
+pub use local_group::LocalGroup;
 pub use sampling::SamplingParams;
