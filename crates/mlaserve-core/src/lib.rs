@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod local_group;
 pub mod sampling;
+pub mod tp;
 
 pub use backend::{Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
 pub use collective::{Collective, SingleRank};
@@ -17,3 +18,4 @@ pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};
 pub use local_group::LocalGroup;
 pub use sampling::SamplingParams;
+pub use tp::{run_follower, TpHidden, TpLeader};

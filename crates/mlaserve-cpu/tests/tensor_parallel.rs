@@ -7,10 +7,17 @@ use mlaserve_cpu::{CpuBackend, CpuOptions};
 use std::path::Path;
 use std::time::Duration;
 
+fn load(dir: &Path, comm: Box<dyn Collective>) -> CpuBackend {
+    CpuBackend::load_with(dir, CpuOptions { num_blocks: 8, ..Default::default() }, comm).unwrap()
+}
+
 /// Runs a fixed script (a mixed prefill + decode step, then both MTP layers) and returns
 /// every logit it produced.
 fn script(dir: &Path, comm: Box<dyn Collective>) -> Vec<f32> {
-    let mut b = CpuBackend::load_with(dir, CpuOptions { num_blocks: 8, ..Default::default() }, comm).unwrap();
+    run_script(&mut load(dir, comm))
+}
+
+fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     let toks = |n: u32, s: u32| (0..n).map(|i| (i * 31 + s * 7) % 509 + 2).collect::<Vec<u32>>();
     let mut logits = Vec::new();
     let pre = Batch {
@@ -78,4 +85,40 @@ fn indivisible_tp_size_is_a_clear_error() {
         js.into_iter().map(|j| j.join().unwrap()).collect()
     });
     assert!(errs[0].contains("num_attention_heads") && errs[0].contains("tensor-parallel size 3"), "{}", errs[0]);
+}
+
+/// The same script driven through `TpLeader` on rank 0 while ranks 1..n only follow the
+/// broadcast plans: the leader's logits equal TP = 1's.
+#[test]
+fn leader_follower_plans_reproduce_tp_1() {
+    let t = tempfile::tempdir().unwrap();
+    mlaserve_model::presets::generate("tiny-v3", t.path()).unwrap();
+    let want = script(t.path(), Box::new(mlaserve_core::SingleRank));
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let world = 4;
+    let dir = t.path();
+    let got = std::thread::scope(|s| {
+        let mut inner = LocalGroup::new(world, Duration::from_secs(60));
+        let mut plans = LocalGroup::new(world, Duration::from_secs(60));
+        let followers: Vec<_> = inner
+            .drain(1..)
+            .zip(plans.drain(1..))
+            .map(|(g, p)| {
+                s.spawn(move || {
+                    let mut b = load(dir, Box::new(g));
+                    mlaserve_core::run_follower(&mut b, &p)
+                })
+            })
+            .collect();
+        let b0 = load(dir, Box::new(inner.pop().unwrap()));
+        let mut leader = mlaserve_core::TpLeader::new(b0, plans.pop().unwrap()).unwrap();
+        let got = run_script(&mut leader);
+        leader.shutdown().unwrap();
+        for f in followers {
+            f.join().unwrap().unwrap();
+        }
+        got
+    });
+    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+    assert!(err <= 1e-5, "rel err {err}");
 }

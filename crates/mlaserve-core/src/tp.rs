@@ -1,0 +1,215 @@
+//! Leader/follower execution of a tensor-parallel group (DESIGN §6).
+//!
+//! The leader (rank 0) runs the engine on a [`TpLeader`], which is itself a [`Backend`]:
+//! before each call it broadcasts the step plan (the op and its [`Batch`]) over the
+//! group's [`Collective`], then runs its own shard. Followers sit in [`run_follower`],
+//! receive each plan and run the same call on their shard, so every rank executes the
+//! same sequence of forwards and meets the same collectives inside them. Verification is
+//! decided once, on the leader; the accepted tokens reach the followers inside the next
+//! plan (the MTP batch carries them), so every rank drafts from identical inputs without
+//! sampling anything itself.
+//!
+//! Hidden states stay on each rank: the leader numbers the ones it returns and names
+//! the number in an MTP plan; followers keep their own under the same numbers.
+
+use crate::backend::{Backend, Batch, ForwardOutput, SeqChunk};
+use crate::collective::Collective;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use std::collections::VecDeque;
+
+const OP_FORWARD: u32 = 1;
+const OP_MTP: u32 = 2;
+const OP_SHUTDOWN: u32 = 3;
+/// Hidden states a follower keeps (the engine only refers back to recent ones).
+const KEEP_HIDDEN: usize = 16;
+
+/// A hidden state tagged with the plan number that produced it.
+#[derive(Debug)]
+pub struct TpHidden<H> {
+    pub id: u32,
+    pub inner: H,
+}
+
+/// The leader's view of a TP group: a backend that mirrors every call to the followers.
+pub struct TpLeader<B, C> {
+    inner: B,
+    comm: C,
+    next_id: u32,
+}
+
+impl<B: Backend, C: Collective> std::fmt::Debug for TpLeader<B, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpLeader").field("world_size", &self.comm.world_size()).finish()
+    }
+}
+
+impl<B: Backend, C: Collective> TpLeader<B, C> {
+    /// `inner` is rank 0's shard; `comm` the plan channel (rank 0 of the group).
+    pub fn new(inner: B, comm: C) -> Result<Self> {
+        if comm.rank() != 0 {
+            return Err(Error::Collective(format!("TpLeader on rank {}; the leader is rank 0", comm.rank())));
+        }
+        Ok(TpLeader { inner, comm, next_id: 0 })
+    }
+
+    fn send(&self, words: &[u32]) -> Result<()> {
+        let mut len = [words.len() as u32];
+        self.comm.broadcast_u32(&mut len, 0)?;
+        let mut buf = words.to_vec();
+        self.comm.broadcast_u32(&mut buf, 0)
+    }
+
+    /// Tells the followers to leave their loop.
+    pub fn shutdown(&mut self) -> Result<()> {
+        self.send(&[OP_SHUTDOWN])
+    }
+}
+
+impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
+    type Hidden = TpHidden<B::Hidden>;
+
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        let mut w = vec![OP_FORWARD, id];
+        encode_batch(batch, &mut w);
+        self.send(&w)?;
+        let out = self.inner.forward(batch)?;
+        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits })
+    }
+
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &Self::Hidden,
+        hidden_rows: &[u32],
+    ) -> Result<ForwardOutput<Self::Hidden>> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        let mut w = vec![OP_MTP, id, layer as u32, prev.id, hidden_rows.len() as u32];
+        w.extend_from_slice(hidden_rows);
+        encode_batch(batch, &mut w);
+        self.send(&w)?;
+        let out = self.inner.mtp_forward(layer, batch, &prev.inner, hidden_rows)?;
+        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits })
+    }
+
+    fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
+        self.inner.hidden_to_host(&h.inner)
+    }
+}
+
+/// A follower rank's loop: executes the leader's plans on `backend` until the leader
+/// shuts the group down (returns `Ok`) or a collective or backend call fails.
+pub fn run_follower<B: Backend, C: Collective>(backend: &mut B, comm: &C) -> Result<()> {
+    let mut hidden: VecDeque<(u32, B::Hidden)> = VecDeque::new();
+    loop {
+        let mut len = [0u32];
+        comm.broadcast_u32(&mut len, 0)?;
+        let mut w = vec![0u32; len[0] as usize];
+        comm.broadcast_u32(&mut w, 0)?;
+        let mut r = Reader { w: &w, i: 0 };
+        match r.next()? {
+            OP_SHUTDOWN => return Ok(()),
+            OP_FORWARD => {
+                let id = r.next()?;
+                let batch = decode_batch(&mut r)?;
+                let out = backend.forward(&batch)?;
+                hidden.push_back((id, out.hidden));
+            }
+            OP_MTP => {
+                let id = r.next()?;
+                let layer = r.next()? as usize;
+                let prev_id = r.next()?;
+                let n = r.next()? as usize;
+                let rows = r.take(n)?.to_vec();
+                let batch = decode_batch(&mut r)?;
+                let prev = hidden.iter().find(|(i, _)| *i == prev_id).map(|(_, h)| h).ok_or_else(|| {
+                    Error::Collective(format!("plan refers to hidden state {prev_id}, no longer kept"))
+                })?;
+                let out = backend.mtp_forward(layer, &batch, prev, &rows)?;
+                hidden.push_back((id, out.hidden));
+            }
+            op => return Err(Error::Collective(format!("unknown plan op {op}"))),
+        }
+        while hidden.len() > KEEP_HIDDEN {
+            hidden.pop_front();
+        }
+    }
+}
+
+fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
+    w.push(b.seqs.len() as u32);
+    for s in &b.seqs {
+        w.push(s.start_pos as u32);
+        w.push(s.tokens.len() as u32);
+        w.extend_from_slice(&s.tokens);
+        w.push(s.block_table.len() as u32);
+        w.extend_from_slice(&s.block_table);
+    }
+    w.push(b.logit_rows.len() as u32);
+    w.extend_from_slice(&b.logit_rows);
+}
+
+struct Reader<'a> {
+    w: &'a [u32],
+    i: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u32]> {
+        let s = self.w.get(self.i..self.i + n).ok_or_else(|| Error::Collective("truncated step plan".into()))?;
+        self.i += n;
+        Ok(s)
+    }
+    fn next(&mut self) -> Result<u32> {
+        Ok(self.take(1)?[0])
+    }
+}
+
+fn decode_batch(r: &mut Reader) -> Result<Batch> {
+    let n = r.next()? as usize;
+    let mut seqs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start_pos = r.next()? as usize;
+        let nt = r.next()? as usize;
+        let tokens = r.take(nt)?.to_vec();
+        let nb = r.next()? as usize;
+        let block_table = r.take(nb)?.to_vec();
+        seqs.push(SeqChunk { tokens, start_pos, block_table });
+    }
+    let nl = r.next()? as usize;
+    let logit_rows = r.take(nl)?.to_vec();
+    Ok(Batch { seqs, logit_rows })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_round_trip() {
+        let b = Batch {
+            seqs: vec![
+                SeqChunk { tokens: vec![1, 2, 3], start_pos: 64, block_table: vec![4, 9] },
+                SeqChunk { tokens: vec![7], start_pos: 0, block_table: vec![0] },
+            ],
+            logit_rows: vec![2, 3],
+        };
+        let mut w = Vec::new();
+        encode_batch(&b, &mut w);
+        let got = decode_batch(&mut Reader { w: &w, i: 0 }).unwrap();
+        assert_eq!(got, b);
+        assert!(decode_batch(&mut Reader { w: &w[..w.len() - 1], i: 0 }).is_err());
+    }
+}
