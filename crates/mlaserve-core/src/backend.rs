@@ -114,3 +114,30 @@ pub trait Backend {
     /// Copies hidden rows to the host (`rows × hidden_size`), for tests and debugging.
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>>;
 }
+
+/// A mutable borrow of a backend is a backend (so a caller can keep ownership).
+impl<B: Backend + ?Sized> Backend for &mut B {
+    type Hidden = B::Hidden;
+
+    fn config(&self) -> &ModelConfig {
+        (**self).config()
+    }
+    fn num_blocks(&self) -> usize {
+        (**self).num_blocks()
+    }
+    fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>> {
+        (**self).forward(batch)
+    }
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &Self::Hidden,
+        hidden_rows: &[u32],
+    ) -> Result<ForwardOutput<Self::Hidden>> {
+        (**self).mtp_forward(layer, batch, prev, hidden_rows)
+    }
+    fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
+        (**self).hidden_to_host(h)
+    }
+}

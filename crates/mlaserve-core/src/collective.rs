@@ -6,7 +6,7 @@
 use crate::error::Result;
 
 /// Collective operations over the ranks of one worker group, on host `f32` buffers.
-pub trait Collective: Send {
+pub trait Collective {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
     /// Element-wise sum across ranks, in place.

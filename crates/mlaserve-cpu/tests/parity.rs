@@ -45,6 +45,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     d / r
 }
 
+/// Checks and reports (run with `--nocapture` to read the measured errors).
+fn expect_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    let e = rel_err(got, want);
+    eprintln!("{what}: max|Δ|/max|ref| = {e:.2e} (tolerance {tol:.0e})");
+    assert!(e <= tol, "{what}: rel err {e} > {tol}");
+}
+
 /// Contiguous blocks `first..first + n` covering `len` positions.
 fn table(first: u32, len: usize) -> Vec<u32> {
     (first..first + len.div_ceil(BLOCK_SIZE) as u32).collect()
@@ -68,23 +75,19 @@ fn check_target(preset: &str, mode: AttnMode) {
     let decode = g.ids("decode_ids");
     let tb = table(0, prompt.len() + decode.len());
     let out = b.forward(&one(&prompt, 0, &tb)).unwrap();
-    let e = rel_err(&out.logits, &g.tensor("prefill_logits"));
-    assert!(e <= TOL, "{preset} {mode:?} prefill logits rel err {e}");
-    let e = rel_err(&out.hidden.data, &g.tensor("prefill_hidden"));
-    assert!(e <= TOL, "{preset} {mode:?} prefill hidden rel err {e}");
+    expect_close(&format!("{preset} {mode:?} prefill logits"), &out.logits, &g.tensor("prefill_logits"), TOL);
+    expect_close(&format!("{preset} {mode:?} prefill hidden"), &out.hidden.data, &g.tensor("prefill_hidden"), TOL);
     // Cached decode: one token per step over the prompt's cache.
     let want = g.tensor("decode_logits");
     let v = b.config().vocab_size;
     for (i, &t) in decode.iter().enumerate() {
         let out = b.forward(&one(&[t], prompt.len() + i, &tb)).unwrap();
-        let e = rel_err(&out.logits, &want[i * v..(i + 1) * v]);
-        assert!(e <= TOL, "{preset} {mode:?} decode step {i} rel err {e}");
+        expect_close(&format!("{preset} {mode:?} decode step {i}"), &out.logits, &want[i * v..(i + 1) * v], TOL);
     }
     // Longer than original_max_position_embeddings (YaRN matters), in other blocks.
     let long = g.ids("long_ids");
     let out = b.forward(&one(&long, 0, &table(4, long.len()))).unwrap();
-    let e = rel_err(&out.logits, &g.tensor("long_logits"));
-    assert!(e <= TOL, "{preset} {mode:?} long prompt rel err {e}");
+    expect_close(&format!("{preset} {mode:?} long prompt"), &out.logits, &g.tensor("long_logits"), TOL);
 }
 
 #[test]
@@ -115,10 +118,8 @@ fn tiny_v3_mtp_matches_reference() {
         let batch = one(&seq[d + 1..d + 1 + n], 0, &tb);
         let rows: Vec<u32> = (0..n as u32).collect();
         let out = b.mtp_forward(d, &batch, &prev, &rows).unwrap();
-        let e = rel_err(&out.logits, &g.tensor(&format!("mtp{d}_logits")));
-        assert!(e <= TOL, "mtp{d} logits rel err {e}");
-        let e = rel_err(&out.hidden.data, &g.tensor(&format!("mtp{d}_hidden")));
-        assert!(e <= TOL, "mtp{d} hidden rel err {e}");
+        expect_close(&format!("mtp{d} logits"), &out.logits, &g.tensor(&format!("mtp{d}_logits")), TOL);
+        expect_close(&format!("mtp{d} hidden"), &out.hidden.data, &g.tensor(&format!("mtp{d}_hidden")), TOL);
         prev = out.hidden;
     }
 }
@@ -147,8 +148,7 @@ fn absorbed_and_expanded_agree_on_chunked_prefill() {
         }
         runs.push(logits);
     }
-    let e = rel_err(&runs[1], &runs[0]);
-    assert!(e <= 1e-5, "absorbed vs expanded rel err {e}");
+    expect_close("expanded vs absorbed, chunked prefill", &runs[1], &runs[0], 1e-5);
 }
 
 #[test]
@@ -182,8 +182,7 @@ fn mixed_batch_equals_each_sequence_alone() {
         logit_rows: (0..28).collect(),
     };
     let got = mixed.forward(&batch).unwrap().logits;
-    let e = rel_err(&got, &want);
-    assert!(e <= 1e-6, "mixed vs alone rel err {e}");
+    expect_close("mixed batch vs each alone", &got, &want, 1e-6);
 }
 
 #[test]

@@ -48,11 +48,11 @@ pub fn preset_config(name: &str) -> Result<Value> {
             "norm_topk_prob": true,
             "scoring_func": "sigmoid",
             "hidden_act": "silu",
-            "max_position_embeddings": 256,
+            "max_position_embeddings": 512,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
             "rope_scaling": {
-                "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8
             },
             "attention_bias": false,
@@ -93,11 +93,11 @@ pub fn preset_config(name: &str) -> Result<Value> {
             "norm_topk_prob": false,
             "scoring_func": "softmax",
             "hidden_act": "silu",
-            "max_position_embeddings": 256,
+            "max_position_embeddings": 512,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
             "rope_scaling": {
-                "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707
             },
             "attention_bias": false,

@@ -1,0 +1,208 @@
+//! The engine's public vocabulary: requests, events, finish reasons, usage, load and
+//! statistics, and the engine configuration.
+//!
+//! This module is the contract with the serving layer (the gRPC worker builds on it):
+//! change it only additively. Both the synchronous [`crate::Engine`] and the async
+//! [`crate::EngineHandle`] speak these types.
+
+pub use mlaserve_core::SamplingParams;
+
+/// Largest number of draft tokens per decode step the engine supports.
+pub const MAX_SPECULATIVE_TOKENS: usize = 4;
+
+/// Engine-wide request identifier, unique for the life of one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "req-{}", self.0)
+    }
+}
+
+/// A generation request: prompt token ids and how to sample.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Request {
+    /// Prompt token ids; must be non-empty and every id `< vocab_size`.
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+}
+
+impl Request {
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Self {
+        Request { prompt, sampling }
+    }
+}
+
+/// Why a generation stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop condition matched; the matching token(s) are the last ones emitted (the
+    /// serving layer trims them from the text if it wants to).
+    Stop(StopMatch),
+    /// `max_new_tokens` generated, or the context length (`max_model_len`) reached.
+    Length,
+    /// Aborted by the caller (or the receiver of its events was dropped).
+    Abort,
+    /// The engine could not run the request (a backend failure); the message says why.
+    Error(String),
+}
+
+/// Which stop condition ended a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopMatch {
+    /// An end-of-sequence id of the model (`eos_token_id`), unless `ignore_eos`.
+    Eos(u32),
+    /// One of the request's `stop_token_ids`.
+    StopToken(u32),
+    /// The request's `stop_sequences[index]` appeared at the end of the output.
+    StopSequence(usize),
+}
+
+/// Token accounting of one request (also summed over the engine in [`EngineStats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    /// Tokens emitted to the caller.
+    pub generated_tokens: u64,
+    /// Draft tokens that entered a verify window (k per decode step).
+    pub draft_tokens: u64,
+    /// Draft tokens accepted by verification and emitted.
+    pub accepted_tokens: u64,
+    /// `accepted_per_position[j]`: how often draft `j + 1` was accepted and emitted.
+    pub accepted_per_position: Vec<u64>,
+    /// Decode steps the request took part in (verify windows).
+    pub decode_steps: u64,
+    /// Times the request was preempted (its cache dropped and recomputed later).
+    pub preemptions: u64,
+}
+
+impl Usage {
+    /// Mean tokens emitted per decode step (`1 + accepted / steps`); 0 with no step.
+    pub fn mean_acceptance_length(&self) -> f64 {
+        if self.decode_steps == 0 {
+            0.0
+        } else {
+            1.0 + self.accepted_tokens as f64 / self.decode_steps as f64
+        }
+    }
+
+    /// Adds another usage into this one (for totals).
+    pub fn accumulate(&mut self, o: &Usage) {
+        self.prompt_tokens += o.prompt_tokens;
+        self.generated_tokens += o.generated_tokens;
+        self.draft_tokens += o.draft_tokens;
+        self.accepted_tokens += o.accepted_tokens;
+        self.decode_steps += o.decode_steps;
+        self.preemptions += o.preemptions;
+        if self.accepted_per_position.len() < o.accepted_per_position.len() {
+            self.accepted_per_position.resize(o.accepted_per_position.len(), 0);
+        }
+        for (a, b) in self.accepted_per_position.iter_mut().zip(&o.accepted_per_position) {
+            *a += b;
+        }
+    }
+}
+
+/// What a request's stream carries. A stream is zero or more `Tokens` then exactly one
+/// `Finished`; no token is ever sent twice (not even across a preemption).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// New token ids, in order (one to `1 + k` per step).
+    Tokens(Vec<u32>),
+    /// The last event of a request.
+    Finished { reason: FinishReason, usage: Usage },
+}
+
+/// Cheap load snapshot for load balancing (updated after every step).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Requests admitted but not yet scheduled (including preempted ones).
+    pub queued_requests: usize,
+    /// Requests holding cache blocks (prefilling or decoding).
+    pub running_requests: usize,
+    /// Work left: prompt tokens still to prefill plus tokens still allowed to generate.
+    pub outstanding_tokens: u64,
+    pub kv_blocks_free: usize,
+    pub kv_blocks_total: usize,
+}
+
+/// Cumulative wall time of the engine's steps, split by phase (microseconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTimes {
+    pub steps: u64,
+    /// Choosing the step's work, allocating blocks, building the batch.
+    pub schedule_us: u64,
+    /// The target model's forward.
+    pub forward_us: u64,
+    /// Sampling and verification, stop conditions, bookkeeping of emitted tokens.
+    pub verify_us: u64,
+    /// MTP drafting (all stages, including building their batches).
+    pub draft_us: u64,
+    /// The part of `draft_us` spent inside the backend's MTP forwards.
+    pub draft_forward_us: u64,
+}
+
+impl StepTimes {
+    /// Host-side scheduling and bookkeeping: everything but the backend calls.
+    pub fn bookkeeping_us(&self) -> u64 {
+        self.schedule_us + self.verify_us + self.draft_us.saturating_sub(self.draft_forward_us)
+    }
+}
+
+/// Engine statistics: load, totals over finished and running requests, step times.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub load: Load,
+    /// Draft tokens per decode step (k).
+    pub num_speculative_tokens: usize,
+    /// Totals over every request seen (finished ones and the live ones' progress).
+    pub totals: Usage,
+    pub finished_requests: u64,
+    pub times: StepTimes,
+}
+
+impl EngineStats {
+    /// Fraction of drafted tokens accepted (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.totals.draft_tokens == 0 {
+            0.0
+        } else {
+            self.totals.accepted_tokens as f64 / self.totals.draft_tokens as f64
+        }
+    }
+}
+
+/// How the engine schedules. Defaults suit the CPU backend; the GPU worker sets its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Draft tokens per decode step, `0..=4`; `None`: 3 when the model has MTP layers,
+    /// else 0.
+    pub num_speculative_tokens: Option<usize>,
+    /// Token budget per step (decode windows count `1 + k` each, plus prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Most requests holding cache at once.
+    pub max_num_seqs: usize,
+    /// Longest sequence (prompt + output). `None`: the model's
+    /// `max_position_embeddings - 2 * MAX_SPECULATIVE_TOKENS` (the drafter writes up to
+    /// `2k - 1` positions past the last cached token; the headroom does not depend on k
+    /// so outputs do not either).
+    pub max_model_len: Option<usize>,
+    /// Requests waiting for admission beyond which `submit` refuses (backpressure).
+    pub max_queued: usize,
+    /// Seed of the per-request seeds drawn for requests that give none.
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            num_speculative_tokens: None,
+            max_batch_tokens: 2048,
+            max_num_seqs: 256,
+            max_model_len: None,
+            max_queued: 4096,
+            seed: 0x6d6c_6173_6572_7665,
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! The synchronous engine core: admission, the step (schedule → target forward →
+//! verify → MTP drafting), events, statistics. Deterministic; the async
+//! [`crate::EngineHandle`] drives it from one thread.
+
+use crate::api::{
+    EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, StepTimes, Usage, MAX_SPECULATIVE_TOKENS,
+};
+use crate::block::{blocks_for, BlockManager};
+use crate::draft::{chunk_at, draft, DraftJob, DraftScratch};
+use crate::error::{EngineError, Result};
+use crate::rng::mix64;
+use crate::sampling::{choose_token, verify_window};
+use crate::scheduler::{schedule, Limits};
+use crate::sequence::{Sched, Sequence};
+use mlaserve_core::{Backend, Batch};
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// Continuous-batching engine over one backend.
+pub struct Engine<B: Backend> {
+    backend: B,
+    lim: Limits,
+    max_model_len: usize,
+    max_queued: usize,
+    seed: u64,
+    vocab: usize,
+    n_mtp: usize,
+    eos: Vec<u32>,
+    blocks: BlockManager,
+    /// Requests holding cache, by arrival.
+    running: Vec<Sequence>,
+    /// Requests waiting for admission (new or preempted), by arrival.
+    waiting: VecDeque<Sequence>,
+    next_id: u64,
+    pending: Vec<(RequestId, Event)>,
+    finished_totals: Usage,
+    finished_requests: u64,
+    times: StepTimes,
+    /// Reused between steps to avoid reallocating every chunk.
+    batch: Batch,
+    scratch: DraftScratch,
+    jobs: Vec<DraftJob>,
+}
+
+impl<B: Backend> std::fmt::Debug for Engine<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("k", &self.lim.k)
+            .field("running", &self.running.len())
+            .field("waiting", &self.waiting.len())
+            .field("blocks_free", &self.blocks.num_free())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Builds an engine over `backend`, checking `config` against the model and cache.
+    pub fn new(backend: B, config: EngineConfig) -> Result<Self> {
+        let m = backend.config();
+        let n_mtp = m.num_nextn_predict_layers;
+        let k = config.num_speculative_tokens.unwrap_or(if n_mtp > 0 { 3 } else { 0 });
+        if k > MAX_SPECULATIVE_TOKENS {
+            return Err(EngineError::Config(format!("num_speculative_tokens {k} > {MAX_SPECULATIVE_TOKENS}")));
+        }
+        if k > 0 && n_mtp == 0 {
+            return Err(EngineError::Config(format!(
+                "num_speculative_tokens {k} needs MTP layers; the model has none"
+            )));
+        }
+        let mpe = m.max_position_embeddings;
+        let max_model_len = config.max_model_len.unwrap_or(mpe.saturating_sub(2 * MAX_SPECULATIVE_TOKENS));
+        let lim = Limits { k, max_batch_tokens: config.max_batch_tokens, max_num_seqs: config.max_num_seqs };
+        if max_model_len < 2 || lim.decode_positions(max_model_len - 2) > mpe {
+            return Err(EngineError::Config(format!(
+                "max_model_len {max_model_len} with k = {k} does not fit max_position_embeddings {mpe} \
+                 (drafting needs 2k - 1 positions of headroom)"
+            )));
+        }
+        if config.max_batch_tokens < 1 + k || config.max_num_seqs == 0 {
+            return Err(EngineError::Config(format!(
+                "max_batch_tokens {} must hold one decode window of {} tokens, max_num_seqs {} must be > 0",
+                config.max_batch_tokens,
+                1 + k,
+                config.max_num_seqs
+            )));
+        }
+        if backend.num_blocks() == 0 {
+            return Err(EngineError::Config("the backend has no cache blocks".into()));
+        }
+        Ok(Engine {
+            vocab: m.vocab_size,
+            eos: m.eos_token_ids.clone(),
+            n_mtp,
+            blocks: BlockManager::new(backend.num_blocks()),
+            backend,
+            lim,
+            max_model_len,
+            max_queued: config.max_queued,
+            seed: config.seed,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            next_id: 0,
+            pending: Vec::new(),
+            finished_totals: Usage { accepted_per_position: vec![0; k], ..Default::default() },
+            finished_requests: 0,
+            times: StepTimes::default(),
+            batch: Batch::default(),
+            scratch: DraftScratch::default(),
+            jobs: Vec::new(),
+        })
+    }
+
+    /// Draft tokens per decode step (k).
+    pub fn num_speculative_tokens(&self) -> usize {
+        self.lim.k
+    }
+
+    /// Longest sequence (prompt + output) the engine lets a request reach.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably (tests use it to inject failures; the engine assumes the
+    /// caller leaves the cache alone).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// Whether a step would do anything (requests live or events pending).
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.pending.is_empty()
+    }
+
+    /// Validates and queues a request. Errors name the offending field.
+    pub fn add_request(&mut self, req: Request) -> Result<RequestId> {
+        self.validate(&req)?;
+        if self.waiting.len() >= self.max_queued {
+            return Err(EngineError::QueueFull(self.waiting.len()));
+        }
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let seed = req.sampling.seed.unwrap_or_else(|| mix64(self.seed ^ mix64(id.0)));
+        let seq = Sequence::new(id, id.0, req.prompt, req.sampling, seed, self.lim.k);
+        self.waiting.push_back(seq);
+        Ok(id)
+    }
+
+    fn validate(&self, req: &Request) -> Result<()> {
+        let p = &req.sampling;
+        if req.prompt.is_empty() {
+            return Err(EngineError::invalid("prompt", "must not be empty"));
+        }
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(EngineError::invalid("prompt", format!("token id {t} >= vocab size {}", self.vocab)));
+        }
+        if req.prompt.len() >= self.max_model_len {
+            return Err(EngineError::invalid(
+                "prompt",
+                format!("{} tokens leave no room below max_model_len {}", req.prompt.len(), self.max_model_len),
+            ));
+        }
+        if p.max_new_tokens == 0 {
+            return Err(EngineError::invalid("max_new_tokens", "must be at least 1"));
+        }
+        if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+            return Err(EngineError::invalid("temperature", format!("{} is not a finite value >= 0", p.temperature)));
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return Err(EngineError::invalid("top_p", format!("{} is not in (0, 1]", p.top_p)));
+        }
+        if p.stop_sequences.iter().any(|s| s.is_empty()) {
+            return Err(EngineError::invalid("stop_sequences", "an empty sequence"));
+        }
+        // The request must fit the pool alone, in every state it can reach.
+        let longest = (req.prompt.len() + p.max_new_tokens as usize).min(self.max_model_len);
+        let need = self.lim.decode_positions(longest - 2).max(self.lim.prefill_positions(longest - 1, true));
+        if blocks_for(need) > self.blocks.total() {
+            return Err(EngineError::invalid(
+                "max_new_tokens",
+                format!(
+                    "prompt + max_new_tokens need {} cache blocks; the cache has {}",
+                    blocks_for(need),
+                    self.blocks.total()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Aborts a request: frees its blocks now; its `Finished { Abort }` event comes with
+    /// the next [`Engine::step`].
+    pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        let seq = if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i)
+        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            Some(self.running.remove(i))
+        } else {
+            None
+        };
+        let seq = seq.ok_or(EngineError::UnknownRequest(id))?;
+        let ev = self.retire(seq, FinishReason::Abort);
+        self.pending.push(ev);
+        Ok(())
+    }
+
+    /// Frees a finished sequence and returns its final event.
+    fn retire(&mut self, mut seq: Sequence, reason: FinishReason) -> (RequestId, Event) {
+        self.blocks.release(&mut seq.block_table);
+        self.finished_totals.accumulate(&seq.usage);
+        self.finished_requests += 1;
+        (seq.id, Event::Finished { reason, usage: seq.usage })
+    }
+
+    /// Runs one step and returns the events it produced (plus those of aborts since
+    /// the last step). A backend failure finishes the step's requests with
+    /// [`FinishReason::Error`]; the engine goes on with the others.
+    pub fn step(&mut self) -> Vec<(RequestId, Event)> {
+        let mut events = std::mem::take(&mut self.pending);
+        if self.running.is_empty() && self.waiting.is_empty() {
+            return events;
+        }
+        let t0 = Instant::now();
+        let sched = schedule(&mut self.running, &mut self.waiting, &mut self.blocks, &self.lim);
+        if sched.tokens == 0 {
+            return events;
+        }
+        self.build_batch();
+        let t1 = Instant::now();
+        let fwd = self.backend.forward(&self.batch);
+        let t2 = Instant::now();
+        self.times.steps += 1;
+        self.times.schedule_us += (t1 - t0).as_micros() as u64;
+        self.times.forward_us += (t2 - t1).as_micros() as u64;
+        let out = match fwd {
+            Ok(out) => out,
+            Err(e) => {
+                self.fail_scheduled(&e, &mut events);
+                return events;
+            }
+        };
+        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        events.reserve(self.batch.seqs.len());
+        let mut jobs = std::mem::take(&mut self.jobs);
+        jobs.clear();
+        self.verify(&out.logits, &mut events, &mut finished, &mut jobs);
+        let t3 = Instant::now();
+        self.times.verify_us += (t3 - t2).as_micros() as u64;
+        let mut draft_err = None;
+        if !jobs.is_empty() {
+            let (k, n_mtp) = (self.lim.k, self.n_mtp);
+            let (running, batch, sc) = (&mut self.running, &mut self.batch, &mut self.scratch);
+            match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc) {
+                Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
+                Err(e) => draft_err = Some(e),
+            }
+        }
+        let t4 = Instant::now();
+        self.times.draft_us += (t4 - t3).as_micros() as u64;
+        if let Some(e) = draft_err {
+            tracing::error!(error = %e, "MTP drafting failed; failing the step's requests");
+            for job in &jobs {
+                finished.push((job.seq, FinishReason::Error(format!("drafting failed: {e}"))));
+            }
+        }
+        self.jobs = jobs;
+        self.finish(finished, &mut events);
+        self.times.verify_us += t4.elapsed().as_micros() as u64;
+        events
+    }
+
+    /// Fills `self.batch` with the scheduled sequences' chunks, in running order.
+    fn build_batch(&mut self) {
+        let b = &mut self.batch;
+        let mut n = 0;
+        let mut row = 0u32;
+        b.logit_rows.clear();
+        for s in self.running.iter().filter(|s| s.sched.is_some()) {
+            let c = chunk_at(&mut b.seqs, n);
+            n += 1;
+            c.block_table.extend_from_slice(&s.block_table);
+            c.start_pos = s.num_cached;
+            match s.sched {
+                Some(Sched::Decode) => {
+                    c.tokens.push(s.tokens[s.num_cached]);
+                    c.tokens.extend_from_slice(&s.drafts);
+                    b.logit_rows.extend(row..row + c.tokens.len() as u32);
+                }
+                Some(Sched::Prefill { len, last }) => {
+                    c.tokens.extend_from_slice(&s.tokens[s.num_cached..s.num_cached + len]);
+                    if last {
+                        b.logit_rows.push(row + len as u32 - 1);
+                    }
+                }
+                None => {}
+            }
+            row += c.tokens.len() as u32;
+        }
+        b.seqs.truncate(n);
+    }
+
+    /// Verifies decode windows, samples after last prefill chunks, applies stop
+    /// conditions, and collects the drafting jobs of the sequences that go on.
+    fn verify(
+        &mut self,
+        logits: &[f32],
+        events: &mut Vec<(RequestId, Event)>,
+        finished: &mut Vec<(usize, FinishReason)>,
+        jobs: &mut Vec<DraftJob>,
+    ) {
+        let (k, v) = (self.lim.k, self.vocab);
+        let mut lrow = 0usize;
+        let mut trow = 0usize;
+        for (idx, s) in self.running.iter_mut().enumerate() {
+            let Some(sched) = s.sched else { continue };
+            let start = s.num_cached;
+            let mut emitted = Vec::with_capacity(k + 1);
+            let mut fin = None;
+            let (rows, draft_off) = match sched {
+                Sched::Decode => {
+                    let w = &logits[lrow * v..(lrow + 1 + k) * v];
+                    lrow += 1 + k;
+                    let ver = verify_window(w, v, &s.drafts, &s.params, s.seed, (start + 1) as u64);
+                    s.usage.draft_tokens += k as u64;
+                    s.usage.decode_steps += 1;
+                    for (j, &tok) in ver.tokens.iter().enumerate() {
+                        emitted.push(tok);
+                        if j < ver.accepted {
+                            s.usage.accepted_tokens += 1;
+                            s.usage.accepted_per_position[j] += 1;
+                        }
+                        fin = s.push_token(tok, &self.eos, self.max_model_len);
+                        if fin.is_some() {
+                            break;
+                        }
+                    }
+                    s.num_cached = start + 1 + ver.accepted;
+                    (1 + k, Some(ver.accepted))
+                }
+                Sched::Prefill { len, last } => {
+                    s.num_cached = start + len;
+                    if last {
+                        let row = &logits[lrow * v..(lrow + 1) * v];
+                        lrow += 1;
+                        let tok = choose_token(row, &s.params, s.seed, s.tokens.len() as u64);
+                        emitted.push(tok);
+                        fin = s.push_token(tok, &self.eos, self.max_model_len);
+                        s.decoding = true;
+                        (len, Some(len - 1))
+                    } else {
+                        (len, None)
+                    }
+                }
+            };
+            if !emitted.is_empty() {
+                events.push((s.id, Event::Tokens(emitted)));
+            }
+            match fin {
+                Some(reason) => finished.push((idx, reason)),
+                None if k > 0 => jobs.push(DraftJob { seq: idx, start, target_row: trow, draft_off }),
+                None => {}
+            }
+            trow += rows;
+        }
+    }
+
+    /// Fails every scheduled request after a target forward error.
+    fn fail_scheduled(&mut self, e: &mlaserve_core::Error, events: &mut Vec<(RequestId, Event)>) {
+        tracing::error!(error = %e, "target forward failed; failing the step's requests");
+        let failed: Vec<(usize, FinishReason)> = (0..self.running.len())
+            .filter(|&i| self.running[i].sched.is_some())
+            .map(|i| (i, FinishReason::Error(format!("forward failed: {e}"))))
+            .collect();
+        self.finish(failed, events);
+    }
+
+    /// Retires the finished sequences (indices into `running`), emitting their events.
+    fn finish(&mut self, mut finished: Vec<(usize, FinishReason)>, events: &mut Vec<(RequestId, Event)>) {
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
+        finished.dedup_by_key(|f| f.0);
+        // Descending indices keep the remaining ones valid while removing.
+        let mut evs = Vec::with_capacity(finished.len());
+        for (idx, reason) in finished {
+            let seq = self.running.remove(idx);
+            evs.push(self.retire(seq, reason));
+        }
+        evs.reverse();
+        events.extend(evs);
+    }
+
+    /// Current load (cheap: one pass over the live requests).
+    pub fn load(&self) -> Load {
+        let outstanding = self.running.iter().chain(self.waiting.iter()).map(|s| s.outstanding_tokens()).sum();
+        Load {
+            queued_requests: self.waiting.len(),
+            running_requests: self.running.len(),
+            outstanding_tokens: outstanding,
+            kv_blocks_free: self.blocks.num_free(),
+            kv_blocks_total: self.blocks.total(),
+        }
+    }
+
+    /// Load, token totals (finished plus live requests) and step times.
+    pub fn stats(&self) -> EngineStats {
+        let mut totals = self.finished_totals.clone();
+        for s in self.running.iter().chain(self.waiting.iter()) {
+            totals.accumulate(&s.usage);
+        }
+        EngineStats {
+            load: self.load(),
+            num_speculative_tokens: self.lim.k,
+            totals,
+            finished_requests: self.finished_requests,
+            times: self.times,
+        }
+    }
+
+    /// Checks the block accounting: the free list and the live tables partition the
+    /// pool, and no waiting request holds blocks. For tests.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        if let Some(s) = self.waiting.iter().find(|s| !s.block_table.is_empty()) {
+            return Err(format!("waiting request {} holds blocks", s.id));
+        }
+        self.blocks.check(self.running.iter().map(|s| s.block_table.as_slice()))
+    }
+}

@@ -1,0 +1,208 @@
+//! The async shell: [`EngineHandle`] owns one OS thread that builds the backend and
+//! runs the step loop (backends are used from one thread, DESIGN §6). Callers talk to
+//! it through a bounded command channel with `oneshot` replies; each request's events
+//! come back on its own channel.
+//!
+//! A request's event channel is bounded at `max_new_tokens + 2`: a step sends a request
+//! at most one `Tokens` event, so the engine thread never blocks on a slow reader.
+//! Dropping the receiver aborts the request at the next loop iteration.
+
+use crate::api::{EngineConfig, EngineStats, Event, Load, Request, RequestId};
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
+use mlaserve_core::Backend;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, oneshot};
+
+/// Capacity of the command channel: submits beyond it wait (backpressure).
+const COMMAND_CAPACITY: usize = 1024;
+
+type SubmitReply = oneshot::Sender<Result<(RequestId, mpsc::Receiver<Event>)>>;
+
+enum Command {
+    Submit { req: Request, reply: SubmitReply },
+    Abort { id: RequestId, reply: oneshot::Sender<Result<()>> },
+    Stats { reply: oneshot::Sender<EngineStats> },
+    Shutdown { reply: oneshot::Sender<()> },
+}
+
+/// Facts about a running engine that do not change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineInfo {
+    pub num_speculative_tokens: usize,
+    pub max_model_len: usize,
+    pub kv_blocks_total: usize,
+}
+
+/// Cloneable async handle to an engine running on its own thread.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    load: Arc<Mutex<Load>>,
+    info: EngineInfo,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread: `make_backend` runs on it (the backend never leaves
+    /// it), then the engine is built with `config`. Returns once both succeeded.
+    pub async fn spawn<B, F>(make_backend: F, config: EngineConfig) -> Result<EngineHandle>
+    where
+        B: Backend + 'static,
+        F: FnOnce() -> std::result::Result<B, mlaserve_core::Error> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel(COMMAND_CAPACITY);
+        let (init_tx, init_rx) = oneshot::channel();
+        let load = Arc::new(Mutex::new(Load::default()));
+        let load2 = load.clone();
+        std::thread::Builder::new()
+            .name("mlaserve-engine".into())
+            .spawn(move || {
+                let engine = make_backend().map_err(EngineError::from).and_then(|b| Engine::new(b, config));
+                match engine {
+                    Ok(engine) => {
+                        let info = EngineInfo {
+                            num_speculative_tokens: engine.num_speculative_tokens(),
+                            max_model_len: engine.max_model_len(),
+                            kv_blocks_total: engine.load().kv_blocks_total,
+                        };
+                        if init_tx.send(Ok(info)).is_ok() {
+                            run_loop(engine, rx, &load2);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = init_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        let info = init_rx.await.map_err(|_| EngineError::Stopped)??;
+        Ok(EngineHandle { tx, load, info })
+    }
+
+    pub fn info(&self) -> EngineInfo {
+        self.info
+    }
+
+    /// Queues a request; returns its id and the stream of its events (zero or more
+    /// `Tokens`, then one `Finished`). Dropping the receiver aborts the request.
+    pub async fn submit(&self, req: Request) -> Result<(RequestId, mpsc::Receiver<Event>)> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Submit { req, reply }).await.map_err(|_| EngineError::Stopped)?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Aborts a request; its stream then ends with `Finished { Abort }`.
+    pub async fn abort(&self, id: RequestId) -> Result<()> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Abort { id, reply }).await.map_err(|_| EngineError::Stopped)?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Load as of the end of the last step; never waits for the engine.
+    pub fn load(&self) -> Load {
+        match self.load.lock() {
+            Ok(l) => *l,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+
+    /// Full statistics, answered between two steps.
+    pub async fn stats(&self) -> Result<EngineStats> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Stats { reply }).await.map_err(|_| EngineError::Stopped)?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Aborts every request and stops the engine thread; waits until it has stopped.
+    pub async fn shutdown(&self) -> Result<()> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Shutdown { reply }).await.map_err(|_| EngineError::Stopped)?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+}
+
+/// The engine thread's loop: take commands (blocking only when idle), drop requests
+/// whose reader went away, step, deliver events, publish the load.
+fn run_loop<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Command>, load: &Mutex<Load>) {
+    let mut streams: HashMap<RequestId, mpsc::Sender<Event>> = HashMap::new();
+    let mut shutdown: Option<oneshot::Sender<()>> = None;
+    loop {
+        if !engine.has_work() {
+            match rx.blocking_recv() {
+                Some(cmd) => handle_command(&mut engine, &mut streams, cmd, &mut shutdown),
+                None => break,
+            }
+        }
+        while shutdown.is_none() {
+            match rx.try_recv() {
+                Ok(cmd) => handle_command(&mut engine, &mut streams, cmd, &mut shutdown),
+                Err(_) => break,
+            }
+        }
+        if let Some(reply) = shutdown.take() {
+            for id in streams.keys() {
+                let _ = engine.abort(*id);
+            }
+            deliver(&mut engine.step(), &mut streams);
+            let _ = reply.send(());
+            return;
+        }
+        let gone: Vec<RequestId> = streams.iter().filter(|(_, tx)| tx.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            streams.remove(&id);
+            let _ = engine.abort(id);
+        }
+        let mut events = engine.step();
+        deliver(&mut events, &mut streams);
+        let l = engine.load();
+        match load.lock() {
+            Ok(mut g) => *g = l,
+            Err(poisoned) => *poisoned.into_inner() = l,
+        }
+    }
+}
+
+fn deliver(events: &mut Vec<(RequestId, Event)>, streams: &mut HashMap<RequestId, mpsc::Sender<Event>>) {
+    for (id, ev) in events.drain(..) {
+        let done = matches!(ev, Event::Finished { .. });
+        if let Some(tx) = streams.get(&id) {
+            // Capacity covers every event of the request; an error means the reader
+            // left, and the next iteration aborts it.
+            let _ = tx.try_send(ev);
+        }
+        if done {
+            streams.remove(&id);
+        }
+    }
+}
+
+fn handle_command<B: Backend>(
+    engine: &mut Engine<B>,
+    streams: &mut HashMap<RequestId, mpsc::Sender<Event>>,
+    cmd: Command,
+    shutdown: &mut Option<oneshot::Sender<()>>,
+) {
+    match cmd {
+        Command::Submit { req, reply } => {
+            let cap = (req.sampling.max_new_tokens as usize).saturating_add(2);
+            let res = engine.add_request(req).map(|id| {
+                let (tx, rx) = mpsc::channel(cap);
+                streams.insert(id, tx);
+                (id, rx)
+            });
+            if let Err(Ok((id, _))) = reply.send(res) {
+                // The submitter went away before hearing the id.
+                streams.remove(&id);
+                let _ = engine.abort(id);
+            }
+        }
+        Command::Abort { id, reply } => {
+            let _ = reply.send(engine.abort(id));
+        }
+        Command::Stats { reply } => {
+            let _ = reply.send(engine.stats());
+        }
+        Command::Shutdown { reply } => *shutdown = Some(reply),
+    }
+}

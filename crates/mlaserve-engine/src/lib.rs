@@ -1,0 +1,30 @@
+//! mlaserve-engine: continuous batching with a paged KV block manager, mixed
+//! prefill/decode steps, padded MTP speculative decoding and lossless verification,
+//! generic over [`mlaserve_core::Backend`].
+//!
+//! Two layers: the synchronous, deterministic [`Engine`] (`add_request`, `abort`,
+//! `step` → events), which the tests drive directly, and the async [`EngineHandle`],
+//! which runs the engine's step loop on one dedicated thread owning the backend.
+//! The public vocabulary lives in [`api`]; `docs/engine.md` explains the decisions.
+
+pub mod api;
+pub mod bench;
+pub mod block;
+mod draft;
+mod engine;
+pub mod error;
+mod handle;
+pub mod rng;
+pub mod sampling;
+mod scheduler;
+mod sequence;
+pub mod testing;
+
+pub use api::{
+    EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, SamplingParams, StepTimes, StopMatch,
+    Usage, MAX_SPECULATIVE_TOKENS,
+};
+pub use bench::{bench_engine, BenchConfig, BenchReport};
+pub use engine::Engine;
+pub use error::{EngineError, Result};
+pub use handle::{EngineHandle, EngineInfo};

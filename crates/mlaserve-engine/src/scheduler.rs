@@ -1,0 +1,182 @@
+//! Continuous batching: decides each step's work under a token budget and the block
+//! pool, and preempts by recompute when blocks run out.
+//!
+//! Order of a step (all lists ordered by arrival, oldest first):
+//! 1. running decode requests, `1 + k` tokens each, with blocks for `L + max(1 + k, 2k)`
+//!    positions (`L` = cached tokens): the target window writes `L..=L+k` and the MTP
+//!    chain writes up to `L + a + k − 1 ≤ L + 2k − 1`;
+//! 2. running requests part-way through their prefill, a chunk each from what budget
+//!    is left;
+//! 3. admission of waiting requests, FCFS, while the budget, `max_num_seqs` and the
+//!    free blocks allow; the head of the queue is never skipped (no starvation).
+//!
+//! When a running request lacks blocks it preempts the newest running request not yet
+//! scheduled in this step (or, being the newest, itself): its blocks are freed and it
+//! returns to the waiting queue, to prefill its prompt and emitted tokens again later.
+
+use crate::block::{BlockManager, BLOCK_POSITIONS};
+use crate::sequence::{Sched, Sequence};
+use std::collections::VecDeque;
+
+/// Scheduling limits of one engine.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub k: usize,
+    pub max_batch_tokens: usize,
+    pub max_num_seqs: usize,
+}
+
+impl Limits {
+    /// Cache positions a decode step of a sequence with `cached` tokens writes.
+    pub fn decode_positions(&self, cached: usize) -> usize {
+        cached + (1 + self.k).max(2 * self.k)
+    }
+
+    /// Cache positions a prefill chunk needs; a last chunk also drafts `k − 1` past it.
+    pub fn prefill_positions(&self, end: usize, last: bool) -> usize {
+        if last {
+            end + self.k
+        } else {
+            end
+        }
+    }
+
+    /// The largest chunk of `s`'s prefill of at most `want` tokens whose positions fit in
+    /// `avail` positions, as (length, is-last).
+    fn fit_chunk(&self, s: &Sequence, want: usize, avail: usize) -> Option<(usize, bool)> {
+        let total = s.tokens.len();
+        let start = s.num_cached;
+        let n = want.min(total - start);
+        if start + n == total && self.prefill_positions(total, true) <= avail {
+            return Some((n, true));
+        }
+        let n = n.min(total - start - 1).min(avail.saturating_sub(start));
+        (n > 0).then_some((n, false))
+    }
+}
+
+/// Counts of one scheduling pass.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Scheduled {
+    pub tokens: usize,
+    pub preempted: usize,
+}
+
+fn preempt(running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>, blocks: &mut BlockManager, j: usize) {
+    let mut s = running.remove(j);
+    blocks.release(&mut s.block_table);
+    s.reset_for_recompute();
+    let at = waiting.partition_point(|w| w.arrival < s.arrival);
+    waiting.insert(at, s);
+}
+
+fn newest_unscheduled_after(running: &[Sequence], i: usize) -> Option<usize> {
+    (i + 1..running.len()).rev().find(|&j| running[j].sched.is_none())
+}
+
+/// Plans one step: sets `sched` on the sequences that run, allocating their blocks.
+pub(crate) fn schedule(
+    running: &mut Vec<Sequence>,
+    waiting: &mut VecDeque<Sequence>,
+    blocks: &mut BlockManager,
+    lim: &Limits,
+) -> Scheduled {
+    let mut out = Scheduled::default();
+    for s in running.iter_mut() {
+        s.sched = None;
+    }
+    let mut budget = lim.max_batch_tokens;
+    let window = 1 + lim.k;
+
+    // 1. Decodes, oldest first.
+    let mut i = 0;
+    while i < running.len() {
+        if !running[i].decoding || budget < window {
+            i += 1;
+            continue;
+        }
+        let need = lim.decode_positions(running[i].num_cached);
+        loop {
+            if blocks.ensure(&mut running[i].block_table, need) {
+                running[i].sched = Some(Sched::Decode);
+                budget -= window;
+                out.tokens += window;
+                i += 1;
+                break;
+            }
+            out.preempted += 1;
+            match newest_unscheduled_after(running, i) {
+                Some(j) => preempt(running, waiting, blocks, j),
+                None => {
+                    preempt(running, waiting, blocks, i);
+                    break;
+                }
+            }
+        }
+    }
+
+    // 2. Running prefills, oldest first.
+    let mut i = 0;
+    while i < running.len() && budget > 0 {
+        if running[i].decoding || running[i].sched.is_some() {
+            i += 1;
+            continue;
+        }
+        loop {
+            let s = &running[i];
+            let avail = (s.block_table.len() + blocks.num_free()) * BLOCK_POSITIONS;
+            let total = s.tokens.len();
+            let n = budget.min(total - s.num_cached);
+            let last = s.num_cached + n == total;
+            let whole = lim.prefill_positions(s.num_cached + n, last) <= avail;
+            let chunk = if whole {
+                Some((n, last))
+            } else if let Some(j) = newest_unscheduled_after(running, i) {
+                out.preempted += 1;
+                preempt(running, waiting, blocks, j);
+                continue;
+            } else {
+                lim.fit_chunk(s, budget, avail)
+            };
+            match chunk {
+                Some((n, last)) => {
+                    let s = &mut running[i];
+                    let end = lim.prefill_positions(s.num_cached + n, last);
+                    let ok = blocks.ensure(&mut s.block_table, end);
+                    debug_assert!(ok, "chunk was fitted to the free blocks");
+                    s.sched = Some(Sched::Prefill { len: n, last });
+                    budget -= n;
+                    out.tokens += n;
+                    i += 1;
+                }
+                None => {
+                    // Nothing newer to take and no room for even one token: step aside
+                    // for the older requests, which hold the blocks and will progress.
+                    out.preempted += 1;
+                    preempt(running, waiting, blocks, i);
+                }
+            }
+            break;
+        }
+    }
+
+    // 3. Admission, FCFS.
+    while budget > 0 && running.len() < lim.max_num_seqs {
+        let Some(front) = waiting.front() else { break };
+        let avail = blocks.num_free() * BLOCK_POSITIONS;
+        let Some((n, last)) = lim.fit_chunk(front, budget, avail) else {
+            break;
+        };
+        let Some(mut s) = waiting.pop_front() else {
+            break;
+        };
+        let ok = blocks.ensure(&mut s.block_table, lim.prefill_positions(n, last));
+        debug_assert!(ok, "chunk was fitted to the free blocks");
+        s.sched = Some(Sched::Prefill { len: n, last });
+        budget -= n;
+        out.tokens += n;
+        let at = running.partition_point(|r| r.arrival < s.arrival);
+        running.insert(at, s);
+    }
+    out
+}

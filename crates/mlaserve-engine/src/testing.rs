@@ -1,0 +1,172 @@
+//! [`SyntheticBackend`]: a tiny deterministic stand-in for a model, for the engine's
+//! unit tests of scheduling logic and for the bookkeeping benchmark. It is not a model
+//! and never serves acceptance tests (those run the real CPU backend).
+//!
+//! It keeps a real paged "cache" (the token id at each position, reached through the
+//! block tables), so a block-table or cache-accounting bug changes its outputs. The
+//! target's logits at position `p` are a hash of the tokens at `p − 2, p − 1, p`, read
+//! back from the cache. The MTP layers predict the target's greedy choice exactly
+//! except on a hashed fraction of contexts (`mtp_error_pct`), so acceptance is partial.
+
+use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig, BLOCK_SIZE};
+
+const NO_TOKEN: u32 = u32::MAX;
+
+/// Deterministic toy backend (see the module docs).
+#[derive(Debug)]
+pub struct SyntheticBackend {
+    config: ModelConfig,
+    num_blocks: usize,
+    cache: Vec<u32>,
+    /// Percent of contexts in which the MTP prediction is deliberately wrong.
+    pub mtp_error_pct: u64,
+    /// Make the next target forward fail (tests the error path).
+    pub fail_next_forward: bool,
+    pub forward_calls: u64,
+    pub mtp_calls: u64,
+}
+
+fn mix(a: u64, b: u64) -> u64 {
+    crate::rng::mix64(a ^ crate::rng::mix64(b))
+}
+
+impl SyntheticBackend {
+    /// A backend with `vocab` tokens (eos id 1), `n_mtp` MTP layers, and `num_blocks`
+    /// cache blocks.
+    pub fn new(vocab: usize, n_mtp: usize, num_blocks: usize, max_positions: usize) -> Self {
+        let json = format!(
+            r#"{{"architectures":["DeepseekV3ForCausalLM"],"vocab_size":{vocab},"hidden_size":8,
+            "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1,"kv_lora_rank":4,
+            "qk_nope_head_dim":4,"qk_rope_head_dim":2,"v_head_dim":4,"rope_theta":10000.0,
+            "max_position_embeddings":{max_positions},"num_nextn_predict_layers":{n_mtp},
+            "eos_token_id":1}}"#
+        );
+        let config = match ModelConfig::from_json_str(&json) {
+            Ok(c) => c,
+            Err(e) => panic!("synthetic config must parse: {e}"),
+        };
+        SyntheticBackend {
+            config,
+            num_blocks,
+            cache: vec![NO_TOKEN; num_blocks * BLOCK_SIZE],
+            mtp_error_pct: 25,
+            fail_next_forward: false,
+            forward_calls: 0,
+            mtp_calls: 0,
+        }
+    }
+
+    /// Logits of the target for the context (t[p−2], t[p−1], t[p]).
+    fn logits_for(&self, ctx: u64, out: &mut Vec<f32>) {
+        let v = self.config.vocab_size as u64;
+        out.extend((0..v).map(|t| (mix(ctx, t) >> 40) as f32 / (1u64 << 24) as f32 * 4.0));
+    }
+
+    fn greedy(&self, ctx: u64) -> u32 {
+        let mut row = Vec::new();
+        self.logits_for(ctx, &mut row);
+        crate::sampling::argmax(&row)
+    }
+
+    fn ctx(a: u32, b: u32, c: u32) -> u64 {
+        mix(mix(a as u64, b as u64), c as u64)
+    }
+
+    fn one_hot(&self, tok: u32, out: &mut Vec<f32>) {
+        let v = self.config.vocab_size;
+        out.extend((0..v).map(|t| if t as u32 == tok { 1.0 } else { 0.0 }));
+    }
+}
+
+/// Hidden rows: the two tokens before the next one, packed `(older << 32) | newer`.
+impl Backend for SyntheticBackend {
+    type Hidden = Vec<u64>;
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
+        batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
+        self.forward_calls += 1;
+        if std::mem::take(&mut self.fail_next_forward) {
+            return Err(mlaserve_core::Error::Backend("injected failure".into()));
+        }
+        for s in &batch.seqs {
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let p = s.start_pos + i;
+                self.cache[s.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE] = t;
+            }
+        }
+        let mut hidden = Vec::with_capacity(batch.num_tokens());
+        let mut row_ctx = Vec::with_capacity(batch.num_tokens());
+        for s in &batch.seqs {
+            let read = |p: usize| -> mlaserve_core::Result<u32> {
+                let t = self.cache[s.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE];
+                if t == NO_TOKEN {
+                    return Err(mlaserve_core::Error::Backend(format!("read of unwritten position {p}")));
+                }
+                Ok(t)
+            };
+            for i in 0..s.tokens.len() {
+                let p = s.start_pos + i;
+                let a = if p >= 2 { read(p - 2)? } else { NO_TOKEN - 1 };
+                let b = if p >= 1 { read(p - 1)? } else { NO_TOKEN - 1 };
+                let c = read(p)?;
+                hidden.push(((b as u64) << 32) | c as u64);
+                row_ctx.push(Self::ctx(a, b, c));
+            }
+        }
+        let mut logits = Vec::with_capacity(batch.logit_rows.len() * self.config.vocab_size);
+        for &r in &batch.logit_rows {
+            self.logits_for(row_ctx[r as usize], &mut logits);
+        }
+        Ok(ForwardOutput { hidden, logits })
+    }
+
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &Vec<u64>,
+        hidden_rows: &[u32],
+    ) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
+        batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
+        if layer >= self.config.num_nextn_predict_layers {
+            return Err(mlaserve_core::Error::Batch(format!("no MTP layer {layer}")));
+        }
+        if hidden_rows.len() != batch.num_tokens() {
+            return Err(mlaserve_core::Error::Batch("hidden_rows length != tokens".into()));
+        }
+        self.mtp_calls += 1;
+        let mut hidden = Vec::with_capacity(batch.num_tokens());
+        let mut preds = Vec::with_capacity(batch.num_tokens());
+        let toks = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied());
+        for (&hr, emb) in hidden_rows.iter().zip(toks) {
+            let h = *prev
+                .get(hr as usize)
+                .ok_or_else(|| mlaserve_core::Error::Batch(format!("hidden row {hr} out of range")))?;
+            let (a, b) = ((h >> 32) as u32, h as u32);
+            let ctx = Self::ctx(a, b, emb);
+            let mut pred = self.greedy(ctx);
+            if mix(ctx, 0x5eed) % 100 < self.mtp_error_pct {
+                pred = (pred + 1) % self.config.vocab_size as u32;
+            }
+            preds.push(pred);
+            hidden.push(((b as u64) << 32) | emb as u64);
+        }
+        let mut logits = Vec::with_capacity(batch.logit_rows.len() * self.config.vocab_size);
+        for &r in &batch.logit_rows {
+            self.one_hot(preds[r as usize], &mut logits);
+        }
+        Ok(ForwardOutput { hidden, logits })
+    }
+
+    fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {
+        Ok(h.iter().map(|&x| x as f32).collect())
+    }
+}

@@ -1,0 +1,96 @@
+//! The async [`EngineHandle`]: streams, abort, abort on drop, load and stats, errors,
+//! shutdown. Uses the synthetic backend (this tests the shell, not the model).
+
+use mlaserve_engine::testing::SyntheticBackend;
+use mlaserve_engine::{EngineConfig, EngineError, EngineHandle, Event, FinishReason, Request, SamplingParams};
+use std::time::Duration;
+
+async fn handle(blocks: usize) -> EngineHandle {
+    let cfg = EngineConfig { num_speculative_tokens: Some(2), max_batch_tokens: 64, ..Default::default() };
+    EngineHandle::spawn(move || Ok(SyntheticBackend::new(64, 2, blocks, 1024)), cfg).await.expect("spawn")
+}
+
+fn req(n: u32) -> Request {
+    Request::new(vec![5, 6, 7], SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() })
+}
+
+async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> (Vec<u32>, FinishReason) {
+    let mut toks = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Tokens(t) => toks.extend(t),
+            Event::Finished { reason, usage } => {
+                assert_eq!(usage.generated_tokens as usize, toks.len());
+                assert!(rx.recv().await.is_none(), "nothing after Finished");
+                return (toks, reason);
+            }
+        }
+    }
+    panic!("stream ended without Finished");
+}
+
+#[tokio::test]
+async fn streams_abort_and_stats() {
+    let h = handle(256).await;
+    assert_eq!(h.info().num_speculative_tokens, 2);
+    let mut streams = Vec::new();
+    for _ in 0..8 {
+        streams.push(h.submit(req(30)).await.expect("submit"));
+    }
+    let (long_id, long_rx) = h.submit(req(100_000)).await.expect("submit");
+    let mut outs = Vec::new();
+    for (_, rx) in streams {
+        outs.push(collect(rx).await);
+    }
+    for (t, r) in &outs {
+        assert_eq!(t.len(), 30);
+        assert_eq!(*r, FinishReason::Length);
+        assert_eq!(t, &outs[0].0, "same prompt, greedy: same output");
+    }
+    h.abort(long_id).await.expect("abort");
+    let (_, reason) = collect(long_rx).await;
+    assert_eq!(reason, FinishReason::Abort);
+    assert!(matches!(h.abort(long_id).await, Err(EngineError::UnknownRequest(_))));
+    let st = h.stats().await.expect("stats");
+    assert_eq!(st.finished_requests, 9);
+    assert_eq!(st.load.kv_blocks_free, st.load.kv_blocks_total);
+    assert!(st.totals.draft_tokens > 0 && st.times.steps > 0);
+    match h.submit(Request::new(vec![], SamplingParams::default())).await {
+        Err(EngineError::InvalidRequest { field, .. }) => assert_eq!(field, "prompt"),
+        other => panic!("{other:?}"),
+    }
+    h.shutdown().await.expect("shutdown");
+    assert!(matches!(h.submit(req(1)).await, Err(EngineError::Stopped)));
+}
+
+#[tokio::test]
+async fn dropping_the_stream_aborts() {
+    let h = handle(16).await;
+    let (_, rx) = h.submit(req(100_000)).await.expect("submit");
+    let mut rx = rx;
+    assert!(matches!(rx.recv().await, Some(Event::Tokens(_))));
+    drop(rx);
+    for _ in 0..200 {
+        let st = h.stats().await.expect("stats");
+        if st.finished_requests == 1 {
+            assert_eq!(st.load.kv_blocks_free, st.load.kv_blocks_total);
+            assert_eq!(h.load().running_requests, 0);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the dropped request was not aborted");
+}
+
+#[tokio::test]
+async fn backend_construction_error_is_reported() {
+    let cfg = EngineConfig { num_speculative_tokens: Some(1), ..Default::default() };
+    let r = EngineHandle::spawn(|| Ok(SyntheticBackend::new(64, 0, 16, 1024)), cfg).await;
+    assert!(matches!(r, Err(EngineError::Config(_))));
+    let r = EngineHandle::spawn(
+        || Err::<SyntheticBackend, _>(mlaserve_core::Error::Backend("no device".into())),
+        EngineConfig::default(),
+    )
+    .await;
+    assert!(matches!(r, Err(EngineError::Backend(_))));
+}

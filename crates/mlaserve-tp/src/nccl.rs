@@ -1,0 +1,131 @@
+//! The NCCL [`Collective`]: one communicator per rank, one GPU per rank.
+//!
+//! Host buffers are staged through the rank's GPU (the CPU backend runs its TP
+//! collectives this way on the GPU machines; the CUDA backend will call NCCL on its own
+//! device buffers through the same communicator). Every operation is enqueued, then its
+//! completion is polled against a deadline: a peer that died or stalls makes the wait
+//! time out, the communicator is aborted (which also releases NCCL's spinning kernels),
+//! and this and every later call fail with an error naming the operation — a group never
+//! hangs forever.
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use mlaserve_core::{Collective, Error, Result};
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bytes of NCCL's unique id (what the rendezvous hands around).
+pub const ID_BYTES: usize = 128;
+
+/// Creates a fresh NCCL unique id (on the leader) as bytes.
+pub fn new_id() -> Result<Vec<u8>> {
+    let id = Id::new().map_err(|e| Error::Collective(format!("ncclGetUniqueId: {e:?}")))?;
+    Ok(id.internal().iter().map(|&c| c as u8).collect())
+}
+
+/// A rank's NCCL communicator.
+#[derive(Debug)]
+pub struct NcclCollective {
+    comm: RefCell<Option<Comm>>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+}
+
+impl NcclCollective {
+    /// Joins the communicator described by `id` (from [`new_id`] on the leader) as `rank`
+    /// of `world`, on GPU `ordinal`. Blocks until every rank has joined.
+    pub fn new(ordinal: usize, rank: usize, world: usize, id: &[u8], timeout: Duration) -> Result<Self> {
+        if id.len() != ID_BYTES {
+            return Err(Error::Collective(format!("NCCL id has {} bytes, expected {ID_BYTES}", id.len())));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::Backend(format!("CUDA device {ordinal}: {e:?}")))?;
+        let stream = ctx.new_stream().map_err(|e| Error::Backend(format!("cuStreamCreate: {e:?}")))?;
+        let mut raw = [0 as std::ffi::c_char; ID_BYTES];
+        for (d, s) in raw.iter_mut().zip(id) {
+            *d = *s as std::ffi::c_char;
+        }
+        let comm = Comm::from_rank(stream.clone(), rank, world, Id::uninit(raw))
+            .map_err(|e| Error::Collective(format!("ncclCommInitRank (rank {rank} of {world}): {e:?}")))?;
+        Ok(NcclCollective { comm: RefCell::new(Some(comm)), stream, rank, world, timeout })
+    }
+
+    /// Runs `op` on the communicator, then waits for the stream with a deadline.
+    fn run<T>(&self, what: &str, op: impl FnOnce(&Comm) -> Result<T>) -> Result<T> {
+        let out = {
+            let guard = self.comm.borrow();
+            let comm = guard.as_ref().ok_or_else(|| {
+                Error::Collective(format!("rank {}: {what}: communicator aborted after an earlier failure", self.rank))
+            })?;
+            op(comm)?
+        };
+        let event = self.stream.record_event(None).map_err(|e| Error::Backend(format!("cuEventRecord: {e:?}")))?;
+        let deadline = Instant::now() + self.timeout;
+        let mut nap = Duration::from_micros(5);
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(out),
+                Ok(false) => {}
+                Err(e) => return Err(self.abort(what, &format!("CUDA error {e:?}"))),
+            }
+            if Instant::now() >= deadline {
+                return Err(
+                    self.abort(what, &format!("no completion within {:?}: a peer rank died or stalls", self.timeout))
+                );
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Aborts the communicator (NCCL's kernels return) and builds the error.
+    fn abort(&self, what: &str, why: &str) -> Error {
+        // Dropping a cudarc `Comm` calls ncclCommAbort.
+        drop(self.comm.borrow_mut().take());
+        Error::Collective(format!("rank {} of {}: {what}: {why}; communicator aborted", self.rank, self.world))
+    }
+
+    fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(v).map_err(|e| Error::Backend(format!("host-to-device copy: {e:?}")))
+    }
+
+    fn dtoh<T: cudarc::driver::DeviceRepr>(&self, v: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(v).map_err(|e| Error::Backend(format!("device-to-host copy: {e:?}")))
+    }
+}
+
+fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> Error + '_ {
+    move |e| Error::Collective(format!("{what}: {e:?}"))
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+        let mut d = self.htod(buf)?;
+        self.run("all_reduce", |c| c.all_reduce_in_place(&mut d, &ReduceOp::Sum).map_err(nccl_err("ncclAllReduce")))?;
+        buf.copy_from_slice(&self.dtoh(&d)?);
+        Ok(())
+    }
+    fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>> {
+        let d = self.htod(local)?;
+        let mut out = self
+            .stream
+            .alloc_zeros::<f32>(local.len() * self.world)
+            .map_err(|e| Error::Backend(format!("cuMemAlloc: {e:?}")))?;
+        self.run("all_gather", |c| c.all_gather(&d, &mut out).map_err(nccl_err("ncclAllGather")))?;
+        self.dtoh(&out)
+    }
+    fn broadcast_u32(&self, buf: &mut [u32], root: usize) -> Result<()> {
+        let mut d = self.htod(buf)?;
+        self.run("broadcast", |c| c.broadcast_in_place(&mut d, root as i32).map_err(nccl_err("ncclBroadcast")))?;
+        buf.copy_from_slice(&self.dtoh(&d)?);
+        Ok(())
+    }
+}

@@ -1,0 +1,219 @@
+//! A tensor-parallel group running the engine: rank 0 drives `Engine<TpLeader<..>>`,
+//! the other ranks follow its plans. Greedy outputs of TP > 1 must equal TP = 1 token for
+//! token (32 concurrent requests, speculation on and off).
+//!
+//! CI runs the group as threads over `LocalGroup`; with `--features nccl` on a machine
+//! with GPUs, the same check runs with one OS process per rank over real NCCL, and a
+//! killed rank must make the leader fail within 30 s.
+
+use mlaserve_core::{Backend, Collective, LocalGroup, TpLeader};
+use mlaserve_cpu::{CpuBackend, CpuOptions};
+use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+const BLOCKS: usize = 128;
+
+fn workload() -> Vec<Request> {
+    let mut s = 12345u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    (0..32)
+        .map(|_| {
+            let len = 1 + (next() % 100) as usize;
+            let prompt = (0..len).map(|_| 2 + (next() % 510) as u32).collect();
+            let params = SamplingParams { max_new_tokens: 1 + (next() % 32) as u32, ..Default::default() };
+            Request::new(prompt, params)
+        })
+        .collect()
+}
+
+/// Runs every request to completion; returns each one's tokens, in submission order.
+fn run<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<Vec<Vec<u32>>> {
+    let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
+    let mut e = Engine::new(backend, cfg).map_err(|e| mlaserve_core::Error::Backend(e.to_string()))?;
+    let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
+    let mut done = 0;
+    while done < ids.len() {
+        for (id, ev) in e.step() {
+            match ev {
+                Event::Tokens(t) => out.entry(id).or_default().extend(t),
+                Event::Finished { reason: mlaserve_engine::FinishReason::Error(m), .. } => {
+                    return Err(mlaserve_core::Error::Backend(m));
+                }
+                Event::Finished { .. } => done += 1,
+            }
+        }
+    }
+    Ok(ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect())
+}
+
+fn load(dir: &Path, comm: Box<dyn Collective>) -> CpuBackend {
+    CpuBackend::load_with(dir, CpuOptions { num_blocks: BLOCKS, ..Default::default() }, comm).expect("load")
+}
+
+fn model() -> tempfile::TempDir {
+    let t = tempfile::tempdir().expect("tempdir");
+    mlaserve_model::presets::generate("tiny-v3", t.path()).expect("preset");
+    t
+}
+
+#[test]
+fn tp_2_and_4_threads_equal_tp_1_with_and_without_speculation() {
+    let t = model();
+    let dir = t.path();
+    for k in [3, 0] {
+        let want = run(CpuBackend::load(dir, BLOCKS).expect("load"), k).expect("tp1");
+        assert!(want.iter().map(Vec::len).sum::<usize>() > 32 * 4, "the workload generates tokens");
+        for world in [2, 4] {
+            let got = std::thread::scope(|s| {
+                let mut inner = LocalGroup::new(world, Duration::from_secs(60));
+                let mut plans = LocalGroup::new(world, Duration::from_secs(60));
+                let followers: Vec<_> = inner
+                    .drain(1..)
+                    .zip(plans.drain(1..))
+                    .map(|(g, p)| s.spawn(move || mlaserve_core::run_follower(&mut load(dir, Box::new(g)), &p)))
+                    .collect();
+                let leader =
+                    TpLeader::new(load(dir, Box::new(inner.pop().expect("rank 0"))), plans.pop().expect("rank 0"))
+                        .expect("leader");
+                let got = run(leader, k);
+                // Dropping the leader's plan channel releases the followers.
+                for f in followers {
+                    let _ = f.join();
+                }
+                got.expect("tp run")
+            });
+            assert_eq!(got, want, "TP={world} k={k} differs from TP=1");
+        }
+    }
+}
+
+#[cfg(feature = "nccl")]
+mod nccl {
+    //! One OS process per rank over real NCCL (GPU machines only).
+
+    use super::*;
+    use mlaserve_tp::nccl::{new_id, NcclCollective, ID_BYTES};
+    use mlaserve_tp::rendezvous;
+    use std::net::{SocketAddr, TcpListener};
+    use std::process::{Child, Command};
+    use std::time::Instant;
+
+    const ROLE: &str = "MLASERVE_TP_TEST_FOLLOWER";
+
+    /// Both communicators of a rank: one inside the backend, one for the plans.
+    fn comms(rank: usize, world: usize, ids: &[u8]) -> (NcclCollective, NcclCollective) {
+        let n = cudarc::driver::CudaContext::device_count().expect("CUDA") as usize;
+        let ordinal = rank % n;
+        let t = Duration::from_secs(10);
+        let a = NcclCollective::new(ordinal, rank, world, &ids[..ID_BYTES], t).expect("comm A");
+        let b = NcclCollective::new(ordinal, rank, world, &ids[ID_BYTES..], t).expect("comm B");
+        (a, b)
+    }
+
+    /// The follower side: runs when this test binary is re-executed with `ROLE` set.
+    #[test]
+    fn follower_entry() {
+        let Ok(spec) = std::env::var(ROLE) else { return };
+        let mut it = spec.split(',');
+        let (addr, rank, world, dir) = (
+            it.next().expect("addr").parse::<SocketAddr>().expect("addr"),
+            it.next().expect("rank").parse::<usize>().expect("rank"),
+            it.next().expect("world").parse::<usize>().expect("world"),
+            it.next().expect("dir").to_string(),
+        );
+        let ids = rendezvous::join(addr, "test", rank, world, Duration::from_secs(30)).expect("rendezvous");
+        let (a, b) = comms(rank, world, &ids);
+        let mut backend = load(Path::new(&dir), Box::new(a));
+        // Returns Ok on shutdown; an error when the leader vanishes.
+        let r = mlaserve_core::run_follower(&mut backend, &b);
+        eprintln!("follower {rank}: {r:?}");
+    }
+
+    fn spawn_followers(addr: SocketAddr, world: usize, dir: &Path) -> Vec<Child> {
+        let exe = std::env::current_exe().expect("exe");
+        (1..world)
+            .map(|r| {
+                Command::new(&exe)
+                    .args(["--exact", "nccl::follower_entry", "--nocapture", "--test-threads=1"])
+                    .env(ROLE, format!("{addr},{r},{world},{}", dir.display()))
+                    .spawn()
+                    .expect("spawn follower")
+            })
+            .collect()
+    }
+
+    fn leader(world: usize, dir: &Path) -> (TpLeader<CpuBackend, NcclCollective>, Vec<Child>) {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let followers = spawn_followers(l.local_addr().expect("addr"), world, dir);
+        let ids = [new_id().expect("id"), new_id().expect("id")].concat();
+        rendezvous::serve(&l, "test", world, &ids, Duration::from_secs(30)).expect("rendezvous");
+        let (a, b) = comms(0, world, &ids);
+        (TpLeader::new(load(dir, Box::new(a)), b).expect("leader"), followers)
+    }
+
+    #[test]
+    fn tp2_processes_over_nccl_equal_tp1() {
+        if std::env::var(ROLE).is_ok() {
+            return;
+        }
+        let t = model();
+        for k in [3, 0] {
+            let want = run(CpuBackend::load(t.path(), BLOCKS).expect("load"), k).expect("tp1");
+            let (mut l, followers) = leader(2, t.path());
+            let t0 = Instant::now();
+            let got = run(&mut l, k).expect("tp2 run");
+            eprintln!(
+                "TP=2 over NCCL, k={k}: {} tokens in {:?}",
+                got.iter().map(Vec::len).sum::<usize>(),
+                t0.elapsed()
+            );
+            l.shutdown().expect("shutdown");
+            for mut f in followers {
+                assert!(f.wait().expect("wait").success());
+            }
+            assert_eq!(got, want, "TP=2 (NCCL) k={k} differs from TP=1");
+        }
+    }
+
+    #[test]
+    fn killing_a_rank_fails_the_leader_within_30s() {
+        if std::env::var(ROLE).is_ok() {
+            return;
+        }
+        let t = model();
+        let (mut l, mut followers) = leader(2, t.path());
+        let mut e = Engine::new(&mut l, EngineConfig { num_speculative_tokens: Some(3), ..Default::default() })
+            .expect("engine");
+        for r in workload() {
+            e.add_request(r).expect("admit");
+        }
+        for _ in 0..3 {
+            e.step();
+        }
+        followers[0].kill().expect("kill");
+        let t0 = Instant::now();
+        let err = loop {
+            let evs = e.step();
+            if let Some(m) = evs.iter().find_map(|(_, ev)| match ev {
+                Event::Finished { reason: mlaserve_engine::FinishReason::Error(m), .. } => Some(m.clone()),
+                _ => None,
+            }) {
+                break m;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "no error 30 s after the kill");
+            assert!(e.has_work(), "the engine finished without noticing the dead rank");
+        };
+        let waited = t0.elapsed();
+        eprintln!("leader failed {waited:?} after the kill: {err}");
+        assert!(waited < Duration::from_secs(30));
+        assert!(err.contains("peer rank died") || err.contains("abort") || err.contains("NCCL"), "{err}");
+    }
+}
