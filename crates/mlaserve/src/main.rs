@@ -15,6 +15,8 @@ struct Cli {
 enum Command {
     /// Write a deterministic random-weight checkpoint in HF layout.
     GenModel(cmd::gen_model::Args),
+    /// Benchmarks (engine, ...).
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -24,5 +26,6 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::GenModel(a) => cmd::gen_model::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
     }
 }

@@ -1,0 +1,142 @@
+//! `mlaserve bench <what>`: benchmarks that print a figure beside what bounds it.
+
+use anyhow::Context;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum What {
+    /// Host time per engine step (scheduling, verification, drafting bookkeeping) with a
+    /// synthetic backend, so the figure is the engine's own cost.
+    Engine(EngineArgs),
+    /// Greedy draft acceptance per draft position on a prompt set (CPU backend).
+    Acceptance(AcceptanceArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct AcceptanceArgs {
+    /// Model directory (HF layout).
+    #[arg(long)]
+    model: std::path::PathBuf,
+    /// JSON Lines, one prompt per line: `{"prompt": "text"}` or `{"prompt_ids": [..]}`.
+    #[arg(long)]
+    prompts: std::path::PathBuf,
+    /// Draft tokens per step.
+    #[arg(long, default_value_t = 3)]
+    k: usize,
+    /// New tokens per prompt (generation ignores EOS so every prompt yields this many).
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: u32,
+    /// Use at most this many prompts.
+    #[arg(long)]
+    limit: Option<usize>,
+}
+
+#[derive(Debug, clap::Args)]
+struct EngineArgs {
+    /// Running (decoding) requests.
+    #[arg(long, default_value_t = 256)]
+    running: usize,
+    /// Draft tokens per step (0..=4).
+    #[arg(long, default_value_t = 3)]
+    k: usize,
+    /// Vocabulary of the synthetic model.
+    #[arg(long, default_value_t = 16)]
+    vocab: usize,
+    /// Measured steps.
+    #[arg(long, default_value_t = 500)]
+    steps: usize,
+    /// Sample with temperature 1 instead of greedy decoding.
+    #[arg(long)]
+    sampled: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    match a.what {
+        What::Engine(e) => {
+            let cfg = mlaserve_engine::BenchConfig {
+                running: e.running,
+                k: e.k,
+                vocab: e.vocab,
+                steps: e.steps,
+                sampled: e.sampled,
+                ..Default::default()
+            };
+            let report = mlaserve_engine::bench_engine(&cfg).context("bench engine")?;
+            println!("{report}");
+            Ok(())
+        }
+        What::Acceptance(a) => acceptance(a),
+    }
+}
+
+fn read_prompts(a: &AcceptanceArgs, tok: &mlaserve_model::Tokenizer) -> anyhow::Result<Vec<Vec<u32>>> {
+    let text = std::fs::read_to_string(&a.prompts).with_context(|| format!("--prompts {}", a.prompts.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("--prompts {}: line {} is not JSON", a.prompts.display(), i + 1))?;
+        let ids = if let Some(ids) = v.get("prompt_ids").and_then(|x| x.as_array()) {
+            ids.iter().map(|x| x.as_u64().map(|n| n as u32)).collect::<Option<Vec<u32>>>()
+        } else {
+            v.get("prompt").and_then(|x| x.as_str()).and_then(|t| tok.encode(t, true).ok())
+        };
+        let ids = ids.with_context(|| {
+            format!("--prompts {}: line {} needs \"prompt\" (text) or \"prompt_ids\"", a.prompts.display(), i + 1)
+        })?;
+        out.push(ids);
+    }
+    if let Some(n) = a.limit {
+        out.truncate(n);
+    }
+    anyhow::ensure!(!out.is_empty(), "--prompts {}: no prompts", a.prompts.display());
+    Ok(out)
+}
+
+/// Runs every prompt greedily with `k` drafts and reports, per draft position `d`, the
+/// conditional acceptance `P(draft d accepted | drafts 1..d-1 accepted)`.
+fn acceptance(a: AcceptanceArgs) -> anyhow::Result<()> {
+    use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
+    let cfg = mlaserve_model::load_config(&a.model).with_context(|| format!("--model {}", a.model.display()))?;
+    let tok = mlaserve_model::Tokenizer::from_dir(&a.model, &cfg)?;
+    let prompts = read_prompts(&a, &tok)?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + a.max_new_tokens as usize;
+    let blocks = prompts.len() * longest.div_ceil(mlaserve_core::BLOCK_SIZE) + 16;
+    let backend = mlaserve_cpu::CpuBackend::load(&a.model, blocks)?;
+    let ecfg = EngineConfig { num_speculative_tokens: Some(a.k), max_num_seqs: 64, ..Default::default() };
+    let mut e = Engine::new(backend, ecfg)?;
+    let params = SamplingParams { max_new_tokens: a.max_new_tokens, ignore_eos: true, ..Default::default() };
+    for p in &prompts {
+        e.add_request(Request::new(p.clone(), params.clone()))?;
+    }
+    let t0 = std::time::Instant::now();
+    let mut total = mlaserve_engine::Usage::default();
+    while e.has_work() {
+        for (_, ev) in e.step() {
+            if let Event::Finished { usage, .. } = ev {
+                total.accumulate(&usage);
+            }
+        }
+    }
+    println!(
+        "{} prompts, {} new tokens each, k = {}: {} generated in {:.1} s, {} decode steps",
+        prompts.len(),
+        a.max_new_tokens,
+        a.k,
+        total.generated_tokens,
+        t0.elapsed().as_secs_f64(),
+        total.decode_steps
+    );
+    let mut reached = total.decode_steps;
+    for (d, &acc) in total.accepted_per_position.iter().enumerate() {
+        let p = if reached == 0 { 0.0 } else { acc as f64 / reached as f64 };
+        println!("draft position {}: accepted {acc} of {reached} reached ({:.1}%)", d + 1, 100.0 * p);
+        reached = acc;
+    }
+    println!("mean acceptance length: {:.3}", total.mean_acceptance_length());
+    Ok(())
+}
