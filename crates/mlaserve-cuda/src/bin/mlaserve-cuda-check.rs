@@ -1,0 +1,94 @@
+//! `mlaserve-cuda-check`: the GPU machine's one-stop check, until the `mlaserve` CLI
+//! exposes the same as `mlaserve bench mla-decode`.
+//!
+//! Runs every kernel check against the CPU reference, then (unless `--no-bench`) the
+//! decode benchmark sweep beside the copy-bandwidth and cuBLAS ceilings. Exits non-zero
+//! if any check fails.
+//!
+//! Usage: mlaserve-cuda-check [--no-bench] [--no-check] [--quick] [--device N]
+//!        [--kernel mma.sync|wgmma|wgmma+tma|auto]   (default: checks of every kernel, bench of auto)
+
+use anyhow::{bail, Context, Result};
+use mlaserve_cuda::bench::{bench_mla_decode, MlaDecodeBenchOpts};
+use mlaserve_cuda::check::{run_decode_case, run_op_checks, standard_cases};
+use mlaserve_cuda::kernels::Util;
+use mlaserve_cuda::{Gpu, MlaDecode, MlaKernel};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |f: &str| args.iter().any(|a| a == f);
+    let device = match args.iter().position(|a| a == "--device") {
+        Some(i) => args.get(i + 1).context("--device needs a number")?.parse()?,
+        None => 0,
+    };
+    // --kernel NAME: only this tensor-core kernel (mma.sync, wgmma, wgmma+tma), so that a
+    // run of each in its own process keeps one kernel's fault from hiding the others.
+    let only = match args.iter().position(|a| a == "--kernel") {
+        Some(i) => Some(args.get(i + 1).context("--kernel needs a name")?.clone()),
+        None => None,
+    };
+    let gpu = Gpu::new(device).context("opening the GPU")?;
+    println!(
+        "device {device}: {} (sm_{}{}), {} SMs, {} KB shared memory per block (opt-in)",
+        gpu.name,
+        gpu.compute_capability.0,
+        gpu.compute_capability.1,
+        gpu.num_sms,
+        gpu.max_smem_optin / 1024
+    );
+
+    let mut failed = 0;
+    if !flag("--no-check") {
+        let util = Util::new(&gpu)?;
+        let mut mla = MlaDecode::new(&gpu)?;
+        println!("== mla_decode vs CPU reference (fresh random inputs, NaN-poisoned outputs and cache padding)");
+        let mut total = 0;
+        let kernels = if only.as_deref() == Some("auto") { vec![MlaKernel::Auto] } else { mla.available_kernels() };
+        for kernel in kernels {
+            if only.as_deref().is_some_and(|k| k != kernel.name()) {
+                continue;
+            }
+            mla.set_kernel(kernel)?;
+            for (i, case) in standard_cases().iter().enumerate() {
+                let r = run_decode_case(&gpu, &mla, &util, case, 1000 + i as u64)
+                    .with_context(|| format!("case {} ({})", case.name, kernel.name()))?;
+                println!("{r}");
+                failed += usize::from(!r.passed());
+                total += 1;
+            }
+        }
+        println!("mla_decode checks: {} passed, {failed} failed", total - failed);
+        if only.is_none() {
+            println!("== small kernels vs CPU reference");
+            let reports = run_op_checks(&gpu, 2000)?;
+            let bad = reports.iter().filter(|r| !r.passed()).count();
+            for r in &reports {
+                println!("{r}");
+            }
+            println!("small kernel checks: {} passed, {bad} failed", reports.len() - bad);
+            failed += bad;
+        }
+    }
+    if !flag("--no-bench") {
+        let mut opts = MlaDecodeBenchOpts::default();
+        if let Some(k) = &only {
+            let mla = MlaDecode::new(&gpu)?;
+            let mut all = mla.available_kernels();
+            all.push(MlaKernel::Auto);
+            let kernel = all.into_iter().find(|x| x.name() == k);
+            opts.kernels = Some(vec![kernel.with_context(|| format!("kernel {k} not available here"))?]);
+        }
+        if flag("--quick") {
+            opts.batches = vec![64];
+            opts.seq_lens = vec![4096];
+            opts.iters = 10;
+        }
+        println!("== bench mla-decode (bf16 cache 512+64, bf16 out, CUDA events, median of {})", opts.iters);
+        let report = bench_mla_decode(&gpu, &opts)?;
+        print!("{report}");
+    }
+    if failed > 0 {
+        bail!("{failed} check(s) failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! GPU-vs-CPU checks of the kernels, shared by the crate's GPU tests and the
+//! `mlaserve-cuda-check` binary (so the device run and `cargo test` check the same
+//! things).
+//!
+//! Every case draws fresh random inputs (never zeros), poisons the outputs with NaN
+//! before the launch (an element the kernel fails to write cannot pass), fills cache
+//! slots past each request's `seq_len` and all unused pages with NaN (a kernel that
+//! reads past the mask produces NaN), scatters each request's pages over the cache in a
+//! shuffled order, and compares with [`crate::reference`].
+
+use std::fmt;
+
+use half::bf16;
+
+use crate::error::Result;
+use crate::gpu::Gpu;
+use crate::kernels::Util;
+use crate::mla_decode::{MlaDecode, MlaDecodeShape, MlaOut};
+use crate::plan::PAGE;
+use crate::reference::{self, DecodeDims, ErrStats};
+use crate::rng::Rng;
+
+/// bf16 NaN (0x7fc0) twice: poisons a 32-bit word of bf16 pairs or an f32.
+const NAN_BITS: u32 = 0x7fc0_7fc0;
+
+/// One decode-attention check.
+#[derive(Debug, Clone)]
+pub struct DecodeCase {
+    pub name: String,
+    pub heads: usize,
+    pub q_len: usize,
+    pub dlat: usize,
+    pub drope: usize,
+    /// One entry per request; each `>= q_len` (seq_len counts the drafts).
+    pub seq_lens: Vec<usize>,
+    /// Multiplies the model scale `1/sqrt(128 + drope)`: > 1 makes the softmax peaky.
+    pub scale_mult: f32,
+    /// Output in f32 (else bf16).
+    pub out_f32: bool,
+    /// Force a split count (else the planner's).
+    pub splits: Option<usize>,
+}
+
+impl DecodeCase {
+    fn dims(&self) -> DecodeDims {
+        let max = self.seq_lens.iter().copied().max().unwrap_or(1);
+        DecodeDims {
+            batch: self.seq_lens.len(),
+            heads: self.heads,
+            q_len: self.q_len,
+            dlat: self.dlat,
+            drope: self.drope,
+            bt_stride: max.div_ceil(PAGE) + 1, // one spare entry: the kernel must not read it
+        }
+    }
+}
+
+/// The outcome of one case.
+#[derive(Debug, Clone)]
+pub struct CaseReport {
+    pub name: String,
+    /// "generic", "mma.sync" or "wgmma".
+    pub kernel: &'static str,
+    pub fast_path: bool,
+    pub num_splits: usize,
+    pub out: ErrStats,
+    pub lse_max_abs: f64,
+    pub tol_rel_l2: f64,
+    pub tol_lse: f64,
+}
+
+impl CaseReport {
+    pub fn passed(&self) -> bool {
+        self.out.all_finite && self.out.rel_l2 <= self.tol_rel_l2 && self.lse_max_abs <= self.tol_lse
+    }
+}
+
+impl fmt::Display for CaseReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<44} {:>8} splits={:<2} rel_l2={:.2e} (tol {:.0e}) max_abs={:.2e} lse_err={:.2e} (tol {:.0e}) {}",
+            self.name,
+            self.kernel,
+            self.num_splits,
+            self.out.rel_l2,
+            self.tol_rel_l2,
+            self.out.max_abs,
+            self.lse_max_abs,
+            self.tol_lse,
+            if self.passed() { "PASS" } else { "FAIL" }
+        )
+    }
+}
+
+/// Tolerances (bf16 inputs, f32 accumulation): the fast kernel rounds the softmax
+/// weights P to bf16 before P·V, as FlashMLA does (~2^-9 relative per weight), and a
+/// bf16 output adds its own rounding; the generic kernel is f32 throughout.
+fn tolerances(fast: bool, out_f32: bool) -> (f64, f64) {
+    let rel = match (fast, out_f32) {
+        (false, true) => 1e-4,
+        _ => 1e-2,
+    };
+    (rel, 2e-3)
+}
+
+/// Runs one case on `gpu` against the CPU reference.
+pub fn run_decode_case(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCase, seed: u64) -> Result<CaseReport> {
+    if case.out_f32 {
+        run_typed::<f32>(gpu, mla, util, case, seed)
+    } else {
+        run_typed::<bf16>(gpu, mla, util, case, seed)
+    }
+}
+
+fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCase, seed: u64) -> Result<CaseReport> {
+    let d = case.dims();
+    let mut rng = Rng::new(seed);
+    let (rows, dqk) = (d.rows(), d.dqk());
+
+    // Pages: each request's logical pages map to distinct physical pages, shuffled, with
+    // a few pages nobody owns.
+    let pages_per_req: Vec<usize> = case.seq_lens.iter().map(|l| l.div_ceil(PAGE)).collect();
+    let num_blocks = pages_per_req.iter().sum::<usize>() + 3;
+    let mut phys: Vec<usize> = (0..num_blocks).collect();
+    rng.shuffle(&mut phys);
+    let mut block_table = vec![0i32; d.batch * d.bt_stride];
+    let mut next = 0;
+    let nan = bf16::from_bits(0x7fc0);
+    let mut cache = vec![nan; num_blocks * PAGE * dqk];
+    for (b, &np) in pages_per_req.iter().enumerate() {
+        for lp in 0..d.bt_stride {
+            block_table[b * d.bt_stride + lp] = if lp < np {
+                next += 1;
+                phys[next - 1] as i32
+            } else {
+                rng.below(num_blocks) as i32 // a valid id the kernel must not use
+            };
+        }
+        // Real data at positions < seq_len; NaN stays past it.
+        for p in 0..case.seq_lens[b] {
+            let page = block_table[b * d.bt_stride + p / PAGE] as usize;
+            let off = (page * PAGE + p % PAGE) * dqk;
+            for x in &mut cache[off..off + dqk] {
+                *x = bf16::from_f32(rng.uniform(-1.0, 1.0));
+            }
+        }
+    }
+    let q = rng.bf16_vec(d.batch * rows * dqk, -1.0, 1.0);
+    let seq_i32: Vec<i32> = case.seq_lens.iter().map(|&l| l as i32).collect();
+    let scale = case.scale_mult / ((128 + d.drope) as f32).sqrt();
+
+    let to_f32 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+    let (want_out, want_lse) = reference::mla_decode(&d, &to_f32(&q), &to_f32(&cache), &block_table, &seq_i32, scale);
+
+    let s = &gpu.stream;
+    let q_d = s.clone_htod(&q)?;
+    let cache_d = s.clone_htod(&cache)?;
+    let bt_d = s.clone_htod(&block_table)?;
+    let sl_d = s.clone_htod(&seq_i32)?;
+    let mut out_d = s.clone_htod(&vec![T::nan(); d.batch * rows * d.dlat])?;
+    let mut lse_d = s.alloc_zeros::<f32>(d.batch * rows)?;
+    util.poison_f32(s, &mut lse_d, NAN_BITS)?;
+
+    let max_seq = case.seq_lens.iter().copied().max().unwrap_or(1);
+    let splits = case.splits.unwrap_or_else(|| mla.num_splits(&d, max_seq));
+    let mut ws = mla.workspace(s, &d, splits)?;
+    // Poisoned partials: a split the kernel forgets to write shows up as NaN.
+    ws.poison(util, s, NAN_BITS)?;
+    let shape = MlaDecodeShape { dims: d, num_blocks, num_splits: splits, scale };
+    mla.launch::<T>(s, &shape, &q_d, &cache_d, &bt_d, &sl_d, &mut out_d, &mut lse_d, &mut ws)?;
+    gpu.sync()?;
+
+    let got_out: Vec<f32> = s.clone_dtoh(&out_d)?.into_iter().map(MlaOut::to_f32).collect();
+    let got_lse = s.clone_dtoh(&lse_d)?;
+    let (tol_rel_l2, tol_lse) = tolerances(MlaDecode::is_fast_path(&d), case.out_f32);
+    Ok(CaseReport {
+        name: case.name.clone(),
+        kernel: if MlaDecode::is_fast_path(&d) { mla.kernel().name() } else { "generic" },
+        fast_path: MlaDecode::is_fast_path(&d),
+        num_splits: splits,
+        out: reference::err_stats(&got_out, &want_out),
+        lse_max_abs: reference::lse_max_abs(&got_lse, &want_lse),
+        tol_rel_l2,
+        tol_lse,
+    })
+}
+
+/// The standard case list: tiny-model dims on the generic kernel; DeepSeek dims (512 +
+/// 64) at 16/32/64/128 heads, q_len 1..4, page-boundary and shortest lengths, forced
+/// uneven and empty splits, both output types and a peaky softmax.
+pub fn standard_cases() -> Vec<DecodeCase> {
+    let c = |name: &str, heads, q_len, dlat, drope, seq_lens: &[usize], scale_mult, out_f32, splits| DecodeCase {
+        name: name.to_string(),
+        heads,
+        q_len,
+        dlat,
+        drope,
+        seq_lens: seq_lens.to_vec(),
+        scale_mult,
+        out_f32,
+        splits,
+    };
+    vec![
+        c("tiny h4 s1 dlat32+8 f32", 4, 1, 32, 8, &[1, 17, 64, 65, 200], 1.0, true, None),
+        c("tiny h4 s4 dlat32+8 bf16", 4, 4, 32, 8, &[4, 63, 130], 1.0, false, None),
+        c("small h16 s2 dlat64+16 f32", 16, 2, 64, 16, &[2, 100, 129], 4.0, true, None),
+        c("v3 h16 s1 (TP8) f32", 16, 1, 512, 64, &[1, 63, 64, 65, 1000], 1.0, true, None),
+        c("v3 h16 s4 (TP8, 64 rows) bf16", 16, 4, 512, 64, &[4, 130, 777, 2049], 1.0, false, None),
+        c("v3 h32 s3 (96 rows, partial tile) f32", 32, 3, 512, 64, &[3, 300, 901], 1.0, true, None),
+        c("v3 h64 s2 forced 7 splits f32", 64, 2, 512, 64, &[2, 40, 700], 1.0, true, Some(7)),
+        c("v3 h128 s4 (TP1) bf16", 128, 4, 512, 64, &[300, 1029], 1.0, false, None),
+        c("v3 h128 s4 (TP1) f32 peaky", 128, 4, 512, 64, &[257, 640], 8.0, true, Some(3)),
+        c("v3 h128 s1 batch1 long, auto split f32", 128, 1, 512, 64, &[4096], 1.0, true, None),
+        c(
+            "v3 h16 s2 many requests bf16",
+            16,
+            2,
+            512,
+            64,
+            &[2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377],
+            1.0,
+            false,
+            None,
+        ),
+    ]
+}
+
+/// The outcome of one small-kernel check (RMSNorm, SiLU-mul, argmax).
+#[derive(Debug, Clone)]
+pub struct OpReport {
+    pub name: String,
+    /// Relative L2 error, or the number of mismatching rows for argmax.
+    pub metric: f64,
+    pub tol: f64,
+    pub all_finite: bool,
+}
+
+impl OpReport {
+    pub fn passed(&self) -> bool {
+        self.all_finite && self.metric <= self.tol
+    }
+}
+
+impl fmt::Display for OpReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<44} err={:.2e} (tol {:.0e}) {}",
+            self.name,
+            self.metric,
+            self.tol,
+            if self.passed() { "PASS" } else { "FAIL" }
+        )
+    }
+}
+
+fn op_report(name: String, got: &[f32], want: &[f32], tol: f64) -> OpReport {
+    let e = reference::err_stats(got, want);
+    OpReport { name, metric: e.rel_l2, tol, all_finite: e.all_finite }
+}
+
+/// RMSNorm (plain and fused add), SiLU-mul and argmax against the CPU reference at
+/// DeepSeek-V3's widths (hidden 7168, dense intermediate 18432, MoE intermediate 2048,
+/// vocab 129280) and small/odd widths (the scalar paths). Tolerance: relative L2 1e-2
+/// for bf16 outputs; argmax exact, with planted ties and NaNs.
+pub fn run_op_checks(gpu: &Gpu, seed: u64) -> Result<Vec<OpReport>> {
+    use crate::elementwise::{Argmax, RmsNorm, SiluMul};
+    let s = &gpu.stream;
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::new();
+    let f32s = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+
+    let norm = RmsNorm::new(gpu)?;
+    for (rows, h) in [(1, 7168), (7, 7168), (64, 2048), (5, 36), (3, 64)] {
+        let eps = 1e-6;
+        let x = rng.bf16_vec(rows * h, -2.0, 2.0);
+        let res = rng.bf16_vec(rows * h, -2.0, 2.0);
+        let w = rng.bf16_vec(h, 0.5, 1.5);
+        let (xd, wd) = (s.clone_htod(&x)?, s.clone_htod(&w)?);
+        let mut od = s.clone_htod(&vec![bf16::NAN; rows * h])?;
+        norm.rmsnorm(s, &mut od, &xd, &wd, eps)?;
+        gpu.sync()?;
+        let want = reference::rmsnorm(&f32s(&x), &f32s(&w), h, eps);
+        out.push(op_report(format!("rmsnorm rows={rows} h={h}"), &f32s(&s.clone_dtoh(&od)?), &want, 1e-2));
+
+        let mut xd = s.clone_htod(&x)?;
+        let mut rd = s.clone_htod(&res)?;
+        norm.fused_add_rmsnorm(s, &mut xd, &mut rd, &wd, eps)?;
+        gpu.sync()?;
+        let (want_x, want_r) = reference::fused_add_rmsnorm(&f32s(&x), &f32s(&res), &f32s(&w), h, eps);
+        out.push(op_report(
+            format!("fused add+rmsnorm rows={rows} h={h} (out)"),
+            &f32s(&s.clone_dtoh(&xd)?),
+            &want_x,
+            1e-2,
+        ));
+        out.push(op_report(
+            format!("fused add+rmsnorm rows={rows} h={h} (residual)"),
+            &f32s(&s.clone_dtoh(&rd)?),
+            &want_r,
+            1e-2,
+        ));
+    }
+
+    let silu = SiluMul::new(gpu)?;
+    for (rows, d) in [(1, 18432), (8, 2048), (64, 256), (3, 20)] {
+        let x = rng.bf16_vec(rows * 2 * d, -4.0, 4.0);
+        let xd = s.clone_htod(&x)?;
+        let mut od = s.clone_htod(&vec![bf16::NAN; rows * d])?;
+        silu.launch(s, &mut od, &xd, d)?;
+        gpu.sync()?;
+        let want = reference::silu_mul(&f32s(&x), d);
+        out.push(op_report(format!("silu_mul rows={rows} d={d}"), &f32s(&s.clone_dtoh(&od)?), &want, 1e-2));
+    }
+
+    let amax = Argmax::new(gpu)?;
+    for (rows, vocab, as_bf16) in
+        [(1, 129280, false), (8, 129280, false), (64, 1000, false), (3, 37, false), (8, 129280, true)]
+    {
+        let mut logits: Vec<f32> = (0..rows * vocab).map(|_| rng.uniform(-10.0, 10.0)).collect();
+        for r in 0..rows {
+            let row = &mut logits[r * vocab..][..vocab];
+            // A tie at the maximum (the lower index must win) and a NaN that must lose.
+            let (a, b) = (rng.below(vocab), rng.below(vocab));
+            row[a] = 20.0;
+            row[b] = 20.0;
+            row[rng.below(vocab)] = f32::NAN;
+        }
+        let logits: Vec<f32> =
+            if as_bf16 { logits.iter().map(|&v| bf16::from_f32(v).to_f32()).collect() } else { logits };
+        let mut od = s.clone_htod(&vec![-1i32; rows])?;
+        if as_bf16 {
+            let lb: Vec<bf16> = logits.iter().map(|&v| bf16::from_f32(v)).collect();
+            amax.argmax_bf16(s, &s.clone_htod(&lb)?, &mut od, vocab)?;
+        } else {
+            amax.argmax_f32(s, &s.clone_htod(&logits)?, &mut od, vocab)?;
+        }
+        gpu.sync()?;
+        let got = s.clone_dtoh(&od)?;
+        let want = reference::argmax(&logits, vocab);
+        let mismatches = got.iter().zip(&want).filter(|(g, w)| **g as i64 != **w as i64).count();
+        out.push(OpReport {
+            name: format!("argmax_{} rows={rows} vocab={vocab} (ties, NaN)", if as_bf16 { "bf16" } else { "f32" }),
+            metric: mismatches as f64,
+            tol: 0.0,
+            all_finite: true,
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,55 @@
+//! [`Gpu`]: one device's context and stream, with the facts launch planning needs.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::{CudaError, Result};
+
+/// One GPU as a rank uses it: its context, the stream every kernel of this rank runs on,
+/// and the device facts the wrappers plan with. Owned by one thread.
+#[derive(Debug)]
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// Streaming multiprocessors (split-KV planning fills these).
+    pub num_sms: usize,
+    /// Largest dynamic shared memory a block may opt into, in bytes.
+    pub max_smem_optin: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+}
+
+impl Gpu {
+    /// Opens device `ordinal` (loads the driver library at run time) on a new stream.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics when it cannot load libcuda; ask first so that a machine without
+        // a GPU gets an error it can report.
+        // SAFETY: only tries to dlopen the driver library by its usual names.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.new_stream()?;
+        let num_sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let max_smem_optin =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
+        let name = ctx.name()?;
+        let compute_capability = ctx.compute_capability()?;
+        Ok(Gpu { ctx, stream, num_sms, max_smem_optin, name, compute_capability })
+    }
+
+    /// Loads an embedded fatbin ([`crate::kernels`]); the driver picks the image for this GPU.
+    pub fn load_module(&self, image: &[u8]) -> Result<Arc<CudaModule>> {
+        Ok(self.ctx.load_module(Ptx::from_binary(image.to_vec()))?)
+    }
+
+    /// Waits for the stream and surfaces any error a kernel raised since the last check.
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize()?;
+        self.ctx.check_err()?;
+        Ok(())
+    }
+}

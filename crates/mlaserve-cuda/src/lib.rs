@@ -1,0 +1,38 @@
+//! mlaserve-cuda: the GPU side of mlaserve.
+//!
+//! It owns `kernels/*.cu` (compiled by `build.rs` with nvcc into fatbins embedded in the
+//! binary), one typed launch wrapper per kernel on cudarc's safe API, and the GPU checks
+//! and benchmarks. Without the `cuda` feature the crate needs no CUDA at all and exposes
+//! only what runs on the CPU: the f32 reference of every kernel ([`reference`]) and the
+//! launch planning ([`plan`]), so both are unit-tested in CI.
+//!
+//! With `cuda`: [`Gpu`] is one device's context and stream plus the loaded modules,
+//! [`MlaDecode`] the FlashMLA-style padded decode attention (DESIGN.md §4),
+//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`check`] the
+//! kernel-vs-reference checks and [`bench`] the roofline benchmarks.
+
+pub mod plan;
+pub mod reference;
+pub mod rng;
+
+#[cfg(feature = "cuda")]
+pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod check;
+#[cfg(feature = "cuda")]
+pub mod elementwise;
+#[cfg(feature = "cuda")]
+mod error;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(feature = "cuda")]
+pub mod kernels;
+#[cfg(feature = "cuda")]
+mod mla_decode;
+
+#[cfg(feature = "cuda")]
+pub use error::{CudaError, Result};
+#[cfg(feature = "cuda")]
+pub use gpu::Gpu;
+#[cfg(feature = "cuda")]
+pub use mla_decode::{MlaDecode, MlaDecodeShape, MlaKernel, MlaOut, MlaWorkspace};

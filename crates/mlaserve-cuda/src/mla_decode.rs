@@ -1,0 +1,478 @@
+//! [`MlaDecode`]: the padded absorbed-MLA decode attention of `kernels/mla_decode.cu`
+//! (DESIGN.md §4). It owns the kernel's launch geometry (64-row tiles × split-KV ×
+//! batch, 256 threads, ~196 KB of shared memory), the split plan, and every `unsafe`.
+//!
+//! One call covers the whole decode batch: one launch of the split kernel, plus one of
+//! the combine kernel when a request is split. Dims other than DeepSeek's 512 + 64 (the
+//! tiny test models) go to a simple generic kernel with the same contract.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUfunction_attribute};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use half::bf16;
+
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::kernels;
+use crate::plan::{self, MAX_SPLITS, PAGE, TILE_ROWS};
+use crate::reference::DecodeDims;
+
+const NAME: &str = "mla_decode";
+/// Fast-path dims: every V2/V3/R1/K2 checkpoint has kv_lora_rank 512, rope 64.
+const FAST_DLAT: usize = 512;
+const FAST_DROPE: usize = 64;
+const FAST_THREADS: u32 = 256;
+/// Shared memory of the fast kernel: Q tile + 3 KV chunks of 32 tokens + the S exchange
+/// (must match `Cfg::SMEM_BYTES` in mla_decode.cu).
+const FAST_SMEM: usize = TILE_ROWS * 1152 + 3 * 32 * 1152 + 8 * 32 * 16 * 4;
+/// wgmma kernel variants by stored query rows (`Geo<QROWS>` in mla_decode_sm90.cu).
+const WGMMA_QROWS: [usize; 3] = [16, 32, 64];
+
+/// Shared memory of a wgmma variant (`Geo::SMEM_BYTES`): 1 KB alignment slack + Q rows +
+/// the chunk ring (4 stages for 64 rows, 5 below) + half the S exchange.
+const fn wgmma_smem(qrows: usize) -> usize {
+    let stages = if qrows == 64 { 4 } else { 5 };
+    1024 + qrows * 1152 + stages * 32 * 1152 + 2 * 128 * 8 * 4 + 64
+}
+
+/// The (function, shared memory) of wgmma variant `v` for the output type.
+fn pick_variant(variants: &[(CudaFunction, CudaFunction)], v: usize, bf: bool) -> (&CudaFunction, usize) {
+    let (w_bf16, w_f32) = &variants[v];
+    (if bf { w_bf16 } else { w_f32 }, wgmma_smem(WGMMA_QROWS[v]))
+}
+
+/// A `CUtensorMap` as a by-value kernel argument (`const __grid_constant__ CUtensorMap`).
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy)]
+struct TensorMapArg(sys::CUtensorMap);
+// SAFETY: a plain 128-byte, 128-aligned POD that the driver copies into the kernel's
+// parameter space, which is what the kernels declare.
+unsafe impl DeviceRepr for TensorMapArg {}
+
+/// Tensor map of the latent cache viewed as `[num_blocks * 64 tokens][576]` bf16, boxes
+/// of 32 tokens x 64 dims with the 128-byte swizzle the wgmma layout expects.
+fn kv_tensor_map(cache_ptr: sys::CUdeviceptr, num_blocks: usize, dqk: usize) -> Result<TensorMapArg> {
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    let dims: [u64; 2] = [dqk as u64, (num_blocks * PAGE) as u64];
+    let strides: [u64; 1] = [(dqk * 2) as u64];
+    let boxes: [u32; 2] = [64, 32];
+    let elem_strides: [u32; 2] = [1, 1];
+    // SAFETY: every pointer refers to a live local array of the rank (2) the call is
+    // given; the global address is a device allocation of num_blocks*64*dqk bf16
+    // (256-byte aligned), its row stride a multiple of 16; the map is written in place.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            cache_ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+        Ok(TensorMapArg(map.assume_init()))
+    }
+}
+const GENERIC_THREADS: u32 = 128;
+const GENERIC_MAX_DV: usize = 128 * 8;
+
+/// Output element type of the decode kernels: bf16 (what the next GEMM reads) or f32.
+pub trait MlaOut: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    /// Kernel-name suffix.
+    const SUFFIX: &'static str;
+    fn to_f32(self) -> f32;
+    /// A quiet NaN, to poison outputs before a checked launch.
+    fn nan() -> Self;
+}
+impl MlaOut for bf16 {
+    const SUFFIX: &'static str = "obf16";
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn nan() -> Self {
+        bf16::NAN
+    }
+}
+impl MlaOut for f32 {
+    const SUFFIX: &'static str = "of32";
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn nan() -> Self {
+        f32::NAN
+    }
+}
+
+/// Which tensor-core kernel runs the 512 + 64 fast path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlaKernel {
+    /// mma.sync m16n8k16 (any sm_80+ GPU; the sm_100a and PTX images use it).
+    MmaSync,
+    /// wgmma m64nNk16 (sm_90a only): 4x the operand reuse of mma.sync; KV by cp.async.
+    Wgmma,
+    /// wgmma with the KV chunks brought by TMA (bulk tensor copies on mbarriers): no
+    /// per-chunk proxy fence, one issuing thread.
+    WgmmaTma,
+    /// The default: per launch, the kernel that measured fastest for its shape on an
+    /// H200 (docs/PERFORMANCE.md): mma.sync for a single tile of at most 16 rows (it
+    /// computes only the live 16-row groups; wgmma always computes 64), wgmma+tma
+    /// otherwise; mma.sync where the GPU has no wgmma.
+    Auto,
+}
+
+impl MlaKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            MlaKernel::MmaSync => "mma.sync",
+            MlaKernel::Wgmma => "wgmma",
+            MlaKernel::WgmmaTma => "wgmma+tma",
+            MlaKernel::Auto => "auto",
+        }
+    }
+}
+
+/// Everything a launch needs besides the buffers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MlaDecodeShape {
+    pub dims: DecodeDims,
+    /// Physical pages in the cache buffer (`cache.len() / (64 * dqk)`).
+    pub num_blocks: usize,
+    /// Splits per request (from [`MlaDecode::num_splits`]; 1 on the generic path).
+    pub num_splits: usize,
+    /// Softmax scale (`1/sqrt(qk_nope + rope)` times YaRN mscale² where configured).
+    pub scale: f32,
+}
+
+/// Split-KV partials: `o_acc [batch][splits][rows][dlat]` f32 and `lse_acc`.
+#[derive(Debug)]
+pub struct MlaWorkspace {
+    o_acc: CudaSlice<f32>,
+    lse_acc: CudaSlice<f32>,
+}
+
+impl MlaWorkspace {
+    /// Fills the partials with `bits` (checks poison them with NaN).
+    pub fn poison(&mut self, util: &crate::kernels::Util, stream: &Arc<CudaStream>, bits: u32) -> Result<()> {
+        util.poison_f32(stream, &mut self.o_acc, bits)?;
+        util.poison_f32(stream, &mut self.lse_acc, bits)
+    }
+}
+
+/// The loaded decode kernels of one device.
+#[derive(Debug)]
+pub struct MlaDecode {
+    splitkv_bf16: CudaFunction,
+    splitkv_f32: CudaFunction,
+    combine_bf16: CudaFunction,
+    combine_f32: CudaFunction,
+    generic_bf16: CudaFunction,
+    generic_f32: CudaFunction,
+    /// (bf16 out, f32 out) wgmma kernels per [`WGMMA_QROWS`] variant, present on compute
+    /// capability 9.0 only.
+    wgmma: Option<Vec<(CudaFunction, CudaFunction)>>,
+    /// The same for the TMA variant (`mla_decode_wgmma_tma_*`).
+    wgmma_tma: Option<Vec<(CudaFunction, CudaFunction)>>,
+    kernel: MlaKernel,
+    num_sms: usize,
+}
+
+impl MlaDecode {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        if gpu.max_smem_optin < FAST_SMEM {
+            return Err(CudaError::shape(
+                NAME,
+                format!("needs {FAST_SMEM} B of shared memory, device allows {}", gpu.max_smem_optin),
+            ));
+        }
+        let m = gpu.load_module(kernels::MLA_DECODE)?;
+        let splitkv_bf16 = m.load_function("mla_decode_splitkv_d512r64_obf16")?;
+        let splitkv_f32 = m.load_function("mla_decode_splitkv_d512r64_of32")?;
+        for f in [&splitkv_bf16, &splitkv_f32] {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, FAST_SMEM as i32)?;
+        }
+        // wgmma exists only in the sm_90a image; elsewhere its entry points trap.
+        let (wgmma, wgmma_tma) = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= wgmma_smem(64) {
+            let m90 = gpu.load_module(kernels::MLA_DECODE_SM90)?;
+            let load = |prefix: &str| -> Result<Vec<(CudaFunction, CudaFunction)>> {
+                let mut variants = Vec::new();
+                for qrows in WGMMA_QROWS {
+                    let pair = (
+                        m90.load_function(&format!("{prefix}_q{qrows}_obf16"))?,
+                        m90.load_function(&format!("{prefix}_q{qrows}_of32"))?,
+                    );
+                    for f in [&pair.0, &pair.1] {
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            wgmma_smem(qrows) as i32,
+                        )?;
+                    }
+                    variants.push(pair);
+                }
+                Ok(variants)
+            };
+            (Some(load("mla_decode_wgmma_d512r64")?), Some(load("mla_decode_wgmma_tma_d512r64")?))
+        } else {
+            (None, None)
+        };
+        let kernel = MlaKernel::Auto;
+        Ok(MlaDecode {
+            wgmma,
+            wgmma_tma,
+            kernel,
+            splitkv_bf16,
+            splitkv_f32,
+            combine_bf16: m.load_function("mla_decode_combine_obf16")?,
+            combine_f32: m.load_function("mla_decode_combine_of32")?,
+            generic_bf16: m.load_function("mla_decode_generic_obf16")?,
+            generic_f32: m.load_function("mla_decode_generic_of32")?,
+            num_sms: gpu.num_sms,
+        })
+    }
+
+    /// The tensor-core kernel selection in use ([`MlaKernel::Auto`] unless set).
+    pub fn kernel(&self) -> MlaKernel {
+        self.kernel
+    }
+
+    /// Concrete tensor-core kernels this GPU can run (what `Auto` chooses among).
+    pub fn available_kernels(&self) -> Vec<MlaKernel> {
+        let mut v = vec![MlaKernel::MmaSync];
+        if self.wgmma.is_some() {
+            v.push(MlaKernel::Wgmma);
+        }
+        if self.wgmma_tma.is_some() {
+            v.push(MlaKernel::WgmmaTma);
+        }
+        v
+    }
+
+    /// Selects the fast-path kernel (for comparisons and tests).
+    pub fn set_kernel(&mut self, k: MlaKernel) -> Result<()> {
+        if (k == MlaKernel::Wgmma && self.wgmma.is_none()) || (k == MlaKernel::WgmmaTma && self.wgmma_tma.is_none()) {
+            return Err(CudaError::shape(NAME, "wgmma needs an sm_90 GPU"));
+        }
+        self.kernel = k;
+        Ok(())
+    }
+
+    /// Whether `dims` run on the tensor-core kernel (else the generic one).
+    pub fn is_fast_path(dims: &DecodeDims) -> bool {
+        dims.dlat == FAST_DLAT && dims.drope == FAST_DROPE
+    }
+
+    /// Splits per request for this batch (`max_seq_len` = the longest `seq_lens` entry).
+    pub fn num_splits(&self, dims: &DecodeDims, max_seq_len: usize) -> usize {
+        if !Self::is_fast_path(dims) {
+            return 1;
+        }
+        plan::num_splits(dims.batch, plan::tiles(dims.heads, dims.q_len), max_seq_len, self.num_sms)
+    }
+
+    /// Allocates the split-KV workspace for `dims` and up to `num_splits` splits (empty
+    /// when no split is needed). Allocate once per batch-size bucket, reuse every step.
+    pub fn workspace(&self, stream: &Arc<CudaStream>, dims: &DecodeDims, num_splits: usize) -> Result<MlaWorkspace> {
+        let n = if num_splits > 1 { dims.batch * num_splits * dims.rows() } else { 0 };
+        Ok(MlaWorkspace {
+            o_acc: stream.alloc_zeros::<f32>((n * dims.dlat).max(1))?,
+            lse_acc: stream.alloc_zeros::<f32>(n.max(1))?,
+        })
+    }
+
+    /// Runs decode attention for the whole batch on `stream`.
+    ///
+    /// Buffers (see [`crate::reference::mla_decode`] for the exact semantics):
+    /// `q [batch][q_len*heads][dqk]`, `cache [num_blocks][64][dqk]`,
+    /// `block_table [batch][bt_stride]`, `seq_lens [batch]` (each counting the drafts),
+    /// `out [batch][rows][dlat]`, `lse [batch][rows]`. All sizes are checked here. The
+    /// device-side metadata (page ids, seq_lens) is clamped inside the kernels, so bad
+    /// metadata gives wrong numbers, never an out-of-bounds access; the engine validates
+    /// it on the host (`Batch::validate`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch<T: MlaOut>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &MlaDecodeShape,
+        q: &CudaSlice<bf16>,
+        cache: &CudaSlice<bf16>,
+        block_table: &CudaSlice<i32>,
+        seq_lens: &CudaSlice<i32>,
+        out: &mut CudaSlice<T>,
+        lse: &mut CudaSlice<f32>,
+        ws: &mut MlaWorkspace,
+    ) -> Result<()> {
+        let d = &shape.dims;
+        let (rows, dqk) = (d.rows(), d.dqk());
+        let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(CudaError::shape(NAME, msg)) };
+        check(d.batch > 0 && d.heads > 0 && d.q_len > 0 && d.dlat > 0, format!("empty dims {d:?}"))?;
+        check(d.batch <= 65_535, format!("batch {} > 65535", d.batch))?;
+        check(q.len() == d.batch * rows * dqk, format!("q has {} elements, want {}", q.len(), d.batch * rows * dqk))?;
+        check(
+            shape.num_blocks > 0 && cache.len() == shape.num_blocks * PAGE * dqk,
+            format!("cache has {} elements, want {} blocks x {PAGE} x {dqk}", cache.len(), shape.num_blocks),
+        )?;
+        check(
+            d.bt_stride > 0 && block_table.len() == d.batch * d.bt_stride,
+            format!("block table has {} entries", block_table.len()),
+        )?;
+        check(seq_lens.len() == d.batch, format!("seq_lens has {} entries", seq_lens.len()))?;
+        check(out.len() == d.batch * rows * d.dlat, format!("out has {} elements", out.len()))?;
+        check(lse.len() == d.batch * rows, format!("lse has {} elements", lse.len()))?;
+        check(
+            d.bt_stride * PAGE <= i32::MAX as usize && shape.num_blocks <= i32::MAX as usize,
+            "sizes overflow i32".into(),
+        )?;
+        let (heads, q_len, bt_stride, num_blocks) =
+            (d.heads as i32, d.q_len as i32, d.bt_stride as i32, shape.num_blocks as i32);
+        let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
+
+        if !Self::is_fast_path(d) {
+            check(shape.num_splits == 1, "the generic kernel does not split".into())?;
+            check(d.dlat <= GENERIC_MAX_DV, format!("generic kernel supports dlat <= {GENERIC_MAX_DV}"))?;
+            let f = if T::SUFFIX == "obf16" { &self.generic_bf16 } else { &self.generic_f32 };
+            let (dlat, drope) = (d.dlat as i32, d.drope as i32);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, d.batch as u32, 1),
+                block_dim: (GENERIC_THREADS, 1, 1),
+                shared_mem_bytes: ((dqk + GENERIC_THREADS as usize / 32) * 4) as u32,
+            };
+            check(cfg.shared_mem_bytes <= 48 * 1024, "generic kernel: dqk too large".into())?;
+            // SAFETY: argument list matches mla_decode_generic_o*(q, kv, block_table,
+            // seq_lens, out, lse, heads, q_len, bt_stride, num_blocks, dlat, drope,
+            // scale_log2); every buffer has the length checked above; the kernel clamps
+            // seq_lens to bt_stride*64 and page ids to num_blocks-1, and reads/writes only
+            // rows < q_len*heads of requests < batch (grid = rows x batch).
+            unsafe {
+                stream
+                    .launch_builder(f)
+                    .arg(q)
+                    .arg(cache)
+                    .arg(block_table)
+                    .arg(seq_lens)
+                    .arg(&mut *out)
+                    .arg(&mut *lse)
+                    .arg(&heads)
+                    .arg(&q_len)
+                    .arg(&bt_stride)
+                    .arg(&num_blocks)
+                    .arg(&dlat)
+                    .arg(&drope)
+                    .arg(&scale_log2)
+                    .launch(cfg)
+            }?;
+            return Ok(());
+        }
+
+        let splits = shape.num_splits;
+        check((1..=MAX_SPLITS).contains(&splits), format!("num_splits {splits} not in 1..={MAX_SPLITS}"))?;
+        if splits > 1 {
+            let need = d.batch * splits * rows;
+            check(
+                ws.lse_acc.len() >= need && ws.o_acc.len() >= need * d.dlat,
+                format!("workspace holds {} rows of partials, need {need}", ws.lse_acc.len()),
+            )?;
+        }
+        let bf = T::SUFFIX == "obf16";
+        let comb = if bf { &self.combine_bf16 } else { &self.combine_f32 };
+        let tiles = plan::tiles(d.heads, d.q_len);
+        // The smallest wgmma variant that stores every row of the (single) tile.
+        let v = if tiles > 1 { 2 } else { WGMMA_QROWS.iter().position(|&qr| rows <= qr).unwrap_or(2) };
+        let kernel = match self.kernel {
+            MlaKernel::Auto if self.wgmma_tma.is_none() || (tiles == 1 && rows <= 16) => MlaKernel::MmaSync,
+            MlaKernel::Auto => MlaKernel::WgmmaTma,
+            k => k,
+        };
+        let (f, smem, tma) = match (kernel, &self.wgmma, &self.wgmma_tma) {
+            (MlaKernel::Wgmma, Some(w), _) => {
+                let (f, sm) = pick_variant(w, v, bf);
+                (f, sm, false)
+            }
+            (MlaKernel::WgmmaTma, _, Some(w)) => {
+                let (f, sm) = pick_variant(w, v, bf);
+                (f, sm, true)
+            }
+            _ => (if bf { &self.splitkv_bf16 } else { &self.splitkv_f32 }, FAST_SMEM, false),
+        };
+        let tmap = if tma {
+            let (ptr, _sync) = cache.device_ptr(stream);
+            Some(kv_tensor_map(ptr, shape.num_blocks, dqk)?)
+        } else {
+            None
+        };
+        let splits_i = splits as i32;
+        let cfg = LaunchConfig {
+            // x = tile fastest: the tiles of one (request, split) run side by side and
+            // share each KV chunk through L2.
+            grid_dim: (tiles as u32, splits as u32, d.batch as u32),
+            block_dim: (FAST_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: argument list matches mla_decode_splitkv_d512r64_o* and
+        // mla_decode_wgmma_d512r64_q*_o* (same signature): (q, kv, block_table,
+        // seq_lens, out, lse, o_acc, lse_acc, heads, q_len, bt_stride, num_blocks,
+        // num_splits, scale_log2). q/cache/out/lse lengths are checked above for dims
+        // 512+64; with splits > 1 the kernel writes partials at
+        // [(b*splits + split)*rows + row] < batch*splits*rows, which the workspace holds
+        // (checked), and with splits == 1 it writes only out/lse. Page ids and seq_lens
+        // are clamped in the kernel. Each kernel's shared memory was opted into in `new`,
+        // the wgmma kernel is only chosen where its sm_90a image exists, and its variant
+        // stores at least the tile's valid rows (the rest of its 64 rows are computed from
+        // other shared bytes inside the allocation and never written out). The TMA
+        // kernels take the cache's tensor map first; it describes exactly the `cache`
+        // allocation (num_blocks pages, checked above), so every box is in bounds.
+        unsafe {
+            let mut b = stream.launch_builder(f);
+            if let Some(t) = &tmap {
+                b.arg(t);
+            }
+            b.arg(q)
+                .arg(cache)
+                .arg(block_table)
+                .arg(seq_lens)
+                .arg(&mut *out)
+                .arg(&mut *lse)
+                .arg(&mut ws.o_acc)
+                .arg(&mut ws.lse_acc)
+                .arg(&heads)
+                .arg(&q_len)
+                .arg(&bt_stride)
+                .arg(&num_blocks)
+                .arg(&splits_i)
+                .arg(&scale_log2)
+                .launch(cfg)
+        }?;
+        if splits > 1 {
+            let (rows_i, dv) = (rows as i32, d.dlat as i32);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(4) as u32, d.batch as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: mla_decode_combine_o*(o_acc, lse_acc, out, lse, rows, num_splits, dv):
+            // one warp per (row < rows, request < batch) reads splits partials inside the
+            // workspace (checked above) and writes out[b][row][0..dv) and lse[b][row];
+            // dv = 512 is a multiple of 4 (float4 reads, 16-byte aligned rows).
+            unsafe {
+                stream
+                    .launch_builder(comb)
+                    .arg(&ws.o_acc)
+                    .arg(&ws.lse_acc)
+                    .arg(&mut *out)
+                    .arg(&mut *lse)
+                    .arg(&rows_i)
+                    .arg(&splits_i)
+                    .arg(&dv)
+                    .launch(cfg)
+            }?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,83 @@
+//! Launch planning for the MLA decode kernel: tile and split-KV geometry. Pure host
+//! arithmetic, so it is unit-tested without a GPU.
+
+/// Tokens per page of the latent cache (FlashMLA's page size; the engine's block size).
+pub const PAGE: usize = mlaserve_core::BLOCK_SIZE;
+/// Query rows per tile: `rows = q_len * heads`, packed `row = s_idx * heads + head`.
+pub const TILE_ROWS: usize = 64;
+/// Cache tokens per pipeline step of the fast kernel (half a page); splits are made of these.
+pub const CHUNK_TOKENS: usize = 32;
+/// Upper bound on splits per request (bounds the workspace and the combine's loop).
+pub const MAX_SPLITS: usize = 64;
+/// A CTA's fixed cost (Q tile load, pipeline fill, epilogue) in chunk-equivalents,
+/// for the split cost model.
+const CTA_OVERHEAD_CHUNKS: usize = 2;
+
+/// Number of 64-row tiles for `q_len * heads` rows.
+pub fn tiles(heads: usize, q_len: usize) -> usize {
+    (heads * q_len).div_ceil(TILE_ROWS)
+}
+
+/// Splits per request so that `batch * tiles * splits` CTAs (one per SM at a time) fill
+/// `num_sms` with the least tail: minimises `waves * (chunks per split + overhead)`, ties
+/// to fewer splits (each split adds a partial write and the combine's read).
+pub fn num_splits(batch: usize, tiles: usize, max_seq_len: usize, num_sms: usize) -> usize {
+    let chunks = max_seq_len.div_ceil(CHUNK_TOKENS).max(1);
+    let ctas_per_split = (batch * tiles).max(1);
+    let sms = num_sms.max(1);
+    let mut best = (usize::MAX, 1);
+    for s in 1..=chunks.min(MAX_SPLITS) {
+        let waves = (ctas_per_split * s).div_ceil(sms);
+        let cost = waves * (chunks.div_ceil(s) + CTA_OVERHEAD_CHUNKS);
+        if cost < best.0 {
+            best = (cost, s);
+        }
+    }
+    best.1
+}
+
+/// FLOPs of one decode attention call as reported by the benchmark:
+/// `2 * rows * seq_len * (dqk + dv)` per request (QK over dqk, PV over dv).
+pub fn flops(rows: usize, seq_lens: &[usize], dqk: usize, dv: usize) -> f64 {
+    seq_lens.iter().map(|&l| 2.0 * rows as f64 * l as f64 * (dqk + dv) as f64).sum()
+}
+
+/// Fewest bytes a decode call must move: every cached token once (`dqk` bf16), q once,
+/// the output and its LSE once.
+pub fn min_bytes(rows: usize, seq_lens: &[usize], dqk: usize, dv: usize, out_elem_bytes: usize) -> f64 {
+    let cache: usize = seq_lens.iter().map(|&l| l * dqk * 2).sum();
+    let per_req = rows * (dqk * 2 + dv * out_elem_bytes + 4);
+    (cache + seq_lens.len() * per_req) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_pad_to_64_rows() {
+        assert_eq!(tiles(16, 1), 1);
+        assert_eq!(tiles(16, 4), 1);
+        assert_eq!(tiles(128, 4), 8);
+        assert_eq!(tiles(32, 3), 2);
+    }
+
+    #[test]
+    fn splits_fill_the_chip_for_small_batches() {
+        // 64 requests x 1 tile on 132 SMs: 2 splits make 128 CTAs, one wave.
+        assert_eq!(num_splits(64, 1, 4096, 132), 2);
+        // Already many waves: no split.
+        assert_eq!(num_splits(128, 8, 4096, 132), 1);
+        // One request: split wide, but never past the chunk count or MAX_SPLITS.
+        let s = num_splits(1, 1, 8192, 132);
+        assert!(s > 16 && s <= MAX_SPLITS, "{s}");
+        assert_eq!(num_splits(1, 1, 40, 132), 2);
+        assert_eq!(num_splits(4, 1, 0, 132), 1);
+    }
+
+    #[test]
+    fn flop_and_byte_counts() {
+        assert_eq!(flops(64, &[4096], 576, 512), 2.0 * 64.0 * 4096.0 * 1088.0);
+        assert_eq!(min_bytes(16, &[100], 576, 512, 2), (100 * 1152 + 16 * (1152 + 1024 + 4)) as f64);
+    }
+}

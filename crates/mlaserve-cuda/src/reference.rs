@@ -1,0 +1,257 @@
+//! Straightforward CPU references of the kernels, the oracle of the GPU checks: MLA
+//! decode attention, RMSNorm (plain and fused with the residual add), SiLU-mul, argmax.
+//!
+//! Inputs are f32 holding the exact values the GPU sees (bf16-rounded where the kernel
+//! reads bf16); accumulation is in f64, so the reference is well below the kernels'
+//! own error and a comparison measures the kernel alone.
+
+use crate::plan::PAGE;
+
+/// Shape of one decode attention call (DESIGN.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeDims {
+    pub batch: usize,
+    /// Local (per-rank) query heads.
+    pub heads: usize,
+    /// Uniform query length s = 1 + k drafts.
+    pub q_len: usize,
+    /// Latent width `kv_lora_rank` (also the value width).
+    pub dlat: usize,
+    /// Rotary width `qk_rope_head_dim`.
+    pub drope: usize,
+    /// Block-table entries per request (row stride of the block table).
+    pub bt_stride: usize,
+}
+
+impl DecodeDims {
+    pub fn rows(&self) -> usize {
+        self.heads * self.q_len
+    }
+    pub fn dqk(&self) -> usize {
+        self.dlat + self.drope
+    }
+}
+
+/// Absorbed-MLA decode attention.
+///
+/// `q`: `[batch][rows][dqk]` with `row = s_idx * heads + head`; `cache`:
+/// `[num_blocks][PAGE][dqk]` (`[c_kv | k_pe]` per token); `block_table`:
+/// `[batch][bt_stride]`; query `s_idx` of request b sees positions
+/// `p < seq_lens[b] - (q_len - 1 - s_idx)`. Keys are the full `dqk` vector, values its
+/// first `dlat` entries. Returns `out [batch][rows][dlat]` and the natural-log
+/// `lse [batch][rows]` of `sum exp(scale * q.k)` (`-inf`, output 0, for a row that sees
+/// nothing).
+pub fn mla_decode(
+    d: &DecodeDims,
+    q: &[f32],
+    cache: &[f32],
+    block_table: &[i32],
+    seq_lens: &[i32],
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (rows, dqk, dlat) = (d.rows(), d.dqk(), d.dlat);
+    assert_eq!(q.len(), d.batch * rows * dqk, "q shape");
+    assert_eq!(block_table.len(), d.batch * d.bt_stride, "block table shape");
+    assert_eq!(seq_lens.len(), d.batch, "seq_lens shape");
+    let mut out = vec![0f32; d.batch * rows * dlat];
+    let mut lse = vec![f32::NEG_INFINITY; d.batch * rows];
+    std::thread::scope(|s| {
+        for ((b, out_b), lse_b) in out.chunks_mut(rows * dlat).enumerate().zip(lse.chunks_mut(rows)) {
+            s.spawn(move || {
+                let seq_len = seq_lens[b] as usize;
+                let key = |p: usize| {
+                    let page = block_table[b * d.bt_stride + p / PAGE] as usize;
+                    let off = (page * PAGE + p % PAGE) * dqk;
+                    &cache[off..off + dqk]
+                };
+                let mut scores = Vec::with_capacity(seq_len);
+                for row in 0..rows {
+                    let s_idx = row / d.heads;
+                    let visible = (seq_len + s_idx + 1).saturating_sub(d.q_len);
+                    let qr = &q[(b * rows + row) * dqk..][..dqk];
+                    scores.clear();
+                    scores.extend((0..visible).map(|p| {
+                        let k = key(p);
+                        scale as f64 * qr.iter().zip(k).map(|(&a, &c)| a as f64 * c as f64).sum::<f64>()
+                    }));
+                    if visible == 0 {
+                        continue;
+                    }
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let mut sum = 0f64;
+                    let mut acc = vec![0f64; dlat];
+                    for (p, &sc) in scores.iter().enumerate() {
+                        let w = (sc - m).exp();
+                        sum += w;
+                        for (a, &v) in acc.iter_mut().zip(&key(p)[..dlat]) {
+                            *a += w * v as f64;
+                        }
+                    }
+                    for (o, a) in out_b[row * dlat..][..dlat].iter_mut().zip(&acc) {
+                        *o = (a / sum) as f32;
+                    }
+                    lse_b[row] = (m + sum.ln()) as f32;
+                }
+            });
+        }
+    });
+    (out, lse)
+}
+
+/// RMSNorm of each `h`-wide row: `x / sqrt(mean(x²) + eps) * w`.
+pub fn rmsnorm(x: &[f32], w: &[f32], h: usize, eps: f32) -> Vec<f32> {
+    assert_eq!(w.len(), h);
+    let mut out = vec![0f32; x.len()];
+    for (o, r) in out.chunks_mut(h).zip(x.chunks(h)) {
+        let ms = r.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / h as f64;
+        let inv = 1.0 / (ms + eps as f64).sqrt();
+        for ((o, &v), &g) in o.iter_mut().zip(r).zip(w) {
+            *o = (v as f64 * inv * g as f64) as f32;
+        }
+    }
+    out
+}
+
+/// Fused residual add + RMSNorm: `z = x + residual`; returns `(rmsnorm(z), z)` (the
+/// normalised hidden state and the new residual).
+pub fn fused_add_rmsnorm(x: &[f32], residual: &[f32], w: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let z: Vec<f32> = x.iter().zip(residual).map(|(a, b)| a + b).collect();
+    (rmsnorm(&z, w, h, eps), z)
+}
+
+/// Gated-MLP activation: each row of `input` is `[gate (d) | up (d)]`; returns
+/// `silu(gate) * up`, `silu(g) = g / (1 + e^-g)`.
+pub fn silu_mul(input: &[f32], d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(input.len() / 2);
+    for r in input.chunks(2 * d) {
+        let (g, u) = r.split_at(d);
+        out.extend(g.iter().zip(u).map(|(&g, &u)| (g as f64 / (1.0 + (-g as f64).exp()) * u as f64) as f32));
+    }
+    out
+}
+
+/// Index of each `vocab`-wide row's largest value, first occurrence on ties, NaN ignored
+/// (0 for a row with no number).
+pub fn argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits
+        .chunks(vocab)
+        .map(|r| {
+            let mut best: Option<(usize, f32)> = None;
+            for (i, &v) in r.iter().enumerate() {
+                if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+                    best = Some((i, v));
+                }
+            }
+            best.map_or(0, |(i, _)| i as u32)
+        })
+        .collect()
+}
+
+/// Error of `got` against `want`: `‖got − want‖₂ / ‖want‖₂`, the largest absolute
+/// difference, and whether every value of `got` is finite.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrStats {
+    pub rel_l2: f64,
+    pub max_abs: f64,
+    pub all_finite: bool,
+}
+
+pub fn err_stats(got: &[f32], want: &[f32]) -> ErrStats {
+    assert_eq!(got.len(), want.len());
+    let (mut num, mut den, mut max_abs, mut all_finite) = (0f64, 0f64, 0f64, true);
+    for (&g, &w) in got.iter().zip(want) {
+        all_finite &= g.is_finite();
+        let diff = g as f64 - w as f64;
+        num += diff * diff;
+        den += w as f64 * w as f64;
+        max_abs = max_abs.max(diff.abs());
+    }
+    let rel_l2 = if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
+    ErrStats { rel_l2, max_abs, all_finite }
+}
+
+/// Like [`err_stats`] for LSE vectors, where `-inf` (a row that sees nothing) must match.
+pub fn lse_max_abs(got: &[f32], want: &[f32]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| {
+            if g == w {
+                0.0
+            } else if g.is_finite() && w.is_finite() {
+                (g as f64 - w as f64).abs()
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    /// One token visible: output is that token's value, lse its scaled score.
+    #[test]
+    fn single_visible_token() {
+        let d = DecodeDims { batch: 1, heads: 2, q_len: 2, dlat: 4, drope: 2, bt_stride: 1 };
+        let mut rng = Rng::new(1);
+        let q: Vec<f32> = (0..d.batch * d.rows() * d.dqk()).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let cache: Vec<f32> = (0..PAGE * d.dqk()).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        // seq_len 2 with q_len 2: query 0 sees position 0 only, query 1 sees 0 and 1.
+        let (out, lse) = mla_decode(&d, &q, &cache, &[0], &[2], 0.5);
+        for head in 0..2 {
+            let row = head; // s_idx 0
+            for i in 0..4 {
+                assert!((out[row * 4 + i] - cache[i]).abs() < 1e-6);
+            }
+            let s: f32 = (0..6).map(|i| q[row * 6 + i] * cache[i]).sum::<f32>() * 0.5;
+            assert!((lse[row] - s).abs() < 1e-5);
+        }
+        assert!(lse[2].is_finite() && lse[3].is_finite());
+    }
+
+    /// Uniform scores give the mean of the visible values; paging is honoured.
+    #[test]
+    fn zero_query_averages_values_through_block_table() {
+        let d = DecodeDims { batch: 1, heads: 1, q_len: 1, dlat: 2, drope: 1, bt_stride: 2 };
+        let q = vec![0f32; 3];
+        let mut cache = vec![0f32; 2 * PAGE * 3];
+        // Logical page 0 -> physical 1, logical page 1 -> physical 0.
+        for p in 0..70usize {
+            let phys = if p < PAGE { PAGE + p } else { p - PAGE };
+            cache[phys * 3] = p as f32;
+            cache[phys * 3 + 1] = 1.0;
+        }
+        let (out, lse) = mla_decode(&d, &q, &cache, &[1, 0], &[70], 1.0);
+        assert!((out[0] - 34.5).abs() < 1e-4, "{}", out[0]);
+        assert!((out[1] - 1.0).abs() < 1e-6);
+        assert!((lse[0] - (70f32).ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn small_ops() {
+        let x = [3.0f32, 4.0];
+        let out = rmsnorm(&x, &[1.0, 2.0], 2, 0.0);
+        let rms = (12.5f32).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6 && (out[1] - 8.0 / rms).abs() < 1e-6);
+        let (o, z) = fused_add_rmsnorm(&[1.0, 2.0], &[2.0, 2.0], &[1.0, 2.0], 2, 0.0);
+        assert_eq!(z, vec![3.0, 4.0]);
+        assert_eq!(o, out);
+        let s = silu_mul(&[0.0, 1.0, 5.0, 2.0], 2);
+        assert_eq!(s[0], 0.0);
+        assert!((s[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN, 0.0, 5.0], 3), vec![1, 2]);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN], 2), vec![0]);
+    }
+
+    #[test]
+    fn err_stats_flags_nan() {
+        let e = err_stats(&[1.0, f32::NAN], &[1.0, 2.0]);
+        assert!(!e.all_finite);
+        let e = err_stats(&[1.0, 2.0], &[1.0, 2.0]);
+        assert!(e.all_finite && e.rel_l2 == 0.0);
+        assert_eq!(lse_max_abs(&[f32::NEG_INFINITY], &[f32::NEG_INFINITY]), 0.0);
+        assert!(lse_max_abs(&[0.0], &[f32::NEG_INFINITY]).is_infinite());
+    }
+}

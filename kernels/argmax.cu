@@ -1,0 +1,60 @@
+// Greedy decoding on the device: the index of each row's largest logit, ties to the
+// lowest index (as the CPU backend's first-maximum scan), NaN never wins. Only the
+// indices cross PCIe, never the full logits.
+#include "common.cuh"
+
+namespace amax {
+constexpr int THREADS = 512;
+
+// (v, i) better than (bv, bi)?
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+template <typename T>
+__device__ __forceinline__ void body(const T* __restrict__ logits, int* __restrict__ out, int vocab) {
+    __shared__ float sv[THREADS / 32];
+    __shared__ int si[THREADS / 32];
+    const T* row = logits + static_cast<size_t>(blockIdx.x) * vocab;
+    float bv = -MLAS_INF;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += THREADS) {
+        const float v = static_cast<float>(row[i]);
+        if (better(v, i, bv, bi)) {  // false for NaN
+            bv = v;
+            bi = i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < THREADS / 32; ++w)
+            if (better(sv[w], si[w], bv, bi)) {
+                bv = sv[w];
+                bi = si[w];
+            }
+        out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;  // an all-NaN / all -inf row gives 0
+    }
+}
+}  // namespace amax
+
+// out[r] = argmax(logits[r][0..vocab)); grid = rows, 512 threads.
+extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_f32(const float* logits, int* out, int vocab) {
+    amax::body<float>(logits, out, vocab);
+}
+extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_bf16(const bf16* logits, int* out, int vocab) {
+    amax::body<bf16>(logits, out, vocab);
+}

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checking, over binaries built on the CPU machine.
+#
+# Build and stage them here first (docs/cuda.md):   tools/gpu/stage.sh
+# then, on the GPU machine, from the repo root:    tools/gpu/check.sh [--quick]
+# (through the device tool: carry [".gpu"], command `tools/gpu/check.sh`).
+#
+# Runs every GPU test binary in .gpu/tests/, compute-sanitizer memcheck on the kernel
+# tests, a SASS summary of the embedded kernels, and the checks + decode benchmark of
+# .gpu/bin/mlaserve-cuda-check. Logs go to $OUT (default ./gpu-out): at most 8 files,
+# since the device tool returns no more. Prints a short table last. Exit status: the
+# number of failed steps (0 = all passed).
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+gpu_dir="${GPU_DIR:-$repo/.gpu}"
+out="${OUT:-$repo/gpu-out}"
+mkdir -p "$out"
+quick=""
+[[ "${1:-}" == "--quick" ]] && quick="--quick"
+
+export LD_LIBRARY_PATH="/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0            # never NVLink multicast on the shared machines
+export MLASERVE_REQUIRE_GPU=1        # GPU tests fail instead of skipping
+export RUST_BACKTRACE=1
+
+summary=()
+failures=0
+step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seconds
+    local name="$1" log="$2"; shift 2
+    local t0=$SECONDS
+    echo "=== $name: $*" >>"$log"
+    "$@" >>"$log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-34s %-6s %4ss  %s' "$name" "$([[ $rc == 0 ]] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)) "$(basename "$log")")")
+    [[ $rc == 0 ]] || failures=$((failures + 1))
+    return 0
+}
+
+# 1. The machine as found (clocks, driver) — never changed.
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv
+    nvidia-smi -q | grep -iE "persistence|compute mode|mig mode" | head
+    ls -la "$gpu_dir" "$gpu_dir"/* 2>&1
+} >"$out/machine.txt" 2>&1
+
+# 2. Test binaries (unit + GPU kernel tests). Every step has a time limit: a kernel that
+# hangs must not take the rest of the device call with it.
+for t in "$gpu_dir"/tests/*; do
+    [[ -x "$t" ]] || continue
+    step "test $(basename "$t")" "$out/tests.log" timeout 120 "$t" --test-threads=1 --nocapture
+done
+
+# 3. memcheck on the kernel tests.
+sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+for t in "$gpu_dir"/tests/gpu_kernels*; do
+    [[ -x "$t" ]] || continue
+    step "memcheck $(basename "$t")" "$out/memcheck.log" \
+        timeout 180 "$sanitizer" --tool memcheck --error-exitcode 1 --leak-check no "$t" --test-threads=1
+done
+
+# 4. What the compiler made of the kernels (registers, spills, tensor-core instructions).
+if [[ -d "$gpu_dir/kernels" ]] && command -v cuobjdump >/dev/null; then
+    {
+        for f in "$gpu_dir"/kernels/*.fatbin; do
+            echo "== $f"
+            cuobjdump --list-elf "$f"
+            cuobjdump --dump-resource-usage "$f" 2>&1 | grep -E "Function|REG|STACK|LOCAL" | head -40
+            sass="$(cuobjdump --dump-sass --gpu-architecture sm_90a "$f" 2>/dev/null)"
+            for ins in HMMA HGMMA LDSM LDGSTS LDL STL BAR; do
+                printf '  sm_90a %-7s %6d\n' "$ins" "$(grep -c "$ins" <<<"$sass")"
+            done
+        done
+    } >"$out/sass.txt" 2>&1
+fi
+
+# 5. Checks and the decode benchmark beside the measured ceilings, one process per
+# tensor-core kernel (a trapped kernel poisons its CUDA context, not the others' runs).
+for k in ${MLASERVE_KERNELS:-mma.sync wgmma wgmma+tma auto}; do
+    step "check+bench $k $quick" "$out/check-bench.log" timeout 150 "$gpu_dir/bin/mlaserve-cuda-check" --kernel "$k" $quick
+done
+
+{
+    echo
+    echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
+    printf '%s\n' "${summary[@]}"
+    echo "---- bench (from check-bench.log)"
+    grep -m1 "ceilings" "$out/check-bench.log"
+    grep -m1 -E "^ +kernel +batch" "$out/check-bench.log"
+    # The production selection only (each kernel's full table is in check-bench.log).
+    grep -E "^ *auto +[0-9]" "$out/check-bench.log" | head -60
+    grep -E "ceilings|checks:|FAIL|Error|error" "$out/check-bench.log" | head -20
+    grep -E "ERROR SUMMARY|test result" "$out/memcheck.log" "$out/tests.log" 2>/dev/null | head -20
+} | tee "$out/summary.txt"
+exit "$failures"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries on the CPU machine and stages them in .gpu/ (git-ignored),
+# ready for a device call that carries [".gpu"] and runs tools/gpu/check.sh.
+#
+#   .gpu/bin/mlaserve-cuda-check   checks + benchmark
+#   .gpu/tests/*                   cargo test binaries of mlaserve-cuda (unit + GPU)
+#   .gpu/kernels/*.fatbin          the embedded kernel images (for cuobjdump there)
+#
+# Needs nvcc (CUDA_HOME, NVCC or PATH; tools/ci/install-nvcc.sh installs one).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$repo"
+if [[ -z "${CUDA_HOME:-}${NVCC:-}" ]] && ! command -v nvcc >/dev/null; then
+    py="$(ls -d .venv-nvcc/lib/python3*/site-packages/nvidia/cu13 2>/dev/null | head -1 || true)"
+    [[ -n "$py" ]] && export CUDA_HOME="$repo/$py"
+fi
+target="${CARGO_TARGET_DIR:-$repo/target}"
+cargo build --release -p mlaserve-cuda --features cuda --bin mlaserve-cuda-check
+# --message-format=json names the test executables; keep those of mlaserve-cuda.
+tests=$(cargo test --release -p mlaserve-cuda --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    try: m=json.loads(l)
+    except ValueError: continue
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and "mlaserve-cuda" in m["package_id"] and m["profile"]["test"] and m["target"]["kind"][0] in ("lib","test"):
+        print(m["executable"])')
+rm -rf .gpu/bin .gpu/tests .gpu/kernels
+mkdir -p .gpu/bin .gpu/tests .gpu/kernels
+cp "$target/release/mlaserve-cuda-check" .gpu/bin/
+for t in $tests; do
+    name="$(basename "$t")"
+    cp "$t" ".gpu/tests/${name%-*}"   # drop cargo's hash suffix
+done
+out_dir="$(ls -td "$target"/release/build/mlaserve-cuda-*/out 2>/dev/null | head -1)"
+cp "$out_dir"/*.fatbin "$out_dir"/*.ptxas.log .gpu/kernels/ 2>/dev/null || true
+strip --strip-debug .gpu/bin/* .gpu/tests/*  # line tables would triple the carry
+du -sh .gpu/* ; ls -la .gpu/tests
