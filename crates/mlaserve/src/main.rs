@@ -17,6 +17,14 @@ enum Command {
     GenModel(cmd::gen_model::Args),
     /// Benchmarks (engine, ...).
     Bench(cmd::bench::Args),
+    /// Router and one worker group in one process, on the bundled model.
+    Serve(cmd::serve::Args),
+    /// The public gRPC router in front of worker groups (static list or etcd).
+    Router(cmd::router::Args),
+    /// One worker group's leader.
+    Worker(cmd::worker::Args),
+    /// Stream a completion from a running server.
+    Generate(cmd::generate::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -27,5 +35,9 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::GenModel(a) => cmd::gen_model::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
+        Command::Router(a) => cmd::router::run(a),
+        Command::Worker(a) => cmd::worker::run(a),
+        Command::Generate(a) => cmd::generate::run(a),
     }
 }

@@ -15,6 +15,9 @@ enum What {
     Engine(EngineArgs),
     /// Greedy draft acceptance per draft position on a prompt set (CPU backend).
     Acceptance(AcceptanceArgs),
+    /// Concurrent streaming clients against a running router: TTFT, inter-token and
+    /// end-to-end latency percentiles, throughput.
+    Serve(super::bench_serve::Args),
 }
 
 #[derive(Debug, clap::Args)]
@@ -71,6 +74,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Ok(())
         }
         What::Acceptance(a) => acceptance(a),
+        What::Serve(a) => super::bench_serve::run(a),
     }
 }
 

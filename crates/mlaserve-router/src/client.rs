@@ -1,0 +1,365 @@
+//! Client side of the public API: `mlaserve generate` (stream one completion to the
+//! terminal) and `mlaserve bench serve` (many concurrent streams; TTFT, inter-token
+//! latency, end-to-end latency and throughput percentiles). Also what the serving
+//! tests and the load test drive.
+
+use mlaserve_proto::v1::{
+    generate_request::Prompt, generation_client::GenerationClient, FinishReason, GenerateRequest, SamplingParams,
+    StoppingCriteria,
+};
+use std::io::Write;
+use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
+use tonic::transport::{Channel, Endpoint};
+
+/// Settings of `mlaserve generate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GenerateArgs {
+    /// Router address.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// The prompt text.
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long)]
+    pub max_new_tokens: Option<u32>,
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    #[arg(long)]
+    pub top_k: Option<i32>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+/// Errors of the client commands.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to {0}: {1}")]
+    Connect(String, String),
+    #[error("{0}")]
+    Status(#[from] tonic::Status),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Protocol(String),
+}
+
+/// Connects a client to `addr` (`host:port` or a URL).
+pub async fn connect(addr: &str) -> Result<GenerationClient<Channel>, ClientError> {
+    let url = crate::discovery::normalize_addr(addr);
+    let ch = Endpoint::from_shared(url.clone())
+        .map_err(|e| ClientError::Connect(url.clone(), e.to_string()))?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| ClientError::Connect(url.clone(), e.to_string()))?;
+    Ok(GenerationClient::new(ch).max_decoding_message_size(64 << 20))
+}
+
+/// `mlaserve generate`: streams the completion to stdout, then a usage line.
+pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
+    let mut client = connect(&args.addr).await?;
+    let req = GenerateRequest {
+        prompt: Some(Prompt::Text(args.prompt.clone())),
+        sampling: Some(SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        }),
+        stopping: Some(StoppingCriteria {
+            max_new_tokens: args.max_new_tokens,
+            stop: args.stop.clone(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut out = std::io::stdout();
+    write!(out, "{}", args.prompt)?;
+    while let Some(msg) = stream.next().await {
+        let msg = msg?;
+        write!(out, "{}", msg.text)?;
+        out.flush()?;
+        if let Some(f) = msg.finish {
+            let u = f.usage.unwrap_or_default();
+            let secs = start.elapsed().as_secs_f64();
+            let reason = FinishReason::try_from(f.reason).map(|r| r.as_str_name()).unwrap_or("?");
+            writeln!(out)?;
+            eprintln!(
+                "[{} prompt + {} generated tokens in {:.2} s: {:.1} tokens/s, TTFT {:.0} ms, mean acceptance length {:.2}, {}]",
+                u.prompt_tokens,
+                u.completion_tokens,
+                secs,
+                u.completion_tokens as f64 / secs.max(1e-9),
+                u.time_to_first_token_s * 1000.0,
+                u.mean_acceptance_length,
+                reason.trim_start_matches("FINISH_REASON_").to_lowercase(),
+            );
+            return Ok(());
+        }
+    }
+    Err(ClientError::Protocol("the stream ended without a final message".into()))
+}
+
+/// Settings of `mlaserve bench serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Router address.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// Streams in flight at once (closed loop). Ignored when --rate is set.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Requests per second, open loop (Poisson arrivals); unset: closed loop.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Requests in all.
+    #[arg(long, default_value_t = 256)]
+    pub requests: usize,
+    /// Prompt length in tokens (random ids from a fixed seed).
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// New tokens per request (ignore_eos, so every request generates exactly this many).
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: u32,
+    /// HTTP/2 connections to spread the streams over.
+    #[arg(long, default_value_t = 8)]
+    pub connections: usize,
+    /// Stop after this many seconds whatever is left (every open stream is cancelled).
+    #[arg(long, default_value_t = 600)]
+    pub time_limit_s: u64,
+    /// Vocabulary ids are drawn below this bound.
+    #[arg(long, default_value_t = 256)]
+    pub vocab: u32,
+}
+
+impl BenchArgs {
+    pub fn new(addr: impl Into<String>) -> Self {
+        BenchArgs {
+            addr: addr.into(),
+            concurrency: 32,
+            rate: None,
+            requests: 256,
+            prompt_tokens: 32,
+            max_new_tokens: 32,
+            connections: 8,
+            time_limit_s: 600,
+            vocab: 256,
+        }
+    }
+}
+
+/// One request's outcome as the client saw it.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    pub ttft: Option<Duration>,
+    pub itl: Vec<Duration>,
+    pub e2e: Duration,
+    pub tokens: u32,
+    /// Final messages seen (must be exactly 1 for a successful request).
+    pub finals: u32,
+    pub error: Option<tonic::Code>,
+}
+
+/// Percentiles of one quantity, in milliseconds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pcts {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl Pcts {
+    pub fn of(mut v: Vec<Duration>) -> Pcts {
+        if v.is_empty() {
+            return Pcts::default();
+        }
+        v.sort_unstable();
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1000.0;
+        Pcts { p50: at(0.5), p90: at(0.9), p99: at(0.99), max: at(1.0) }
+    }
+}
+
+/// What `bench serve` measured.
+#[derive(Debug, Clone, Default)]
+pub struct BenchReport {
+    pub requests: usize,
+    pub ok: usize,
+    pub errors: Vec<(tonic::Code, usize)>,
+    pub ttft: Pcts,
+    pub itl: Pcts,
+    pub e2e: Pcts,
+    pub wall: Duration,
+    pub tokens: u64,
+    pub samples: Vec<Sample>,
+}
+
+impl BenchReport {
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "requests {} ok {} errors {:?} wall {:.2} s",
+            self.requests,
+            self.ok,
+            self.errors,
+            self.wall.as_secs_f64()
+        )?;
+        writeln!(
+            f,
+            "throughput {:.1} generated tokens/s, {:.2} requests/s",
+            self.tokens_per_s(),
+            self.ok as f64 / self.wall.as_secs_f64().max(1e-9)
+        )?;
+        for (name, p) in [("TTFT", self.ttft), ("inter-token", self.itl), ("end-to-end", self.e2e)] {
+            writeln!(f, "{name:>12} ms: p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1}", p.p50, p.p90, p.p99, p.max)?;
+        }
+        Ok(())
+    }
+}
+
+/// Deterministic prompt ids for request `i`.
+pub fn bench_prompt(i: usize, len: usize, vocab: u32) -> Vec<u32> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (i as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Keep clear of the low ids (BOS/EOS and other specials of small vocabularies).
+            2 + (x % (vocab.max(3) as u64 - 2)) as u32
+        })
+        .collect()
+}
+
+/// Runs one streaming request and times it.
+pub async fn timed_request(client: &mut GenerationClient<Channel>, req: GenerateRequest) -> Sample {
+    let start = Instant::now();
+    let mut s = Sample::default();
+    let mut last: Option<Instant> = None;
+    match client.generate(req).await {
+        Err(e) => s.error = Some(e.code()),
+        Ok(resp) => {
+            let mut stream = resp.into_inner();
+            while let Some(msg) = stream.next().await {
+                match msg {
+                    Err(e) => {
+                        s.error = Some(e.code());
+                        break;
+                    }
+                    Ok(m) => {
+                        if !m.token_ids.is_empty() {
+                            let now = Instant::now();
+                            match last {
+                                None => s.ttft = Some(now - start),
+                                Some(l) => s.itl.push(now - l),
+                            }
+                            last = Some(now);
+                            s.tokens += m.token_ids.len() as u32;
+                        }
+                        if m.finish.is_some() {
+                            s.finals += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    s.e2e = start.elapsed();
+    s
+}
+
+/// `mlaserve bench serve`.
+pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
+    let mut clients = Vec::new();
+    for _ in 0..args.connections.max(1) {
+        clients.push(connect(&args.addr).await?);
+    }
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(args.time_limit_s);
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(if args.rate.is_some() {
+        tokio::sync::Semaphore::MAX_PERMITS
+    } else {
+        args.concurrency.max(1)
+    }));
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next_at = Instant::now();
+    for i in 0..args.requests {
+        if let Some(rate) = args.rate {
+            // Exponential inter-arrival times: a Poisson process of `rate` per second.
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let u = ((rng >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+            next_at += Duration::from_secs_f64(-u.ln() / rate.max(1e-9));
+            tokio::time::sleep_until(next_at.into()).await;
+        }
+        let Ok(permit) = sem.clone().acquire_owned().await else { break };
+        if Instant::now() >= deadline {
+            break;
+        }
+        let mut client = clients[i % clients.len()].clone();
+        let req = GenerateRequest {
+            prompt: Some(Prompt::TokenIds(mlaserve_proto::v1::TokenIds {
+                ids: bench_prompt(i, args.prompt_tokens, args.vocab),
+            })),
+            stopping: Some(StoppingCriteria {
+                max_new_tokens: Some(args.max_new_tokens),
+                ignore_eos: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        tasks.spawn(async move {
+            let s = tokio::time::timeout_at(deadline.into(), timed_request(&mut client, req)).await;
+            drop(permit);
+            s.unwrap_or(Sample { error: Some(tonic::Code::DeadlineExceeded), ..Default::default() })
+        });
+    }
+    let mut samples = Vec::with_capacity(args.requests);
+    while let Some(r) = tasks.join_next().await {
+        if let Ok(s) = r {
+            samples.push(s);
+        }
+    }
+    Ok(report(samples, start.elapsed()))
+}
+
+/// Summarises samples.
+pub fn report(samples: Vec<Sample>, wall: Duration) -> BenchReport {
+    let mut errors: Vec<(tonic::Code, usize)> = Vec::new();
+    for s in &samples {
+        if let Some(c) = s.error {
+            match errors.iter_mut().find(|(k, _)| *k == c) {
+                Some((_, n)) => *n += 1,
+                None => errors.push((c, 1)),
+            }
+        }
+    }
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+    BenchReport {
+        requests: samples.len(),
+        ok: ok.len(),
+        errors,
+        ttft: Pcts::of(ok.iter().filter_map(|s| s.ttft).collect()),
+        itl: Pcts::of(ok.iter().flat_map(|s| s.itl.iter().copied()).collect()),
+        e2e: Pcts::of(ok.iter().map(|s| s.e2e).collect()),
+        wall,
+        tokens: ok.iter().map(|s| s.tokens as u64).sum(),
+        samples,
+    }
+}

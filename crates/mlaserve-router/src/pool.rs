@@ -1,0 +1,162 @@
+//! The set of worker groups this router can use, kept by one supervisor task per
+//! group: connect, serve the session, and on failure mark the group down and reconnect
+//! with backoff until discovery removes it.
+//!
+//! Picking a group: the ready group with the fewest outstanding tokens (prompt tokens
+//! not yet prefilled plus new tokens still allowed), ties broken by fewer in-flight
+//! requests. Tokens, not requests, because one 8k-token prompt costs more than fifty
+//! short chats.
+
+use crate::group::Group;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{oneshot, watch};
+
+struct Entry {
+    addr: String,
+    ready: Option<Arc<Group>>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+/// Worker groups known to the router (see the module docs).
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Mutex<BTreeMap<String, Entry>>>,
+    ready_tx: Arc<watch::Sender<usize>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("ready", &*self.ready_tx.borrow()).finish()
+    }
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Pool { inner: Arc::default(), ready_tx: Arc::new(watch::channel(0).0) }
+    }
+}
+
+impl Pool {
+    /// Number of ready groups, as a watch (health follows it).
+    pub fn ready_watch(&self) -> watch::Receiver<usize> {
+        self.ready_tx.subscribe()
+    }
+
+    pub fn ready_count(&self) -> usize {
+        *self.ready_tx.borrow()
+    }
+
+    /// The ready groups now.
+    pub fn ready_groups(&self) -> Vec<Arc<Group>> {
+        lock(&self.inner).values().filter_map(|e| e.ready.clone()).filter(|g| g.is_alive()).collect()
+    }
+
+    /// The least loaded ready group not in `exclude`.
+    pub fn pick(&self, exclude: &[String]) -> Option<Arc<Group>> {
+        self.ready_groups().into_iter().filter(|g| !exclude.contains(&g.name)).min_by_key(|g| (g.score(), g.inflight()))
+    }
+
+    /// Adds (or re-points) group `name` at `addr`; a supervisor keeps it connected.
+    pub fn upsert(&self, name: &str, addr: &str) {
+        let mut inner = lock(&self.inner);
+        if inner.get(name).is_some_and(|e| e.addr == addr) {
+            return;
+        }
+        if let Some(old) = inner.remove(name) {
+            shut(old);
+        }
+        let (stop_tx, stop_rx) = oneshot::channel();
+        inner.insert(name.to_string(), Entry { addr: addr.to_string(), ready: None, stop: Some(stop_tx) });
+        tokio::spawn(supervise(self.clone(), name.to_string(), addr.to_string(), stop_rx));
+        tracing::info!(group = name, addr, "worker group added");
+    }
+
+    /// Forgets group `name`: its in-flight requests end as lost.
+    pub fn remove(&self, name: &str) {
+        let old = lock(&self.inner).remove(name);
+        if let Some(old) = old {
+            tracing::warn!(group = name, "worker group removed");
+            shut(old);
+        }
+        self.publish();
+    }
+
+    /// Names of all known groups (ready or not).
+    pub fn names(&self) -> Vec<String> {
+        lock(&self.inner).keys().cloned().collect()
+    }
+
+    fn set_ready(&self, name: &str, addr: &str, g: Option<Arc<Group>>) -> bool {
+        let mut inner = lock(&self.inner);
+        let Some(e) = inner.get_mut(name).filter(|e| e.addr == addr) else { return false };
+        e.ready = g;
+        drop(inner);
+        self.publish();
+        true
+    }
+
+    fn publish(&self) {
+        let n = self.ready_groups().len();
+        self.ready_tx.send_if_modified(|v| std::mem::replace(v, n) != n);
+        metrics::gauge!("mlaserve_ready_groups").set(n as f64);
+    }
+}
+
+fn shut(e: Entry) {
+    if let Some(stop) = e.stop {
+        let _ = stop.send(());
+    }
+    if let Some(g) = e.ready {
+        g.fail_all("the group was removed from discovery");
+    }
+}
+
+/// Keeps one group connected until told to stop.
+async fn supervise(pool: Pool, name: String, addr: String, mut stop: oneshot::Receiver<()>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let attempt = tokio::select! {
+            _ = &mut stop => return,
+            r = Group::connect(&name, &addr) => r,
+        };
+        match attempt {
+            Ok((group, mut session)) => {
+                backoff = Duration::from_millis(100);
+                if !pool.set_ready(&name, &addr, Some(group.clone())) {
+                    group.fail_all("the group was removed from discovery");
+                    session.abort();
+                    return;
+                }
+                tracing::info!(group = %name, addr = %addr, "worker group ready");
+                let why = tokio::select! {
+                    _ = &mut stop => {
+                        session.abort();
+                        group.fail_all("the group was removed from discovery");
+                        return;
+                    }
+                    r = &mut session => r.unwrap_or_else(|e| format!("session task: {e}")),
+                };
+                group.fail_all(&why);
+                tracing::warn!(group = %name, reason = %why, "worker group down");
+                if !pool.set_ready(&name, &addr, None) {
+                    return;
+                }
+            }
+            Err(e) => tracing::debug!(group = %name, error = %e, "worker group not reachable"),
+        }
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}

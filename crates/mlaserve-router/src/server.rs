@@ -1,0 +1,188 @@
+//! Starting, draining and stopping a router: the gRPC server (Generation, health,
+//! reflection), discovery, and the metrics endpoint.
+
+use crate::args::RouterArgs;
+use crate::discovery;
+use crate::pool::Pool;
+use crate::service::{GenerationService, RouterState};
+use crate::validate::ModelLimits;
+use mlaserve_proto::v1::generation_server::GenerationServer;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{oneshot, watch};
+use tonic::transport::server::TcpIncoming;
+
+/// Why a router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("model: {0}")]
+    Model(#[from] mlaserve_core::Error),
+    #[error("cannot listen on {0}: {1}")]
+    Bind(SocketAddr, std::io::Error),
+    #[error("reflection: {0}")]
+    Reflection(String),
+}
+
+/// A running router.
+#[derive(Debug)]
+pub struct RouterHandle {
+    /// Where the public API listens.
+    pub addr: SocketAddr,
+    /// Where `/metrics` is served, when enabled.
+    pub metrics_addr: Option<SocketAddr>,
+    pub state: Arc<RouterState>,
+    drain_tx: watch::Sender<bool>,
+    health: tonic_health::server::HealthReporter,
+    shutdown_tx: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    discovery: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Starts a router; returns once it listens.
+pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
+    let config = mlaserve_model::load_config(&args.model)?;
+    let tokenizer = mlaserve_model::Tokenizer::from_dir(&args.model, &config)?;
+    let limits =
+        ModelLimits { vocab_size: config.vocab_size as u32, max_context: config.max_position_embeddings as u32 };
+    let model_name = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let pool = Pool::default();
+    let state = Arc::new(RouterState::new(tokenizer, model_name, limits, pool.clone(), args.queue_size));
+
+    let discovery = if args.etcd.is_empty() {
+        discovery::add_static(&pool, &args.workers);
+        None
+    } else {
+        discovery::add_static(&pool, &args.workers);
+        Some(tokio::spawn(discovery::watch_etcd(pool.clone(), args.etcd.clone(), args.cluster.clone())))
+    };
+
+    let metrics_addr = match args.metrics_listen {
+        Some(a) => Some(crate::metrics::serve(a).await.map_err(|e| StartError::Bind(a, e))?),
+        None => {
+            crate::metrics::handle();
+            None
+        }
+    };
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let (drain_tx, drain_rx) = watch::channel(false);
+    tokio::spawn(crate::health::follow(reporter.clone(), pool.clone(), drain_rx));
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(mlaserve_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name("mlaserve.v1.Generation")
+        .with_service_name("grpc.health.v1.Health")
+        .build_v1()
+        .map_err(|e| StartError::Reflection(e.to_string()))?;
+    let reflection_alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(mlaserve_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name("mlaserve.v1.Generation")
+        .with_service_name("grpc.health.v1.Health")
+        .build_v1alpha()
+        .map_err(|e| StartError::Reflection(e.to_string()))?;
+
+    let generation = GenerationServer::new(GenerationService { state: state.clone() })
+        .max_decoding_message_size(args.max_message_bytes);
+    let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| StartError::Bind(args.listen, e))?;
+    let addr = listener.local_addr().map_err(|e| StartError::Bind(args.listen, e))?;
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(65_536))
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(crate::limit::OversizeIsResourceExhausted)
+        .add_service(generation)
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(reflection_alpha)
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = shutdown_rx.await;
+        });
+    let server = tokio::spawn(server);
+    tracing::info!(%addr, "router listening");
+    Ok(RouterHandle {
+        addr,
+        metrics_addr,
+        state,
+        drain_tx,
+        health: reporter,
+        shutdown_tx: Some(shutdown_tx),
+        server,
+        discovery,
+    })
+}
+
+impl RouterHandle {
+    pub fn pool(&self) -> &Pool {
+        &self.state.pool
+    }
+
+    /// Stops taking requests (health turns NOT_SERVING, new requests get UNAVAILABLE)
+    /// and waits up to `timeout` for the in-flight ones to finish.
+    pub async fn drain(&self, timeout: Duration) {
+        self.state.draining.store(true, Ordering::Release);
+        let _ = self.drain_tx.send(true);
+        // Also set it here, so health reads NOT_SERVING as soon as drain() is called.
+        crate::health::set(&self.health, false).await;
+        let until = tokio::time::Instant::now() + timeout;
+        while self.state.admission.in_flight() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the server (in-flight streams are cut) and discovery.
+    pub async fn shutdown(mut self) {
+        if let Some(d) = self.discovery.take() {
+            d.abort();
+        }
+        for name in self.state.pool.names() {
+            self.state.pool.remove(&name);
+        }
+        if let Some(tx) = self.shutdown_tx.take() {
+            let _ = tx.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
+        self.server.abort();
+    }
+}
+
+/// `mlaserve router`: starts, prints where it listens, serves until SIGTERM or Ctrl-C,
+/// then drains and stops.
+pub async fn run(args: RouterArgs) -> Result<(), StartError> {
+    let drain = Duration::from_secs(args.drain_timeout_s);
+    let h = start(args).await?;
+    println!("mlaserve router listening on {}", h.addr);
+    if let Some(m) = h.metrics_addr {
+        println!("metrics on http://{m}/metrics");
+    }
+    shutdown_signal().await;
+    tracing::info!("draining");
+    h.drain(drain).await;
+    h.shutdown().await;
+    Ok(())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,244 @@
+//! Request validation: every bad input is refused with INVALID_ARGUMENT naming the
+//! field, before any work is queued. Cheap checks run before tokenization.
+
+use crate::error::RouterError;
+use mlaserve_proto::v1::{generate_request::Prompt, GenerateRequest};
+use mlaserve_proto::worker::SamplingParams as WireSampling;
+
+/// Most stop strings per request (as the OpenAI API and TGI allow 4–16; we take 16).
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes (bounds the hold-back work per token).
+pub const MAX_STOP_BYTES: usize = 256;
+/// `max_new_tokens` when the request leaves it unset (clipped to the context left).
+pub const DEFAULT_MAX_NEW_TOKENS: u32 = 256;
+
+/// What validation needs to know about the served model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelLimits {
+    pub vocab_size: u32,
+    /// Longest sequence (prompt + generated) a group accepts.
+    pub max_context: u32,
+}
+
+/// A request that passed validation, with its prompt tokenized.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidRequest {
+    pub prompt: Vec<u32>,
+    pub sampling: WireSampling,
+    pub stop: Vec<String>,
+    pub keep_special_tokens: bool,
+    pub echo_prompt_ids: bool,
+}
+
+/// Validates `req`; `tokenize` turns a text prompt into ids (BOS included).
+pub fn validate(
+    req: &GenerateRequest,
+    limits: ModelLimits,
+    tokenize: impl FnOnce(&str) -> Result<Vec<u32>, RouterError>,
+) -> Result<ValidRequest, RouterError> {
+    let s = req.sampling.unwrap_or_default();
+    let temperature = s.temperature.unwrap_or(0.0);
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(RouterError::invalid(
+            "sampling.temperature",
+            format!("must be finite and >= 0, got {temperature}"),
+        ));
+    }
+    let top_k = s.top_k.unwrap_or(0);
+    if top_k < 0 {
+        return Err(RouterError::invalid("sampling.top_k", format!("must be >= 0 (0 = no cut), got {top_k}")));
+    }
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(RouterError::invalid("sampling.top_p", format!("must be in (0, 1], got {top_p}")));
+    }
+
+    let st = req.stopping.clone().unwrap_or_default();
+    if st.stop.len() > MAX_STOP_STRINGS {
+        return Err(RouterError::invalid(
+            "stopping.stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings, got {}", st.stop.len()),
+        ));
+    }
+    for (i, stop) in st.stop.iter().enumerate() {
+        if stop.is_empty() {
+            return Err(RouterError::invalid(format!("stopping.stop[{i}]"), "must not be empty"));
+        }
+        if stop.len() > MAX_STOP_BYTES {
+            return Err(RouterError::invalid(
+                format!("stopping.stop[{i}]"),
+                format!("at most {MAX_STOP_BYTES} bytes, got {}", stop.len()),
+            ));
+        }
+    }
+    for (i, &id) in st.stop_token_ids.iter().enumerate() {
+        if id >= limits.vocab_size {
+            return Err(RouterError::invalid(
+                format!("stopping.stop_token_ids[{i}]"),
+                format!("id {id} is not below the vocabulary size {}", limits.vocab_size),
+            ));
+        }
+    }
+    if st.max_new_tokens == Some(0) {
+        return Err(RouterError::invalid("stopping.max_new_tokens", "must be >= 1"));
+    }
+
+    let prompt = match &req.prompt {
+        None => return Err(RouterError::invalid("prompt", "must be set (text or token_ids)")),
+        Some(Prompt::Text(t)) if t.is_empty() => return Err(RouterError::invalid("prompt.text", "must not be empty")),
+        Some(Prompt::TokenIds(t)) if t.ids.is_empty() => {
+            return Err(RouterError::invalid("prompt.token_ids", "must not be empty"))
+        }
+        Some(Prompt::TokenIds(t)) => {
+            if let Some((i, id)) = t.ids.iter().enumerate().find(|(_, &id)| id >= limits.vocab_size) {
+                return Err(RouterError::invalid(
+                    format!("prompt.token_ids[{i}]"),
+                    format!("id {id} is not below the vocabulary size {}", limits.vocab_size),
+                ));
+            }
+            t.ids.clone()
+        }
+        Some(Prompt::Text(t)) => {
+            // Cheap bound first: a byte-level tokenizer makes at most one token per byte,
+            // so only absurdly long texts are refused before tokenizing.
+            if t.len() > 64 * limits.max_context as usize {
+                return Err(RouterError::invalid(
+                    "prompt.text",
+                    format!("{} bytes cannot fit the model's context of {} tokens", t.len(), limits.max_context),
+                ));
+            }
+            tokenize(t)?
+        }
+    };
+    let field = if matches!(req.prompt, Some(Prompt::Text(_))) { "prompt.text" } else { "prompt.token_ids" };
+    // One position must remain for at least one new token.
+    if prompt.len() >= limits.max_context as usize {
+        return Err(RouterError::invalid(
+            field,
+            format!(
+                "{} prompt tokens leave no room in the model's context of {} tokens",
+                prompt.len(),
+                limits.max_context
+            ),
+        ));
+    }
+    let room = limits.max_context - prompt.len() as u32;
+    let max_new_tokens = match st.max_new_tokens {
+        None => DEFAULT_MAX_NEW_TOKENS.min(room),
+        Some(n) if n > room => {
+            return Err(RouterError::invalid(
+                "stopping.max_new_tokens",
+                format!(
+                    "{n} new tokens after {} prompt tokens exceed the model's context of {} tokens (at most {room})",
+                    prompt.len(),
+                    limits.max_context
+                ),
+            ))
+        }
+        Some(n) => n,
+    };
+    Ok(ValidRequest {
+        prompt,
+        sampling: WireSampling {
+            temperature,
+            top_k: top_k as u32,
+            top_p,
+            seed: s.seed,
+            max_new_tokens,
+            stop_token_ids: st.stop_token_ids,
+            ignore_eos: st.ignore_eos,
+        },
+        stop: st.stop,
+        keep_special_tokens: req.keep_special_tokens,
+        echo_prompt_ids: req.echo_prompt_ids,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlaserve_proto::v1::{SamplingParams, StoppingCriteria, TokenIds};
+
+    const LIMITS: ModelLimits = ModelLimits { vocab_size: 100, max_context: 50 };
+
+    fn req(prompt: Option<Prompt>) -> GenerateRequest {
+        GenerateRequest { prompt, ..Default::default() }
+    }
+
+    fn text(t: &str) -> GenerateRequest {
+        req(Some(Prompt::Text(t.into())))
+    }
+
+    fn chars(t: &str) -> Result<Vec<u32>, RouterError> {
+        Ok(t.bytes().map(|b| b as u32 % 100).collect())
+    }
+
+    fn field_of(r: &GenerateRequest) -> String {
+        match validate(r, LIMITS, chars) {
+            Err(RouterError::Invalid { field, .. }) => field,
+            other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+        }
+    }
+
+    fn with_sampling(s: SamplingParams) -> GenerateRequest {
+        GenerateRequest { sampling: Some(s), ..text("hi") }
+    }
+
+    fn with_stopping(s: StoppingCriteria) -> GenerateRequest {
+        GenerateRequest { stopping: Some(s), ..text("hi") }
+    }
+
+    #[test]
+    fn defaults() {
+        let v = validate(&text("hello"), LIMITS, chars).expect("valid");
+        assert_eq!(v.prompt.len(), 5);
+        assert_eq!(v.sampling.max_new_tokens, 45, "default clipped to the room left");
+        assert_eq!(v.sampling.temperature, 0.0);
+        assert_eq!(v.sampling.top_p, 1.0);
+    }
+
+    #[test]
+    fn prompt_fields() {
+        assert_eq!(field_of(&req(None)), "prompt");
+        assert_eq!(field_of(&text("")), "prompt.text");
+        assert_eq!(field_of(&req(Some(Prompt::TokenIds(TokenIds { ids: vec![] })))), "prompt.token_ids");
+        assert_eq!(field_of(&req(Some(Prompt::TokenIds(TokenIds { ids: vec![1, 100] })))), "prompt.token_ids[1]");
+        assert_eq!(field_of(&text(&"x".repeat(50))), "prompt.text");
+        assert_eq!(field_of(&text(&"x".repeat(100_000))), "prompt.text");
+    }
+
+    #[test]
+    fn sampling_fields() {
+        for t in [-0.1, f32::NAN, f32::INFINITY] {
+            let r = with_sampling(SamplingParams { temperature: Some(t), ..Default::default() });
+            assert_eq!(field_of(&r), "sampling.temperature");
+        }
+        for p in [0.0, -1.0, 1.01, f32::NAN] {
+            let r = with_sampling(SamplingParams { top_p: Some(p), ..Default::default() });
+            assert_eq!(field_of(&r), "sampling.top_p");
+        }
+        let r = with_sampling(SamplingParams { top_k: Some(-1), ..Default::default() });
+        assert_eq!(field_of(&r), "sampling.top_k");
+        let ok =
+            with_sampling(SamplingParams { temperature: Some(0.7), top_k: Some(5), top_p: Some(1.0), seed: Some(3) });
+        assert!(validate(&ok, LIMITS, chars).is_ok());
+    }
+
+    #[test]
+    fn stopping_fields() {
+        let r = with_stopping(StoppingCriteria { max_new_tokens: Some(0), ..Default::default() });
+        assert_eq!(field_of(&r), "stopping.max_new_tokens");
+        let r = with_stopping(StoppingCriteria { max_new_tokens: Some(49), ..Default::default() });
+        assert_eq!(field_of(&r), "stopping.max_new_tokens");
+        let r = with_stopping(StoppingCriteria { max_new_tokens: Some(48), ..Default::default() });
+        assert!(validate(&r, LIMITS, chars).is_ok());
+        let r = with_stopping(StoppingCriteria { stop: vec!["a".into(); 17], ..Default::default() });
+        assert_eq!(field_of(&r), "stopping.stop");
+        let r = with_stopping(StoppingCriteria { stop: vec!["a".into(), String::new()], ..Default::default() });
+        assert_eq!(field_of(&r), "stopping.stop[1]");
+        let r = with_stopping(StoppingCriteria { stop: vec!["a".repeat(257)], ..Default::default() });
+        assert_eq!(field_of(&r), "stopping.stop[0]");
+        let r = with_stopping(StoppingCriteria { stop_token_ids: vec![3, 100], ..Default::default() });
+        assert_eq!(field_of(&r), "stopping.stop_token_ids[1]");
+    }
+}

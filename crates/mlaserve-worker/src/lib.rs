@@ -1,0 +1,159 @@
+//! mlaserve-worker: a worker group's leader as a gRPC server (DESIGN §1, §7).
+//!
+//! [`service`] speaks `mlaserve.worker.v1` to routers over the engine's async handle;
+//! [`start`] brings up the engine-backed server, health, and (with `--etcd`) the
+//! group's registration under a lease, which happens only once the group is ready.
+//! [`serve`] runs a router and one group in one process (`mlaserve serve`).
+
+pub mod args;
+pub mod serve;
+pub mod service;
+
+pub use args::WorkerArgs;
+pub use serve::{ServeArgs, ServeHandle};
+
+use mlaserve_engine::{EngineError, EngineHandle};
+use mlaserve_proto::worker::{worker_server::WorkerServer, GroupInfo};
+use mlaserve_router::discovery::{self, Registered, Registration};
+use service::WorkerService;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tonic::transport::server::TcpIncoming;
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("model: {0}")]
+    Model(#[from] mlaserve_core::Error),
+    #[error("engine: {0}")]
+    Engine(#[from] EngineError),
+    #[error("cannot listen on {0}: {1}")]
+    Bind(SocketAddr, std::io::Error),
+    #[error("etcd registration: {0}")]
+    Etcd(#[from] mlaserve_router::etcd::EtcdError),
+}
+
+/// A running group leader.
+#[derive(Debug)]
+pub struct WorkerHandle {
+    /// Where the worker API listens.
+    pub addr: SocketAddr,
+    /// The group's name (its etcd key).
+    pub group: String,
+    pub engine: EngineHandle,
+    registration: Option<Registered>,
+    shutdown_tx: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    stats: tokio::task::JoinHandle<()>,
+}
+
+/// Starts the engine on the CPU reference backend, then the server.
+pub async fn start_cpu(args: WorkerArgs) -> Result<WorkerHandle, WorkerError> {
+    let dir = args.model.clone();
+    let blocks = args.kv_blocks;
+    let engine =
+        EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&dir, blocks), args.engine_config()).await?;
+    start(args, engine).await
+}
+
+/// Serves `engine` (already running the model in `args.model`); registers in etcd when
+/// configured. Returns once the server listens and the group is registered.
+pub async fn start(args: WorkerArgs, engine: EngineHandle) -> Result<WorkerHandle, WorkerError> {
+    let config = mlaserve_model::load_config(&args.model)?;
+    let tokenizer_eos = mlaserve_model::Tokenizer::from_dir(&args.model, &config)
+        .map(|t| t.eos_token_ids().to_vec())
+        .unwrap_or_else(|_| config.eos_token_ids.clone());
+    let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| WorkerError::Bind(args.listen, e))?;
+    let addr = listener.local_addr().map_err(|e| WorkerError::Bind(args.listen, e))?;
+    let group = args.group.clone().unwrap_or_else(|| format!("group-{}", addr.port()));
+    let ei = engine.info();
+    let info = GroupInfo {
+        group: group.clone(),
+        model_name: args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        vocab_size: config.vocab_size as u32,
+        max_context_tokens: ei.max_model_len as u32,
+        eos_token_ids: tokenizer_eos,
+        speculative_tokens: ei.num_speculative_tokens as u32,
+        tp_size: 1,
+        kv_blocks_total: ei.kv_blocks_total as u32,
+        block_size: mlaserve_core::BLOCK_SIZE as u32,
+    };
+    if let Some(m) = args.metrics_listen {
+        mlaserve_router::metrics::serve(m).await.map_err(|e| WorkerError::Bind(m, e))?;
+    }
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<WorkerServer<WorkerService>>().await;
+    let svc = WorkerServer::new(WorkerService { engine: engine.clone(), info })
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
+    let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(4096))
+            .http2_keepalive_interval(Some(Duration::from_secs(2)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(4)))
+            .add_service(svc)
+            .add_service(health)
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), async {
+                let _ = shutdown_rx.await;
+            }),
+    );
+    let stats = tokio::spawn(export_stats(engine.clone()));
+    // Register only now: the engine runs and the server accepts connections.
+    let registration = if args.etcd.is_empty() {
+        None
+    } else {
+        let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
+        let reg = Registration { addr: discovery::normalize_addr(&advertise), tp_size: 1 };
+        Some(
+            discovery::register(args.etcd.clone(), &args.cluster, &group, reg, Duration::from_secs(args.lease_ttl_s))
+                .await?,
+        )
+    };
+    tracing::info!(%addr, group, "worker listening");
+    Ok(WorkerHandle { addr, group, engine, registration, shutdown_tx: Some(shutdown_tx), server, stats })
+}
+
+impl WorkerHandle {
+    /// Deregisters, stops the server and the engine (in-flight requests are aborted).
+    pub async fn shutdown(mut self) {
+        if let Some(r) = self.registration.take() {
+            r.deregister().await;
+        }
+        if let Some(tx) = self.shutdown_tx.take() {
+            let _ = tx.send(());
+        }
+        self.stats.abort();
+        let _ = self.engine.shutdown().await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
+        self.server.abort();
+    }
+}
+
+/// Publishes the engine's cumulative step counters once a second.
+async fn export_stats(engine: EngineHandle) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Ok(s) = engine.stats().await else { return };
+        let t = s.times;
+        metrics::counter!("mlaserve_engine_steps_total").absolute(t.steps);
+        // Cumulative seconds as a gauge (metrics counters are integers):
+        // rate(step_seconds) / rate(steps) is the mean step time.
+        for (phase, us) in
+            [("schedule", t.schedule_us), ("forward", t.forward_us), ("verify", t.verify_us), ("draft", t.draft_us)]
+        {
+            metrics::gauge!("mlaserve_engine_step_seconds_total", "phase" => phase).set(us as f64 / 1e6);
+        }
+    }
+}
+
+/// `mlaserve worker` on the CPU backend: starts, prints where it listens, serves until
+/// SIGTERM or Ctrl-C, then deregisters and stops.
+pub async fn run_cpu(args: WorkerArgs) -> Result<(), WorkerError> {
+    let h = start_cpu(args).await?;
+    println!("mlaserve worker group `{}` listening on {}", h.group, h.addr);
+    mlaserve_router::server::shutdown_signal().await;
+    h.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! `mlaserve serve`: a router and one worker group in one process — the embedded
+//! default. The group listens on a private loopback port and the router reaches it
+//! over real gRPC, exactly as in a split deployment.
+
+use crate::{WorkerArgs, WorkerError, WorkerHandle};
+use mlaserve_engine::EngineHandle;
+use mlaserve_router::{RouterArgs, RouterHandle, StartError};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The bundled small model `serve` runs when given no `--model`.
+pub const DEFAULT_MODEL: &str = "models/mla-tiny-code";
+
+/// Settings of `mlaserve serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address of the public gRPC API.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Address of the Prometheus `/metrics` endpoint; none when unset.
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Model directory (default: the bundled model, relative to the repository root).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// KV cache blocks (64 tokens each).
+    #[arg(long, default_value_t = 512)]
+    pub kv_blocks: usize,
+    /// Draft tokens per decode step (0..=4); default: 3 when the model has MTP layers.
+    #[arg(long)]
+    pub speculative_tokens: Option<usize>,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Most requests holding cache at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Requests admitted at once; the next one gets RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 2048)]
+    pub queue_size: usize,
+    /// Largest request message in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_message_bytes: usize,
+    /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
+}
+
+impl ServeArgs {
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        let r = RouterArgs::new(model);
+        let w = WorkerArgs::new(r.model.clone());
+        ServeArgs {
+            listen: r.listen,
+            metrics_listen: None,
+            model: r.model,
+            kv_blocks: w.kv_blocks,
+            speculative_tokens: None,
+            max_batch_tokens: w.max_batch_tokens,
+            max_num_seqs: w.max_num_seqs,
+            queue_size: r.queue_size,
+            max_message_bytes: r.max_message_bytes,
+            drain_timeout_s: r.drain_timeout_s,
+        }
+    }
+
+    fn worker_args(&self) -> WorkerArgs {
+        WorkerArgs {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            kv_blocks: self.kv_blocks,
+            speculative_tokens: self.speculative_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            max_num_seqs: self.max_num_seqs,
+            group: Some("local".into()),
+            ..WorkerArgs::new(self.model.clone())
+        }
+    }
+
+    fn router_args(&self, worker: SocketAddr) -> RouterArgs {
+        RouterArgs {
+            listen: self.listen,
+            metrics_listen: self.metrics_listen,
+            workers: vec![format!("http://{worker}")],
+            queue_size: self.queue_size,
+            max_message_bytes: self.max_message_bytes,
+            drain_timeout_s: self.drain_timeout_s,
+            ..RouterArgs::new(self.model.clone())
+        }
+    }
+}
+
+/// Why `serve` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    #[error(transparent)]
+    Router(#[from] StartError),
+}
+
+/// A running router + group.
+#[derive(Debug)]
+pub struct ServeHandle {
+    pub router: RouterHandle,
+    pub worker: WorkerHandle,
+}
+
+impl ServeHandle {
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.router.addr
+    }
+
+    /// Waits until the router sees the group ready (at most `timeout`).
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let mut w = self.router.pool().ready_watch();
+        tokio::time::timeout(timeout, w.wait_for(|n| *n > 0)).await.is_ok_and(|r| r.is_ok())
+    }
+
+    /// Drains the router for up to `drain`, then stops both halves.
+    pub async fn shutdown(self, drain: Duration) {
+        self.router.drain(drain).await;
+        self.router.shutdown().await;
+        self.worker.shutdown().await;
+    }
+}
+
+/// Starts the group on `engine`, then the router in front of it.
+pub async fn start_with_engine(args: &ServeArgs, engine: EngineHandle) -> Result<ServeHandle, ServeError> {
+    let worker = crate::start(args.worker_args(), engine).await?;
+    let router = mlaserve_router::start(args.router_args(worker.addr)).await?;
+    let h = ServeHandle { router, worker };
+    h.wait_ready(Duration::from_secs(10)).await;
+    Ok(h)
+}
+
+/// Starts the group on the CPU reference backend, then the router.
+pub async fn start_cpu(args: &ServeArgs) -> Result<ServeHandle, ServeError> {
+    let dir = args.model.clone();
+    let blocks = args.kv_blocks;
+    let engine =
+        EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&dir, blocks), args.worker_args().engine_config())
+            .await
+            .map_err(WorkerError::from)?;
+    start_with_engine(args, engine).await
+}
+
+/// `mlaserve serve` once the engine runs: prints where it listens, serves until SIGTERM
+/// or Ctrl-C, drains, stops.
+pub async fn run_with_engine(args: ServeArgs, engine: EngineHandle) -> Result<(), ServeError> {
+    let h = start_with_engine(&args, engine).await?;
+    announce(&h);
+    mlaserve_router::server::shutdown_signal().await;
+    h.shutdown(Duration::from_secs(args.drain_timeout_s)).await;
+    Ok(())
+}
+
+/// `mlaserve serve` on the CPU backend.
+pub async fn run_cpu(args: ServeArgs) -> Result<(), ServeError> {
+    let h = start_cpu(&args).await?;
+    announce(&h);
+    mlaserve_router::server::shutdown_signal().await;
+    h.shutdown(Duration::from_secs(args.drain_timeout_s)).await;
+    Ok(())
+}
+
+fn announce(h: &ServeHandle) {
+    println!("mlaserve serving on {} (gRPC: mlaserve.v1.Generation, grpc.health.v1, reflection)", h.router.addr);
+    if let Some(m) = h.router.metrics_addr {
+        println!("metrics on http://{m}/metrics");
+    }
+}

@@ -1,0 +1,221 @@
+//! The `mlaserve.worker.v1.Worker` service on a group's leader: sessions from routers
+//! over the engine's async handle.
+//!
+//! Per session: a reader takes `RouterBatch`es and starts one forwarder task per
+//! submission (all of a batch reach the engine's command queue together, so they join
+//! the same step); forwarders push the engine's events into one session queue; a
+//! writer drains that queue into `WorkerBatch`es, each with the group's load. Aborting
+//! a request drops its event receiver, which the engine turns into an abort at its next
+//! iteration. When the session ends — the router left or its connection broke — every
+//! request it submitted is aborted, so a dead router never leaks KV blocks.
+
+use mlaserve_engine::{EngineError, EngineHandle, Event as EngineEvent, FinishReason, Request, SamplingParams};
+use mlaserve_proto::worker::{
+    self as wire, worker_server::Worker, Event, Finished, GetInfoRequest, GetLoadRequest, GroupInfo, Load, RouterBatch,
+    WorkerBatch,
+};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Code, Request as GrpcRequest, Response, Status, Streaming};
+
+/// Most events in one `WorkerBatch`.
+const MAX_EVENTS: usize = 4096;
+/// Load is pushed at least this often while a session is idle.
+const LOAD_PERIOD: Duration = Duration::from_millis(200);
+
+/// The worker service (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct WorkerService {
+    pub engine: EngineHandle,
+    pub info: GroupInfo,
+}
+
+/// The group's load in wire form.
+pub fn wire_load(engine: &EngineHandle) -> Load {
+    let l = engine.load();
+    Load {
+        running: l.running_requests as u32,
+        waiting: l.queued_requests as u32,
+        outstanding_tokens: l.outstanding_tokens,
+        kv_blocks_total: l.kv_blocks_total as u32,
+        kv_blocks_free: l.kv_blocks_free as u32,
+    }
+}
+
+type SessionStream = Pin<Box<dyn Stream<Item = Result<WorkerBatch, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    type SessionStream = SessionStream;
+
+    async fn session(&self, req: GrpcRequest<Streaming<RouterBatch>>) -> Result<Response<SessionStream>, Status> {
+        let inbound = req.into_inner();
+        let (out_tx, out_rx) = mpsc::channel(64);
+        let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+        let live: Live = Arc::default();
+        let writer = tokio::spawn(write_session(self.engine.clone(), ev_rx, out_tx));
+        tokio::spawn(read_session(self.engine.clone(), inbound, ev_tx, live, writer));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out_rx))))
+    }
+
+    async fn get_info(&self, _r: GrpcRequest<GetInfoRequest>) -> Result<Response<GroupInfo>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn get_load(&self, _r: GrpcRequest<GetLoadRequest>) -> Result<Response<Load>, Status> {
+        Ok(Response::new(wire_load(&self.engine)))
+    }
+}
+
+/// Forwarder tasks of a session's live requests, by router id.
+type Live = Arc<Mutex<HashMap<u64, JoinHandle<()>>>>;
+
+async fn read_session(
+    engine: EngineHandle,
+    mut inbound: Streaming<RouterBatch>,
+    ev_tx: mpsc::UnboundedSender<Event>,
+    live: Live,
+    writer: JoinHandle<()>,
+) {
+    loop {
+        let batch = match inbound.next().await {
+            Some(Ok(b)) => b,
+            Some(Err(s)) => {
+                tracing::info!(status = %s, "router session broke");
+                break;
+            }
+            None => break,
+        };
+        for id in batch.abort {
+            if let Some(task) = lock(&live).remove(&id) {
+                task.abort();
+            }
+        }
+        for s in batch.submit {
+            let id = s.id;
+            // Insert under the lock the task itself takes to remove its entry, so a
+            // request that ends at once cannot leave a stale entry behind.
+            let mut g = lock(&live);
+            let task = tokio::spawn(forward(engine.clone(), s, ev_tx.clone(), live.clone()));
+            g.insert(id, task);
+        }
+    }
+    // The router is gone: abort everything it submitted.
+    let tasks: Vec<JoinHandle<()>> = lock(&live).drain().map(|(_, t)| t).collect();
+    for t in tasks {
+        t.abort();
+    }
+    writer.abort();
+}
+
+/// Runs one request: submit, then relay its events until it finishes.
+async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSender<Event>, live: Live) {
+    let id = s.id;
+    let submitted = Instant::now();
+    let sp = s.sampling.unwrap_or_default();
+    let sampling = SamplingParams {
+        temperature: sp.temperature,
+        top_k: sp.top_k,
+        top_p: sp.top_p,
+        seed: sp.seed,
+        max_new_tokens: sp.max_new_tokens,
+        stop_token_ids: sp.stop_token_ids,
+        stop_sequences: Vec::new(),
+        ignore_eos: sp.ignore_eos,
+    };
+    let mut rx = match engine.submit(Request::new(s.prompt, sampling)).await {
+        Ok((_, rx)) => rx,
+        Err(e) => {
+            let (code, msg) = match &e {
+                EngineError::InvalidRequest { .. } => (Code::InvalidArgument, e.to_string()),
+                EngineError::QueueFull(_) => (Code::ResourceExhausted, e.to_string()),
+                EngineError::Stopped => (Code::Unavailable, e.to_string()),
+                _ => (Code::Internal, e.to_string()),
+            };
+            let finished = Finished {
+                reason: wire::FinishReason::Error as i32,
+                usage: None,
+                error: msg,
+                status_code: code as i32,
+            };
+            let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(finished) });
+            lock(&live).remove(&id);
+            return;
+        }
+    };
+    let mut first_token: Option<f32> = None;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            EngineEvent::Tokens(tokens) => {
+                first_token.get_or_insert_with(|| submitted.elapsed().as_secs_f32());
+                if ev_tx.send(Event { id, tokens, finished: None }).is_err() {
+                    break;
+                }
+            }
+            EngineEvent::Finished { reason, usage } => {
+                let (reason, error, code) = match reason {
+                    FinishReason::Stop(_) => (wire::FinishReason::StopToken, String::new(), Code::Ok),
+                    FinishReason::Length => (wire::FinishReason::Length, String::new(), Code::Ok),
+                    FinishReason::Abort => (wire::FinishReason::Aborted, String::new(), Code::Ok),
+                    FinishReason::Error(m) => (wire::FinishReason::Error, m, Code::Internal),
+                };
+                let usage = wire::Usage {
+                    prompt_tokens: usage.prompt_tokens as u32,
+                    completion_tokens: usage.generated_tokens as u32,
+                    draft_tokens: usage.draft_tokens as u32,
+                    accepted_tokens: usage.accepted_tokens as u32,
+                    decode_steps: usage.decode_steps as u32,
+                    time_to_first_token_s: first_token.unwrap_or(0.0),
+                    accepted_per_position: usage.accepted_per_position.iter().map(|&n| n as u32).collect(),
+                };
+                let finished = Finished { reason: reason as i32, usage: Some(usage), error, status_code: code as i32 };
+                let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(finished) });
+                break;
+            }
+        }
+    }
+    lock(&live).remove(&id);
+}
+
+/// Drains the session's events into batches, each with the current load.
+async fn write_session(
+    engine: EngineHandle,
+    mut ev_rx: mpsc::UnboundedReceiver<Event>,
+    out: mpsc::Sender<Result<WorkerBatch, Status>>,
+) {
+    // The first message tells the router the session is up and how loaded we are.
+    if out.send(Ok(WorkerBatch { events: Vec::new(), load: Some(wire_load(&engine)) })).await.is_err() {
+        return;
+    }
+    loop {
+        let mut events = Vec::new();
+        tokio::select! {
+            ev = ev_rx.recv() => match ev {
+                Some(ev) => events.push(ev),
+                None => return,
+            },
+            _ = tokio::time::sleep(LOAD_PERIOD) => {}
+        }
+        while events.len() < MAX_EVENTS {
+            match ev_rx.try_recv() {
+                Ok(ev) => events.push(ev),
+                Err(_) => break,
+            }
+        }
+        if out.send(Ok(WorkerBatch { events, load: Some(wire_load(&engine)) })).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
