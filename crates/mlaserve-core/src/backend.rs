@@ -113,6 +113,10 @@ pub trait Backend {
 
     /// Copies hidden rows to the host (`rows × hidden_size`), for tests and debugging.
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>>;
+
+    /// A new hidden state made of the given rows of each part, in order (the drafter
+    /// joins rows kept from the previous step with the current stage's output).
+    fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden>;
 }
 
 /// A mutable borrow of a backend is a backend (so a caller can keep ownership).
@@ -139,5 +143,8 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
         (**self).hidden_to_host(h)
+    }
+    fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
+        (**self).concat_hidden(parts)
     }
 }

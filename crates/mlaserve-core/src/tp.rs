@@ -21,8 +21,9 @@ use std::collections::VecDeque;
 const OP_FORWARD: u32 = 1;
 const OP_MTP: u32 = 2;
 const OP_SHUTDOWN: u32 = 3;
+const OP_CONCAT: u32 = 4;
 /// Hidden states a follower keeps (the engine only refers back to recent ones).
-const KEEP_HIDDEN: usize = 16;
+const KEEP_HIDDEN: usize = 64;
 
 /// A hidden state tagged with the plan number that produced it.
 #[derive(Debug)]
@@ -107,6 +108,20 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
         self.inner.hidden_to_host(&h.inner)
     }
+
+    fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        let mut w = vec![OP_CONCAT, id, parts.len() as u32];
+        for (h, rows) in parts {
+            w.push(h.id);
+            w.push(rows.len() as u32);
+            w.extend_from_slice(rows);
+        }
+        self.send(&w)?;
+        let inner: Vec<(&B::Hidden, &[u32])> = parts.iter().map(|(h, r)| (&h.inner, *r)).collect();
+        Ok(TpHidden { id, inner: self.inner.concat_hidden(&inner)? })
+    }
 }
 
 /// A follower rank's loop: executes the leader's plans on `backend` until the leader
@@ -139,6 +154,25 @@ pub fn run_follower<B: Backend, C: Collective>(backend: &mut B, comm: &C) -> Res
                 })?;
                 let out = backend.mtp_forward(layer, &batch, prev, &rows)?;
                 hidden.push_back((id, out.hidden));
+            }
+            OP_CONCAT => {
+                let id = r.next()?;
+                let n = r.next()? as usize;
+                let mut spec = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let hid = r.next()?;
+                    let len = r.next()? as usize;
+                    spec.push((hid, r.take(len)?.to_vec()));
+                }
+                let mut parts = Vec::with_capacity(n);
+                for (hid, rows) in &spec {
+                    let h = hidden.iter().find(|(i, _)| i == hid).map(|(_, h)| h).ok_or_else(|| {
+                        Error::Collective(format!("plan refers to hidden state {hid}, no longer kept"))
+                    })?;
+                    parts.push((h, rows.as_slice()));
+                }
+                let out = backend.concat_hidden(&parts)?;
+                hidden.push_back((id, out));
             }
             op => return Err(Error::Collective(format!("unknown plan op {op}"))),
         }

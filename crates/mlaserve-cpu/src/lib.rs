@@ -351,4 +351,20 @@ impl Backend for CpuBackend {
     fn hidden_to_host(&self, h: &CpuHidden) -> Result<Vec<f32>> {
         Ok(h.data.clone())
     }
+
+    fn concat_hidden(&mut self, parts: &[(&CpuHidden, &[u32])]) -> Result<CpuHidden> {
+        let h = self.cfg.hidden_size;
+        let rows: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        let mut data = Vec::with_capacity(rows * h);
+        for (src, sel) in parts {
+            for &r in *sel {
+                let r = r as usize;
+                if r >= src.rows {
+                    return Err(Error::Batch(format!("hidden row {r} >= {} rows", src.rows)));
+                }
+                data.extend_from_slice(&src.data[r * h..(r + 1) * h]);
+            }
+        }
+        Ok(CpuHidden { rows, data })
+    }
 }

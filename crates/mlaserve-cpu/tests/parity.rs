@@ -66,9 +66,19 @@ fn one(tokens: &[u32], start_pos: usize, table: &[u32]) -> Batch {
 
 const TOL: f32 = 1e-4;
 
+/// A preset generated into a temp dir, or the bundled model from `models/`.
+fn checkpoint(name: &str) -> (Option<tempfile::TempDir>, PathBuf) {
+    let bundled = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name);
+    if bundled.is_dir() {
+        return (None, bundled);
+    }
+    let (t, p) = model_dir(name);
+    (Some(t), p)
+}
+
 fn check_target(preset: &str, mode: AttnMode) {
     let g = Golden::load(preset);
-    let (_t, dir) = model_dir(preset);
+    let (_t, dir) = checkpoint(preset);
     let mut b = CpuBackend::load(&dir, 32).unwrap();
     b.set_attn_mode(mode);
     let prompt = g.ids("prompt_ids");
@@ -103,9 +113,19 @@ fn tiny_v2_matches_transformers() {
 }
 
 #[test]
+fn bundled_model_matches_transformers() {
+    check_target("mla-tiny-code", AttnMode::Absorbed);
+    check_mtp("mla-tiny-code");
+}
+
+#[test]
 fn tiny_v3_mtp_matches_reference() {
-    let g = Golden::load("tiny-v3");
-    let (_t, dir) = model_dir("tiny-v3");
+    check_mtp("tiny-v3");
+}
+
+fn check_mtp(name: &str) {
+    let g = Golden::load(name);
+    let (_t, dir) = checkpoint(name);
     let mut b = CpuBackend::load(&dir, 16).unwrap();
     let seq: Vec<u32> = [g.ids("prompt_ids"), g.ids("decode_ids")].concat();
     let tb = table(0, seq.len());

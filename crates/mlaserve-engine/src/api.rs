@@ -71,6 +71,9 @@ pub struct Usage {
     pub accepted_tokens: u64,
     /// `accepted_per_position[j]`: how often draft `j + 1` was accepted and emitted.
     pub accepted_per_position: Vec<u64>,
+    /// `verified_per_position[j]`: how often the verifier accepted draft `j + 1`, also
+    /// when a stop condition then cut the run (the drafter's own accuracy).
+    pub verified_per_position: Vec<u64>,
     /// Decode steps the request took part in (verify windows).
     pub decode_steps: u64,
     /// Times the request was preempted (its cache dropped and recomputed later).
@@ -99,6 +102,12 @@ impl Usage {
             self.accepted_per_position.resize(o.accepted_per_position.len(), 0);
         }
         for (a, b) in self.accepted_per_position.iter_mut().zip(&o.accepted_per_position) {
+            *a += b;
+        }
+        if self.verified_per_position.len() < o.verified_per_position.len() {
+            self.verified_per_position.resize(o.verified_per_position.len(), 0);
+        }
+        for (a, b) in self.verified_per_position.iter_mut().zip(&o.verified_per_position) {
             *a += b;
         }
     }

@@ -106,6 +106,12 @@ impl<B: Backend> Backend for Timed<B> {
     fn hidden_to_host(&self, h: &B::Hidden) -> mlaserve_core::Result<Vec<f32>> {
         self.inner.hidden_to_host(h)
     }
+    fn concat_hidden(&mut self, parts: &[(&B::Hidden, &[u32])]) -> mlaserve_core::Result<B::Hidden> {
+        let t = Instant::now();
+        let r = self.inner.concat_hidden(parts);
+        self.ns += t.elapsed().as_nanos() as u64;
+        r
+    }
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {

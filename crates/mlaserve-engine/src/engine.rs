@@ -6,7 +6,7 @@ use crate::api::{
     EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, StepTimes, Usage, MAX_SPECULATIVE_TOKENS,
 };
 use crate::block::{blocks_for, BlockManager};
-use crate::draft::{chunk_at, draft, DraftJob, DraftScratch};
+use crate::draft::{chunk_at, draft, DraftJob, DraftScratch, MtpMemory};
 use crate::error::{EngineError, Result};
 use crate::rng::mix64;
 use crate::sampling::{choose_token, verify_window};
@@ -39,6 +39,7 @@ pub struct Engine<B: Backend> {
     /// Reused between steps to avoid reallocating every chunk.
     batch: Batch,
     scratch: DraftScratch,
+    mtp: MtpMemory<B::Hidden>,
     jobs: Vec<DraftJob>,
 }
 
@@ -106,6 +107,7 @@ impl<B: Backend> Engine<B> {
             times: StepTimes::default(),
             batch: Batch::default(),
             scratch: DraftScratch::default(),
+            mtp: MtpMemory::default(),
             jobs: Vec::new(),
         })
     }
@@ -252,8 +254,8 @@ impl<B: Backend> Engine<B> {
         let mut draft_err = None;
         if !jobs.is_empty() {
             let (k, n_mtp) = (self.lim.k, self.n_mtp);
-            let (running, batch, sc) = (&mut self.running, &mut self.batch, &mut self.scratch);
-            match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc) {
+            let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
+            match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc, mem) {
                 Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
                 Err(e) => draft_err = Some(e),
             }
@@ -326,6 +328,9 @@ impl<B: Backend> Engine<B> {
                     let ver = verify_window(w, v, &s.drafts, &s.params, s.seed, (start + 1) as u64);
                     s.usage.draft_tokens += k as u64;
                     s.usage.decode_steps += 1;
+                    for v in &mut s.usage.verified_per_position[..ver.accepted] {
+                        *v += 1;
+                    }
                     for (j, &tok) in ver.tokens.iter().enumerate() {
                         emitted.push(tok);
                         if j < ver.accepted {

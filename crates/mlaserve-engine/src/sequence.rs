@@ -33,12 +33,18 @@ pub(crate) struct Sequence {
     pub block_table: Vec<u32>,
     pub usage: Usage,
     pub sched: Option<Sched>,
+    /// Rows the drafter kept for this request from its last step.
+    pub mtp_tail: Option<crate::draft::MtpTail>,
 }
 
 impl Sequence {
     pub fn new(id: RequestId, arrival: u64, prompt: Vec<u32>, params: SamplingParams, seed: u64, k: usize) -> Self {
-        let usage =
-            Usage { prompt_tokens: prompt.len() as u64, accepted_per_position: vec![0; k], ..Default::default() };
+        let usage = Usage {
+            prompt_tokens: prompt.len() as u64,
+            accepted_per_position: vec![0; k],
+            verified_per_position: vec![0; k],
+            ..Default::default()
+        };
         Sequence {
             id,
             arrival,
@@ -52,6 +58,7 @@ impl Sequence {
             block_table: Vec::new(),
             usage,
             sched: None,
+            mtp_tail: None,
         }
     }
 

@@ -169,4 +169,17 @@ impl Backend for SyntheticBackend {
     fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {
         Ok(h.iter().map(|&x| x as f32).collect())
     }
+
+    fn concat_hidden(&mut self, parts: &[(&Vec<u64>, &[u32])]) -> mlaserve_core::Result<Vec<u64>> {
+        let mut out = Vec::new();
+        for (h, rows) in parts {
+            for &r in *rows {
+                out.push(
+                    *h.get(r as usize)
+                        .ok_or_else(|| mlaserve_core::Error::Batch(format!("hidden row {r} out of range")))?,
+                );
+            }
+        }
+        Ok(out)
+    }
 }

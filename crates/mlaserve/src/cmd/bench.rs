@@ -135,8 +135,9 @@ fn acceptance(a: AcceptanceArgs) -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64(),
         total.decode_steps
     );
+    // Verification outcomes (also where max_new_tokens then cut the run).
     let mut reached = total.decode_steps;
-    for (d, &acc) in total.accepted_per_position.iter().enumerate() {
+    for (d, &acc) in total.verified_per_position.iter().enumerate() {
         let p = if reached == 0 { 0.0 } else { acc as f64 / reached as f64 };
         println!("draft position {}: accepted {acc} of {reached} reached ({:.1}%)", d + 1, 100.0 * p);
         reached = acc;

@@ -1,0 +1,77 @@
+//! The bundled trained model (`models/mla-tiny-code`) on the CPU backend: drafts are
+//! accepted most of the time here, so this is where the multi-token accepted path and
+//! the MTP chain meet real weights.
+//!
+//! - Greedy output with k = 3 equals k = 0 token for token.
+//! - Greedy acceptance per draft position on the 50 held-out prompts the training script
+//!   evaluated (64 new tokens each) is within ±3 points of its teacher-forced figure
+//!   (`eval.json`, conditional form: P(draft d right | drafts before it right)).
+
+use mlaserve_cpu::CpuBackend;
+use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Usage};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code")
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(model().join("eval_prompts.jsonl")).expect("eval_prompts.jsonl");
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            v["prompt_ids"].as_array().expect("prompt_ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+        })
+        .collect()
+}
+
+/// Runs `prompts` greedily (EOS ignored) and returns tokens per prompt and the usage total.
+fn run(prompts: &[Vec<u32>], k: usize, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
+    let backend = CpuBackend::load(&model(), 256).expect("load bundled model");
+    let cfg = EngineConfig { num_speculative_tokens: Some(k), max_num_seqs: 64, ..Default::default() };
+    let mut e = Engine::new(backend, cfg).expect("engine");
+    let params = SamplingParams { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
+    let ids: Vec<_> =
+        prompts.iter().map(|p| e.add_request(Request::new(p.clone(), params.clone())).expect("admit")).collect();
+    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
+    let mut total = Usage::default();
+    while e.has_work() {
+        for (id, ev) in e.step() {
+            match ev {
+                Event::Tokens(t) => out.entry(id).or_default().extend(t),
+                Event::Finished { usage, .. } => total.accumulate(&usage),
+            }
+        }
+    }
+    (ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), total)
+}
+
+#[test]
+fn bundled_model_acceptance_matches_teacher_forced_and_is_lossless() {
+    let prompts = prompts();
+    assert_eq!(prompts.len(), 50);
+    let (spec, usage) = run(&prompts, 3, 64);
+    let eval: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model().join("eval.json")).expect("eval.json")).expect("json");
+    let want: Vec<f64> = eval["acceptance"]["conditional_acceptance"]
+        .as_array()
+        .expect("conditional_acceptance")
+        .iter()
+        .map(|x| x.as_f64().expect("rate"))
+        .collect();
+    let mut reached = usage.decode_steps;
+    for (d, (&acc, &tf)) in usage.verified_per_position.iter().zip(&want).enumerate() {
+        let got = acc as f64 / reached as f64;
+        eprintln!("draft position {}: engine {:.1}% vs teacher-forced {:.1}%", d + 1, 100.0 * got, 100.0 * tf);
+        assert!((got - tf).abs() <= 0.03, "position {}: {got:.3} vs {tf:.3}", d + 1);
+        reached = acc;
+    }
+    let mal = usage.mean_acceptance_length();
+    eprintln!("mean acceptance length (k = 3): {mal:.3}");
+    assert!(mal >= 2.0, "mean acceptance length {mal}");
+    // Lossless: the same greedy tokens without speculation (first 20 prompts).
+    let (plain, _) = run(&prompts[..20], 0, 64);
+    assert_eq!(plain, spec[..20].to_vec(), "k = 3 output differs from k = 0");
+}
