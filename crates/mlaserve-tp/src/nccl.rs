@@ -129,3 +129,9 @@ impl Collective for NcclCollective {
         Ok(())
     }
 }
+
+/// CUDA devices on this machine.
+pub fn device_count() -> Result<usize> {
+    let n = CudaContext::device_count().map_err(|e| Error::Backend(format!("no CUDA device for NCCL: {e:?}")))?;
+    Ok(n.max(0) as usize)
+}

@@ -1,8 +1,122 @@
-//! `mlaserve worker`: one worker group's leader (CPU backend for now).
+//! `mlaserve worker`: one rank of a worker group.
+//!
+//! With `--world-size 1` (the default) the process is the whole group. With N > 1 it is
+//! rank `--rank` of N processes, one per GPU: rank 0 leads (it listens on `--tp-addr`
+//! for the others, hands out the NCCL ids, runs the engine on a `TpLeader` and serves
+//! the router), ranks 1.. follow the leader's step plans. The group registers only once
+//! every rank has joined (NCCL's init returns only then). A rank that dies makes the
+//! others fail within `--collective-timeout-s`.
 
-pub use mlaserve_worker::WorkerArgs as Args;
+use std::net::SocketAddr;
 
-pub fn run(args: Args) -> anyhow::Result<()> {
-    super::runtime()?.block_on(mlaserve_worker::run_cpu(args))?;
-    Ok(())
+/// Tensor-parallel settings of a worker rank.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TpArgs {
+    /// This process's rank in its group (0 leads).
+    #[arg(long, default_value_t = 0)]
+    pub rank: usize,
+    /// Processes (GPUs) in the group.
+    #[arg(long, default_value_t = 1)]
+    pub world_size: usize,
+    /// The leader's rendezvous address (`host:port`): rank 0 listens there, the others
+    /// connect to it to receive the NCCL ids.
+    #[arg(long, default_value = "127.0.0.1:29500")]
+    pub tp_addr: SocketAddr,
+    /// Seconds a collective (and the rendezvous) may wait for the other ranks.
+    #[arg(long, default_value_t = 20)]
+    pub collective_timeout_s: u64,
+    /// CUDA device of this rank (default: rank modulo the devices present).
+    #[arg(long)]
+    pub gpu: Option<usize>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub worker: mlaserve_worker::WorkerArgs,
+    #[command(flatten)]
+    pub tp: TpArgs,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(a.tp.world_size >= 1, "--world-size must be at least 1");
+    anyhow::ensure!(
+        a.tp.rank < a.tp.world_size,
+        "--rank {} is out of range for --world-size {}",
+        a.tp.rank,
+        a.tp.world_size
+    );
+    if a.tp.world_size == 1 {
+        super::runtime()?.block_on(mlaserve_worker::run_cpu(a.worker))?;
+        return Ok(());
+    }
+    tp::run(a)
+}
+
+#[cfg(not(feature = "nccl"))]
+mod tp {
+    pub fn run(_: super::Args) -> anyhow::Result<()> {
+        anyhow::bail!("--world-size > 1 needs NCCL: rebuild with `cargo build --release -p mlaserve --features nccl`")
+    }
+}
+
+#[cfg(feature = "nccl")]
+mod tp {
+    use super::*;
+    use anyhow::Context;
+    use mlaserve_core::{run_follower, TpLeader};
+    use mlaserve_cpu::{CpuBackend, CpuOptions};
+    use mlaserve_tp::nccl::{new_id, NcclCollective, ID_BYTES};
+    use mlaserve_tp::rendezvous;
+    use std::time::Duration;
+
+    fn ordinal(tp: &TpArgs) -> mlaserve_core::Result<usize> {
+        if let Some(g) = tp.gpu {
+            return Ok(g);
+        }
+        Ok(tp.rank % mlaserve_tp::nccl::device_count()?.max(1))
+    }
+
+    /// Both communicators of a rank: the backend's own, and the step-plan channel.
+    fn comms(tp: &TpArgs, ids: &[u8]) -> mlaserve_core::Result<(NcclCollective, NcclCollective)> {
+        let gpu = ordinal(tp)?;
+        let t = Duration::from_secs(tp.collective_timeout_s);
+        let a = NcclCollective::new(gpu, tp.rank, tp.world_size, &ids[..ID_BYTES], t)?;
+        let b = NcclCollective::new(gpu, tp.rank, tp.world_size, &ids[ID_BYTES..], t)?;
+        Ok((a, b))
+    }
+
+    pub fn run(a: Args) -> anyhow::Result<()> {
+        let group = a.worker.group.clone().unwrap_or_else(|| "default".into());
+        let timeout = Duration::from_secs(a.tp.collective_timeout_s.max(30));
+        let opts = CpuOptions { num_blocks: a.worker.kv_blocks, ..Default::default() };
+        if a.tp.rank > 0 {
+            let ids = rendezvous::join(a.tp.tp_addr, &group, a.tp.rank, a.tp.world_size, timeout)?;
+            let (inner, plans) = comms(&a.tp, &ids)?;
+            let mut backend = CpuBackend::load_with(&a.worker.model, opts, Box::new(inner))
+                .with_context(|| format!("--model {}", a.worker.model.display()))?;
+            eprintln!("mlaserve worker rank {} of {} following {}", a.tp.rank, a.tp.world_size, a.tp.tp_addr);
+            run_follower(&mut backend, &plans).context("following the leader's step plans")?;
+            return Ok(());
+        }
+        let listener =
+            std::net::TcpListener::bind(a.tp.tp_addr).with_context(|| format!("--tp-addr {}", a.tp.tp_addr))?;
+        let (tp, model, world) = (a.tp.clone(), a.worker.model.clone(), a.tp.world_size);
+        let make = move || -> mlaserve_core::Result<_> {
+            let ids = [new_id()?, new_id()?].concat();
+            rendezvous::serve(&listener, &group, world, &ids, timeout)?;
+            let (inner, plans) = comms(&tp, &ids)?;
+            let backend = CpuBackend::load_with(&model, opts, Box::new(inner))?;
+            TpLeader::new(backend, plans)
+        };
+        let worker = a.worker;
+        super::super::runtime()?.block_on(async move {
+            let engine = mlaserve_engine::EngineHandle::spawn(make, worker.engine_config()).await?;
+            let h = mlaserve_worker::start(worker, engine).await?;
+            println!("mlaserve worker group `{}` (TP {world}) listening on {}", h.group, h.addr);
+            mlaserve_router::server::shutdown_signal().await;
+            h.shutdown().await;
+            anyhow::Ok(())
+        })
+    }
 }
