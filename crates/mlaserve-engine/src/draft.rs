@@ -90,6 +90,10 @@ pub(crate) struct DraftScratch {
     /// `chain.len() × k` drafts, row-major.
     drafts: Vec<u32>,
     chunks: Vec<ChunkInfo>,
+    /// Running index → index into `chunks`.
+    chunk_of: Vec<Option<usize>>,
+    /// Running index → the request goes on after this step.
+    going_on: Vec<bool>,
     /// Running index → index into `chain` (requests that draft this step).
     chain_of: Vec<Option<usize>>,
     /// The stage-0 rows that give each chain request's drafts.
@@ -133,9 +137,17 @@ pub(crate) fn draft<B: Backend>(
     sc.chunks.clear();
     sc.chain_of.clear();
     sc.chain_of.resize(running.len(), None);
+    sc.chunk_of.clear();
+    sc.chunk_of.resize(running.len(), None);
+    sc.going_on.clear();
+    sc.going_on.resize(running.len(), false);
+    for job in jobs {
+        sc.going_on[job.seq] = true;
+    }
     let scheduled = running.iter().enumerate().filter(|(_, s)| s.sched.is_some());
     for (c, (idx, s)) in batch.seqs.iter_mut().zip(scheduled) {
         let cont = matches!(s.mtp_tail, Some(t) if t.step + 1 == step && t.next_start == c.start_pos);
+        sc.chunk_of[idx] = Some(sc.chunks.len());
         sc.chunks.push(ChunkInfo { idx, start: c.start_pos, len: c.tokens.len(), cont, draft_off: None, ext: [0; 4] });
         // Embedding input of position p: the token after it (DESIGN §5, padded).
         let last = s.tokens.len() - 1;
@@ -150,7 +162,7 @@ pub(crate) fn draft<B: Backend>(
             sc.chain_of[job.seq] = Some(sc.chain.len());
             batch.logit_rows.push((job.target_row + off) as u32);
             sc.chain.push((job.seq, job.start + off));
-            if let Some(ch) = sc.chunks.iter_mut().find(|c| c.idx == job.seq) {
+            if let Some(ch) = sc.chunk_of[job.seq].and_then(|ci| sc.chunks.get_mut(ci)) {
                 ch.draft_off = Some(off);
             }
         }
@@ -248,7 +260,7 @@ pub(crate) fn draft<B: Backend>(
         for ch in &sc.chunks {
             let s = &mut running[ch.idx];
             let mut tail = MtpTail { step, next_start: s.num_cached, rows: [0; 4] };
-            let mut ok = jobs.iter().any(|j| j.seq == ch.idx);
+            let mut ok = sc.going_on[ch.idx];
             for (e, off) in offs.iter_mut().enumerate() {
                 let lo = ch.start - ch.ext[e];
                 let p = s.num_cached as isize - e as isize - 1;

@@ -5,9 +5,9 @@ use mlaserve_engine::testing::SyntheticBackend;
 use mlaserve_engine::{EngineConfig, EngineError, EngineHandle, Event, FinishReason, Request, SamplingParams};
 use std::time::Duration;
 
-async fn handle(blocks: usize) -> EngineHandle {
+async fn handle(blocks: usize, max_positions: usize) -> EngineHandle {
     let cfg = EngineConfig { num_speculative_tokens: Some(2), max_batch_tokens: 64, ..Default::default() };
-    EngineHandle::spawn(move || Ok(SyntheticBackend::new(64, 2, blocks, 1024)), cfg).await.expect("spawn")
+    EngineHandle::spawn(move || Ok(SyntheticBackend::new(64, 2, blocks, max_positions)), cfg).await.expect("spawn")
 }
 
 fn req(n: u32) -> Request {
@@ -31,13 +31,21 @@ async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> (Vec<u32>, Finis
 
 #[tokio::test]
 async fn streams_abort_and_stats() {
-    let h = handle(256).await;
+    // Room for a long request that is still running when it gets aborted.
+    let h = handle(256, 8192).await;
     assert_eq!(h.info().num_speculative_tokens, 2);
     let mut streams = Vec::new();
     for _ in 0..8 {
         streams.push(h.submit(req(30)).await.expect("submit"));
     }
-    let (long_id, long_rx) = h.submit(req(100_000)).await.expect("submit");
+    let (long_id, mut long_rx) = h.submit(req(100_000)).await.expect("submit");
+    // Abort the long request while it is surely running: right after its first tokens.
+    let first = match long_rx.recv().await {
+        Some(Event::Tokens(t)) => t,
+        other => panic!("expected tokens first, got {other:?}"),
+    };
+    assert!(!first.is_empty());
+    h.abort(long_id).await.expect("abort");
     let mut outs = Vec::new();
     for (_, rx) in streams {
         outs.push(collect(rx).await);
@@ -47,8 +55,17 @@ async fn streams_abort_and_stats() {
         assert_eq!(*r, FinishReason::Length);
         assert_eq!(t, &outs[0].0, "same prompt, greedy: same output");
     }
-    h.abort(long_id).await.expect("abort");
-    let (_, reason) = collect(long_rx).await;
+    let mut rest = Vec::new();
+    let reason = loop {
+        match long_rx.recv().await {
+            Some(Event::Tokens(t)) => rest.extend(t),
+            Some(Event::Finished { reason, usage }) => {
+                assert_eq!(usage.generated_tokens as usize, first.len() + rest.len());
+                break reason;
+            }
+            None => panic!("stream ended without Finished"),
+        }
+    };
     assert_eq!(reason, FinishReason::Abort);
     assert!(matches!(h.abort(long_id).await, Err(EngineError::UnknownRequest(_))));
     let st = h.stats().await.expect("stats");
@@ -65,7 +82,7 @@ async fn streams_abort_and_stats() {
 
 #[tokio::test]
 async fn dropping_the_stream_aborts() {
-    let h = handle(16).await;
+    let h = handle(16, 1024).await;
     let (_, rx) = h.submit(req(100_000)).await.expect("submit");
     let mut rx = rx;
     assert!(matches!(rx.recv().await, Some(Event::Tokens(_))));
