@@ -1,0 +1,262 @@
+//! Static checks of the deployment files: every non-template YAML parses; the chart's
+//! values, its templates and `docs/deploy.md` agree; `values.yaml` documents every
+//! key; the chart renders to valid manifests under each switch; the image bundles the
+//! model the chart points at.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::render::{set_value, Chart};
+use common::*;
+use serde_yaml_ng::Value;
+use std::path::{Path, PathBuf};
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            // Templates are Go templates, not YAML, until rendered (checked below).
+            if p.file_name().is_some_and(|n| n != "templates") {
+                yaml_files(&p, out);
+            }
+        } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn every_non_template_yaml_parses() {
+    let root = repo_root();
+    let mut files = Vec::new();
+    yaml_files(&root.join("helm"), &mut files);
+    yaml_files(&root.join("deploy"), &mut files);
+    for must in ["helm/mlaserve/Chart.yaml", "helm/mlaserve/values.yaml", "deploy/compose.yaml"] {
+        assert!(files.contains(&root.join(must)), "{must} missing");
+    }
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let v: Value = serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert!(v.is_mapping(), "{}: not a mapping", f.display());
+    }
+
+    let chart: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(chart_dir().join("Chart.yaml")).unwrap()).unwrap();
+    assert_eq!(chart["apiVersion"], "v2");
+    assert_eq!(chart["name"], "mlaserve");
+    for key in ["version", "appVersion", "description"] {
+        assert!(chart[key].as_str().is_some_and(|s| !s.is_empty()), "Chart.yaml: {key}");
+    }
+
+    let compose: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(root.join("deploy/compose.yaml")).unwrap()).unwrap();
+    for svc in ["etcd", "router", "worker"] {
+        assert!(compose["services"][svc].is_mapping(), "compose.yaml: service {svc}");
+    }
+    assert_eq!(compose["services"]["router"]["command"][0], "router");
+    assert_eq!(compose["services"]["worker"]["command"][0], "worker");
+}
+
+#[test]
+fn values_and_templates_agree() {
+    let chart = Chart::load(&chart_dir());
+    let used = used_value_paths(&chart);
+    assert!(!used.is_empty());
+    for p in &used {
+        assert!(lookup(&chart.values, p).is_some(), "templates use .Values.{p}, which values.yaml lacks");
+    }
+    for p in value_paths(&chart.values, &used) {
+        assert!(
+            used.iter().any(|u| u == &p || p.starts_with(&format!("{u}."))),
+            "values.yaml has `{p}`, which no template uses"
+        );
+    }
+}
+
+#[test]
+fn values_yaml_documents_every_key() {
+    let text = std::fs::read_to_string(chart_dir().join("values.yaml")).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        if t.is_empty() || t.starts_with('#') || t.starts_with('-') || !t.contains(':') {
+            continue;
+        }
+        // A key line inside a list item (e.g. a toleration's fields) is data, not a value.
+        let indent = line.len() - t.len();
+        let in_list = lines[..i].iter().rev().find(|l| {
+            let lt = l.trim_start();
+            !lt.is_empty() && !lt.starts_with('#') && l.len() - lt.len() < indent
+        });
+        if in_list.is_some_and(|l| l.trim_start().starts_with('-')) {
+            continue;
+        }
+        let commented_above = i > 0 && lines[i - 1].trim_start().starts_with('#');
+        let trailing = t.contains(" # ");
+        assert!(commented_above || trailing, "values.yaml line {}: `{}` has no comment", i + 1, t);
+    }
+}
+
+#[test]
+fn docs_name_every_value() {
+    let chart = Chart::load(&chart_dir());
+    let used = used_value_paths(&chart);
+    let doc = std::fs::read_to_string(repo_root().join("docs/deploy.md")).expect("docs/deploy.md");
+    let missing: Vec<String> =
+        value_paths(&chart.values, &used).into_iter().filter(|p| !doc.contains(&format!("`{p}`"))).collect();
+    assert!(missing.is_empty(), "docs/deploy.md does not name (in backticks): {missing:?}");
+    for must in ["helm lint", "helm template", "LoadBalancer", "NCCL_NVLS_ENABLE=0"] {
+        assert!(doc.contains(must), "docs/deploy.md does not mention {must}");
+    }
+}
+
+fn kinds(docs: &[Value]) -> Vec<String> {
+    docs.iter()
+        .map(|d| format!("{}/{}", d["kind"].as_str().unwrap(), d["metadata"]["name"].as_str().unwrap()))
+        .collect()
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind}/{name} in {:?}", kinds(docs)))
+}
+
+#[test]
+fn chart_renders_valid_manifests() {
+    let base = Chart::load(&chart_dir());
+    let docs = base.manifests("r").unwrap_or_else(|e| panic!("{e}"));
+    for d in &docs {
+        for key in ["apiVersion", "kind"] {
+            assert!(d[key].is_string(), "a manifest lacks {key}: {d:?}");
+        }
+        assert!(d["metadata"]["name"].is_string(), "a manifest lacks metadata.name");
+    }
+    let names = kinds(&docs);
+    for must in [
+        "Deployment/r-router",
+        "Service/r-router",
+        "Service/r-router-metrics",
+        "StatefulSet/r-worker",
+        "Service/r-worker",
+        "PodDisruptionBudget/r-router",
+        "PodDisruptionBudget/r-worker",
+        "StatefulSet/r-etcd",
+        "Service/r-etcd",
+    ] {
+        assert!(names.iter().any(|n| n == must), "{must} not rendered: {names:?}");
+    }
+    assert!(!names.iter().any(|n| n.starts_with("ServiceMonitor/")), "ServiceMonitor is off by default");
+
+    let v = &base.values;
+    let tp = v["worker"]["tpSize"].as_u64().unwrap();
+    // Router: the LoadBalancer Service, probes on the gRPC port.
+    let svc = find(&docs, "Service", "r-router");
+    assert_eq!(svc["spec"]["type"], "LoadBalancer");
+    let router = &find(&docs, "Deployment", "r-router")["spec"]["template"]["spec"];
+    let rc = &router["containers"][0];
+    let grpc = v["router"]["grpcPort"].as_u64().unwrap();
+    assert_eq!(rc["readinessProbe"]["grpc"]["port"].as_u64(), Some(grpc), "readiness: grpc.health.v1");
+    assert_eq!(rc["livenessProbe"]["tcpSocket"]["port"].as_u64(), Some(grpc));
+    let args: Vec<&str> = rc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let listen = args[args.iter().position(|a| *a == "--listen").unwrap() + 1];
+    assert_eq!(listen, format!("0.0.0.0:{grpc}"));
+    assert_eq!(args[args.iter().position(|a| *a == "--etcd").unwrap() + 1], "r-etcd:2379");
+    assert!(
+        router["terminationGracePeriodSeconds"].as_u64() > v["router"]["drainTimeoutSeconds"].as_u64(),
+        "the grace period must outlast the drain"
+    );
+
+    // Worker groups: one pod per group holding tpSize GPUs, /dev/shm in memory, NCCL env.
+    let sts = find(&docs, "StatefulSet", "r-worker");
+    assert_eq!(sts["spec"]["replicas"], v["worker"]["groups"]);
+    let pod = &sts["spec"]["template"]["spec"];
+    let wc = &pod["containers"][0];
+    for side in ["requests", "limits"] {
+        assert_eq!(wc["resources"][side]["nvidia.com/gpu"].as_u64(), Some(tp), "{side}: nvidia.com/gpu = tpSize");
+    }
+    let env = |name: &str| -> Option<String> {
+        wc["env"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str().map(String::from))
+    };
+    assert_eq!(env("NCCL_NVLS_ENABLE").as_deref(), Some("0"));
+    assert_eq!(env("MLASERVE_TP_SIZE"), Some(tp.to_string()));
+    let shm = pod["volumes"].as_sequence().unwrap().iter().find(|vol| vol["name"] == "dshm").expect("dshm volume");
+    assert_eq!(shm["emptyDir"]["medium"], "Memory");
+    assert!(wc["volumeMounts"].as_sequence().unwrap().iter().any(|m| m["mountPath"] == "/dev/shm"));
+    let wargs: Vec<&str> = wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let script = wargs[0];
+    assert!(!script.contains("$("), "Kubernetes would expand $(...) in the launcher script");
+    for flag in ["--world-size", "--tp-addr", "--collective-timeout-s"] {
+        assert!(wargs.contains(&flag), "worker args lack {flag}");
+    }
+    assert_eq!(wargs[wargs.iter().position(|a| *a == "--world-size").unwrap() + 1], tp.to_string());
+    assert!(script.contains("--rank"), "the launcher gives each process its --rank");
+
+    // Switches: external etcd, a model PVC, no GPU resource, the ServiceMonitor.
+    let mut c = base.clone();
+    set_value(&mut c.values, "etcd.enabled", false);
+    set_value(&mut c.values, "etcd.externalEndpoints", "e1:2379,e2:2379");
+    set_value(&mut c.values, "model.persistentVolumeClaim.enabled", true);
+    set_value(&mut c.values, "worker.gpuResource", "");
+    set_value(&mut c.values, "serviceMonitor.enabled", true);
+    set_value(&mut c.values, "serviceMonitor.labels", serde_yaml_ng::from_str::<Value>("release: prom").unwrap());
+    set_value(&mut c.values, "router.nodeSelector", serde_yaml_ng::from_str::<Value>("pool: cpu").unwrap());
+    let docs = c.manifests("r").unwrap_or_else(|e| panic!("{e}"));
+    let names = kinds(&docs);
+    assert!(!names.iter().any(|n| n.contains("etcd")), "no in-chart etcd when etcd.enabled=false: {names:?}");
+    assert_eq!(find(&docs, "ServiceMonitor", "r")["metadata"]["labels"]["release"], "prom");
+    let pod = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
+    let wc = &pod["containers"][0];
+    assert!(wc["resources"]["limits"]["nvidia.com/gpu"].is_null());
+    let wargs: Vec<&str> = wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert_eq!(wargs[wargs.iter().position(|a| *a == "--etcd").unwrap() + 1], "e1:2379,e2:2379");
+    assert!(pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .any(|vol| vol["persistentVolumeClaim"]["claimName"].is_string()));
+    assert!(wc["volumeMounts"].as_sequence().unwrap().iter().any(|m| m["name"] == "model"));
+    let router = &find(&docs, "Deployment", "r-router")["spec"]["template"]["spec"];
+    assert_eq!(router["nodeSelector"]["pool"], "cpu");
+    assert!(router["volumes"].as_sequence().unwrap().iter().any(|vol| vol["name"] == "model"));
+}
+
+#[test]
+fn renderer_prints_numbers_as_helm_does() {
+    // Helm hands numbers to templates as float64: without `int`, 4194304 would reach
+    // the command line as 4.194304e+06 and clap would refuse it.
+    let mut c = Chart::load(&chart_dir());
+    c.templates = vec![(
+        "t.yaml".into(),
+        "a: {{ .Values.router.maxMessageBytes }}\nb: {{ .Values.router.maxMessageBytes | int }}\nc: {{ .Values.router.grpcPort | quote }}\n".into(),
+    )];
+    let out = &c.render("r").unwrap()[0].1;
+    let grpc = c.values["router"]["grpcPort"].as_u64().unwrap();
+    assert_eq!(out, &format!("a: 4.194304e+06\nb: 4194304\nc: \"{grpc}\"\n"));
+}
+
+#[test]
+fn image_bundles_the_model_the_chart_loads() {
+    let root = repo_root();
+    let dockerfile = std::fs::read_to_string(root.join("deploy/docker/Dockerfile")).unwrap();
+    assert!(dockerfile.contains(r#"ENTRYPOINT ["mlaserve"]"#));
+    assert!(dockerfile.lines().any(|l| l.starts_with("USER ") && !l.contains("root")), "non-root USER");
+    let model = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("ARG MODEL="))
+        .expect("Dockerfile: ARG MODEL=<dir under models/>")
+        .trim();
+    let chart = Chart::load(&chart_dir());
+    assert_eq!(
+        chart.values["model"]["path"].as_str(),
+        Some(format!("/opt/mlaserve/models/{model}").as_str()),
+        "model.path must be where the image puts the bundled model"
+    );
+    assert!(root.join("models").join(model).join("config.json").exists(), "models/{model} is not in the repo");
+}
