@@ -6,6 +6,7 @@
 //! [`serve`] runs a router and one group in one process (`mlaserve serve`).
 
 pub mod args;
+pub mod nccl_id;
 pub mod serve;
 pub mod service;
 

@@ -4,8 +4,9 @@
 //! rank `--rank` of N processes, one per GPU: rank 0 leads (it listens on `--tp-addr`
 //! for the others, hands out the NCCL ids, runs the engine on a `TpLeader` and serves
 //! the router), ranks 1.. follow the leader's step plans. The group registers only once
-//! every rank has joined (NCCL's init returns only then). A rank that dies makes the
-//! others fail within `--collective-timeout-s`.
+//! every rank has joined (NCCL's init returns only then). With `--etcd` the NCCL ids go
+//! through etcd under the leader's lease instead of `--tp-addr`. A rank that dies makes
+//! the others fail within `--collective-timeout-s`.
 
 use std::net::SocketAddr;
 
@@ -90,8 +91,14 @@ mod tp {
         let group = a.worker.group.clone().unwrap_or_else(|| "default".into());
         let timeout = Duration::from_secs(a.tp.collective_timeout_s.max(30));
         let opts = CpuOptions { num_blocks: a.worker.kv_blocks, ..Default::default() };
+        let via_etcd = !a.worker.etcd.is_empty();
         if a.tp.rank > 0 {
-            let ids = rendezvous::join(a.tp.tp_addr, &group, a.tp.rank, a.tp.world_size, timeout)?;
+            let ids = if via_etcd {
+                let (eps, cluster) = (a.worker.etcd.clone(), a.worker.cluster.clone());
+                super::super::runtime()?.block_on(mlaserve_worker::nccl_id::fetch(&eps, &cluster, &group, timeout))?
+            } else {
+                rendezvous::join(a.tp.tp_addr, &group, a.tp.rank, a.tp.world_size, timeout)?
+            };
             let (inner, plans) = comms(&a.tp, &ids)?;
             let mut backend = CpuBackend::load_with(&a.worker.model, opts, Box::new(inner))
                 .with_context(|| format!("--model {}", a.worker.model.display()))?;
@@ -99,18 +106,32 @@ mod tp {
             run_follower(&mut backend, &plans).context("following the leader's step plans")?;
             return Ok(());
         }
-        let listener =
-            std::net::TcpListener::bind(a.tp.tp_addr).with_context(|| format!("--tp-addr {}", a.tp.tp_addr))?;
+        let ids = [new_id()?, new_id()?].concat();
+        let listener = if via_etcd {
+            None
+        } else {
+            Some(std::net::TcpListener::bind(a.tp.tp_addr).with_context(|| format!("--tp-addr {}", a.tp.tp_addr))?)
+        };
         let (tp, model, world) = (a.tp.clone(), a.worker.model.clone(), a.tp.world_size);
+        let (eps, cluster, lease) = (a.worker.etcd.clone(), a.worker.cluster.clone(), a.worker.lease_ttl_s);
+        let (group2, ids2) = (group.clone(), ids.clone());
         let make = move || -> mlaserve_core::Result<_> {
-            let ids = [new_id()?, new_id()?].concat();
-            rendezvous::serve(&listener, &group, world, &ids, timeout)?;
-            let (inner, plans) = comms(&tp, &ids)?;
+            if let Some(l) = &listener {
+                rendezvous::serve(l, &group2, world, &ids2, timeout)?;
+            }
+            let (inner, plans) = comms(&tp, &ids2)?;
             let backend = CpuBackend::load_with(&model, opts, Box::new(inner))?;
             TpLeader::new(backend, plans)
         };
         let worker = a.worker;
         super::super::runtime()?.block_on(async move {
+            // With etcd, the ids live under the leader's lease for as long as it runs.
+            let _published = if via_etcd {
+                let ttl = Duration::from_secs(lease.max(1));
+                Some(mlaserve_worker::nccl_id::publish(&eps, &cluster, &group, &ids, ttl).await?)
+            } else {
+                None
+            };
             let engine = mlaserve_engine::EngineHandle::spawn(make, worker.engine_config()).await?;
             let h = mlaserve_worker::start(worker, engine).await?;
             println!("mlaserve worker group `{}` (TP {world}) listening on {}", h.group, h.addr);
