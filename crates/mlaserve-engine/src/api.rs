@@ -169,6 +169,9 @@ pub struct EngineStats {
     pub totals: Usage,
     pub finished_requests: u64,
     pub times: StepTimes,
+    /// Set once the backend failed for good (a collective error: the TP group lost a
+    /// rank); every request was failed and new ones are refused.
+    pub failed: Option<String>,
 }
 
 impl EngineStats {

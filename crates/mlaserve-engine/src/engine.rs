@@ -41,6 +41,8 @@ pub struct Engine<B: Backend> {
     scratch: DraftScratch,
     mtp: MtpMemory<B::Hidden>,
     jobs: Vec<DraftJob>,
+    /// Why the backend is unusable for good, once a collective failed.
+    failed: Option<String>,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -108,6 +110,7 @@ impl<B: Backend> Engine<B> {
             batch: Batch::default(),
             scratch: DraftScratch::default(),
             mtp: MtpMemory::default(),
+            failed: None,
             jobs: Vec::new(),
         })
     }
@@ -139,6 +142,9 @@ impl<B: Backend> Engine<B> {
 
     /// Validates and queues a request. Errors name the offending field.
     pub fn add_request(&mut self, req: Request) -> Result<RequestId> {
+        if let Some(why) = &self.failed {
+            return Err(EngineError::Failed(why.clone()));
+        }
         self.validate(&req)?;
         if self.waiting.len() >= self.max_queued {
             return Err(EngineError::QueueFull(self.waiting.len()));
@@ -262,7 +268,7 @@ impl<B: Backend> Engine<B> {
         }
         let t4 = Instant::now();
         self.times.draft_us += (t4 - t3).as_micros() as u64;
-        if let Some(e) = draft_err {
+        if let Some(e) = &draft_err {
             tracing::error!(error = %e, "MTP drafting failed; failing the step's requests");
             for job in &jobs {
                 finished.push((job.seq, FinishReason::Error(format!("drafting failed: {e}"))));
@@ -270,6 +276,9 @@ impl<B: Backend> Engine<B> {
         }
         self.jobs = jobs;
         self.finish(finished, &mut events);
+        if let Some(e) = draft_err {
+            self.note_backend_error(&e, &mut events);
+        }
         self.times.verify_us += t4.elapsed().as_micros() as u64;
         events
     }
@@ -380,6 +389,25 @@ impl<B: Backend> Engine<B> {
             .map(|i| (i, FinishReason::Error(format!("forward failed: {e}"))))
             .collect();
         self.finish(failed, events);
+        self.note_backend_error(e, events);
+    }
+
+    /// A collective failure is permanent (the TP group lost a rank): fail every request,
+    /// running or waiting, and refuse new ones.
+    fn note_backend_error(&mut self, e: &mlaserve_core::Error, events: &mut Vec<(RequestId, Event)>) {
+        if !matches!(e, mlaserve_core::Error::Collective(_)) {
+            return;
+        }
+        let why = e.to_string();
+        tracing::error!(error = %why, "the tensor-parallel group failed; refusing new requests");
+        let all: Vec<(usize, FinishReason)> =
+            (0..self.running.len()).map(|i| (i, FinishReason::Error(format!("group failed: {why}")))).collect();
+        self.finish(all, events);
+        while let Some(seq) = self.waiting.pop_front() {
+            let ev = self.retire(seq, FinishReason::Error(format!("group failed: {why}")));
+            events.push(ev);
+        }
+        self.failed = Some(why);
     }
 
     /// Retires the finished sequences (indices into `running`), emitting their events.
@@ -420,6 +448,7 @@ impl<B: Backend> Engine<B> {
             totals,
             finished_requests: self.finished_requests,
             times: self.times,
+            failed: self.failed.clone(),
         }
     }
 

@@ -16,6 +16,10 @@ pub enum EngineError {
     /// The request id is not known to the engine (already finished or never submitted).
     #[error("unknown request {0}")]
     UnknownRequest(crate::api::RequestId),
+    /// The backend failed for good (a collective failed: a peer rank died or stalls);
+    /// the engine refuses new requests.
+    #[error("engine failed: {0}")]
+    Failed(String),
     /// The engine thread has stopped (shut down, or it panicked).
     #[error("engine stopped")]
     Stopped,

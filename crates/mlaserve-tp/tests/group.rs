@@ -217,3 +217,36 @@ mod nccl {
         assert!(err.contains("peer rank died") || err.contains("abort") || err.contains("NCCL"), "{err}");
     }
 }
+
+/// A group that lost a rank fails every request with an error, reports the failure in
+/// its stats and refuses new requests (the worker then turns NOT_SERVING).
+#[test]
+fn a_lost_rank_fails_the_group_for_good() {
+    let t = model();
+    let mut inner = LocalGroup::new(2, Duration::from_secs(5));
+    let mut plans = LocalGroup::new(2, Duration::from_secs(5));
+    // Rank 1 is gone before the first step.
+    drop(inner.pop());
+    drop(plans.pop());
+    let leader = TpLeader::new(load(t.path(), Box::new(inner.pop().expect("rank 0"))), plans.pop().expect("rank 0"))
+        .expect("leader");
+    let mut e =
+        Engine::new(leader, EngineConfig { num_speculative_tokens: Some(3), ..Default::default() }).expect("engine");
+    let reqs = workload();
+    for r in reqs.iter().take(4).cloned() {
+        e.add_request(r).expect("admit");
+    }
+    let mut errors = 0;
+    for _ in 0..3 {
+        for (_, ev) in e.step() {
+            if let Event::Finished { reason: mlaserve_engine::FinishReason::Error(m), .. } = ev {
+                assert!(m.contains("left the group"), "{m}");
+                errors += 1;
+            }
+        }
+    }
+    assert_eq!(errors, 4, "every request ends with the group's error");
+    assert!(e.stats().failed.is_some());
+    let refused = e.add_request(reqs[5].clone()).expect_err("refused").to_string();
+    assert!(refused.contains("engine failed"), "{refused}");
+}

@@ -100,7 +100,7 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle) -> Result<WorkerHandl
                 let _ = shutdown_rx.await;
             }),
     );
-    let stats = tokio::spawn(export_stats(engine.clone()));
+    let stats = tokio::spawn(export_stats(engine.clone(), reporter.clone()));
     // Register only now: the engine runs and the server accepts connections.
     let registration = if args.etcd.is_empty() {
         None
@@ -133,10 +133,17 @@ impl WorkerHandle {
 }
 
 /// Publishes the engine's cumulative step counters once a second.
-async fn export_stats(engine: EngineHandle) {
+async fn export_stats(engine: EngineHandle, health: tonic_health::server::HealthReporter) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let Ok(s) = engine.stats().await else { return };
+        if let Some(why) = &s.failed {
+            // The group lost a rank: report it unhealthy (routers and probes stop using it).
+            tracing::error!(error = %why, "worker group failed; health NOT_SERVING");
+            health.set_not_serving::<WorkerServer<WorkerService>>().await;
+            health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+            return;
+        }
         let t = s.times;
         metrics::counter!("mlaserve_engine_steps_total").absolute(t.steps);
         // Cumulative seconds as a gauge (metrics counters are integers):

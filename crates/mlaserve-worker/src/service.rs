@@ -134,7 +134,7 @@ async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSe
             let (code, msg) = match &e {
                 EngineError::InvalidRequest { .. } => (Code::InvalidArgument, e.to_string()),
                 EngineError::QueueFull(_) => (Code::ResourceExhausted, e.to_string()),
-                EngineError::Stopped => (Code::Unavailable, e.to_string()),
+                EngineError::Stopped | EngineError::Failed(_) => (Code::Unavailable, e.to_string()),
                 _ => (Code::Internal, e.to_string()),
             };
             let finished = Finished {
