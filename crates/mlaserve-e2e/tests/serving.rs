@@ -366,7 +366,15 @@ async fn health_reflection_metrics_and_drain() {
     let mut health = HealthClient::new(ch.clone());
     let check = |svc: &str| HealthCheckRequest { service: svc.into() };
     for svc in ["", "mlaserve.v1.Generation"] {
-        let st = health.check(check(svc)).await.unwrap().into_inner().status;
+        // The health service follows the group's readiness asynchronously: poll.
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        let st = loop {
+            let st = health.check(check(svc)).await.unwrap().into_inner().status;
+            if st == ServingStatus::Serving as i32 || tokio::time::Instant::now() >= until {
+                break st;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
         assert_eq!(st, ServingStatus::Serving as i32, "service `{svc}`");
     }
 
