@@ -5,6 +5,10 @@
 # then, on the GPU machine, from the repo root:    tools/gpu/check.sh [--quick]
 # (through the device tool: carry [".gpu"], command `tools/gpu/check.sh`).
 #
+# `--backend`: each test function in its own process (the CudaBackend, engine and kernel
+# tests), memcheck on the backend tests, the measured numbers; no benchmark.
+# MLASERVE_CHECK_BUDGET_S (default 270) caps the whole run.
+#
 # Runs every GPU test binary in .gpu/tests/, compute-sanitizer memcheck on the kernel
 # tests, a SASS summary of the embedded kernels, and the checks + decode benchmark of
 # .gpu/bin/mlaserve-cuda-check. Logs go to $OUT (default ./gpu-out): at most 8 files,
@@ -14,10 +18,20 @@ set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 gpu_dir="${GPU_DIR:-$repo/.gpu}"
+if [[ -n "${GPU_PACK:-}" ]]; then   # tools/gpu/stage.sh --pack DIR
+    gpu_dir=/tmp/mlaserve-gpu
+    mkdir -p "$gpu_dir" && tar -C "$gpu_dir" -xJf "$GPU_PACK" || exit 1
+fi
 out="${OUT:-$repo/gpu-out}"
 mkdir -p "$out"
 quick=""
-[[ "${1:-}" == "--quick" ]] && quick="--quick"
+mode=full
+case "${1:-}" in
+    --quick) quick="--quick" ;;
+    --backend) mode=backend ;;   # per-test processes + targeted memcheck, no benchmark
+esac
+# Every step's time limit is cut to what is left of this budget (a device call has one).
+deadline=$((SECONDS + ${MLASERVE_CHECK_BUDGET_S:-270}))
 
 export LD_LIBRARY_PATH="/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0            # never NVLink multicast on the shared machines
@@ -28,7 +42,14 @@ summary=()
 failures=0
 step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seconds
     local name="$1" log="$2"; shift 2
-    local t0=$SECONDS
+    local t0=$SECONDS left=$((deadline - SECONDS))
+    if ((left < 5)); then
+        summary+=("$(printf '%-34s %-6s' "$name" "SKIP (budget)")")
+        failures=$((failures + 1))
+        return 0
+    fi
+    # `timeout N` as the first word is capped at the budget left.
+    if [[ "$1" == timeout ]] && (($2 > left)); then set -- timeout "$left" "${@:3}"; fi
     echo "=== $name: $*" >>"$log"
     "$@" >>"$log" 2>&1
     local rc=$?
@@ -44,6 +65,39 @@ step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seco
     nvidia-smi -q | grep -iE "persistence|compute mode|mig mode" | head
     ls -la "$gpu_dir" "$gpu_dir"/* 2>&1
 } >"$out/machine.txt" 2>&1
+
+# Backend mode: every test function of every binary in its own process (a fault or a
+# hang in one cannot hide the others), then memcheck on the tests that touch every
+# backend kernel, then the summary with the measured numbers.
+if [[ "$mode" == backend ]]; then
+    for bin in gpu_backend gpu_engine gpu_ops gpu_kernels routing_margins mlaserve_cuda; do
+        t="$gpu_dir/tests/$bin"
+        [[ -x "$t" ]] || continue
+        for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
+            step "$bin::$name" "$out/tests.log" timeout 150 "$t" --exact "$name" --nocapture --test-threads=1
+        done
+    done
+    sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+    for spec in gpu_backend:tiny_v3_matches_cpu_default_options gpu_backend:tiny_v3_matches_cpu_batch_invariant \
+        gpu_ops:small_backend_ops_match_reference; do
+        t="$gpu_dir/tests/${spec%%:*}"
+        step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
+            --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1
+    done
+    # One decode step at DeepSeek-V3's dimensions (random weights, 2 MoE layers + MTP).
+    step "bench-step" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve-cuda-check" --bench-step
+    {
+        echo
+        echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
+        printf '%s\n' "${summary[@]}"
+        echo "---- bench step (from bench-step.log)"
+        grep -vE "^===" "$out/bench-step.log" | tail -12
+        echo "---- measured (from tests.log)"
+        grep -E " rel |differ|tokens in|tokens/s|speed-up|alone ==|ids (exact|DIFFER)|panicked" "$out/tests.log" | head -90
+        grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head -10
+    } | tee "$out/summary.txt"
+    exit "$failures"
+fi
 
 # 2. Test binaries (unit + GPU kernel tests). Every step has a time limit: a kernel that
 # hangs must not take the rest of the device call with it.

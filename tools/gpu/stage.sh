@@ -7,6 +7,10 @@
 #   .gpu/kernels/*.fatbin          the embedded kernel images (for cuobjdump there)
 #
 # Needs nvcc (CUDA_HOME, NVCC or PATH; tools/ci/install-nvcc.sh installs one).
+#
+# `--pack DIR`: also writes DIR/gpu.tar.xz (bin, tests, kernels; a quarter of the size)
+# for a device call whose working tree would be too large with .gpu/: carry DIR (add it
+# to .git/info/exclude) and run `GPU_PACK=DIR/gpu.tar.xz tools/gpu/check.sh`.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$repo"
@@ -35,3 +39,8 @@ out_dir="$(ls -td "$target"/release/build/mlaserve-cuda-*/out 2>/dev/null | head
 cp "$out_dir"/*.fatbin "$out_dir"/*.ptxas.log .gpu/kernels/ 2>/dev/null || true
 strip --strip-debug .gpu/bin/* .gpu/tests/*  # line tables would triple the carry
 du -sh .gpu/* ; ls -la .gpu/tests
+if [[ "${1:-}" == "--pack" && -n "${2:-}" ]]; then
+    mkdir -p "$2"
+    tar -C .gpu -cJf "$2/gpu.tar.xz" bin tests kernels
+    ls -la "$2/gpu.tar.xz"
+fi

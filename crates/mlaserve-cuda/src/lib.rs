@@ -8,7 +8,9 @@
 //!
 //! With `cuda`: [`Gpu`] is one device's context and stream plus the loaded modules,
 //! [`MlaDecode`] the FlashMLA-style padded decode attention (DESIGN.md §4),
-//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`check`] the
+//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`ops`] and
+//! [`linear`] the forward pass's kernels and projections, [`CudaBackend`] the
+//! `mlaserve_core::Backend` on one GPU, [`check`] the
 //! kernel-vs-reference checks and [`bench`] the roofline benchmarks.
 
 pub mod plan;
@@ -16,7 +18,11 @@ pub mod reference;
 pub mod rng;
 
 #[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_step;
 #[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
@@ -28,8 +34,14 @@ mod gpu;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
+pub mod linear;
+#[cfg(feature = "cuda")]
 mod mla_decode;
+#[cfg(feature = "cuda")]
+pub mod ops;
 
+#[cfg(feature = "cuda")]
+pub use backend::{CudaBackend, CudaHidden, CudaOptions, WeightBytes};
 #[cfg(feature = "cuda")]
 pub use error::{CudaError, Result};
 #[cfg(feature = "cuda")]

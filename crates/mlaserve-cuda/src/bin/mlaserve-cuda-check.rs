@@ -7,6 +7,8 @@
 //!
 //! Usage: mlaserve-cuda-check [--no-bench] [--no-check] [--quick] [--device N]
 //!        [--kernel mma.sync|wgmma|wgmma+tma|auto]   (default: checks of every kernel, bench of auto)
+//!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--device N]
+//!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
 
 use anyhow::{bail, Context, Result};
 use mlaserve_cuda::bench::{bench_mla_decode, MlaDecodeBenchOpts};
@@ -27,6 +29,24 @@ fn main() -> Result<()> {
         Some(i) => Some(args.get(i + 1).context("--kernel needs a name")?.clone()),
         None => None,
     };
+    if flag("--bench-step") {
+        let num = |name: &str, default: usize| -> Result<usize> {
+            match args.iter().position(|a| a == name) {
+                Some(i) => Ok(args.get(i + 1).context("a number")?.parse()?),
+                None => Ok(default),
+            }
+        };
+        let d = mlaserve_cuda::bench_step::StepBenchOpts::default();
+        let opts = mlaserve_cuda::bench_step::StepBenchOpts {
+            ordinal: device,
+            moe_layers: num("--moe-layers", d.moe_layers)?,
+            context: num("--context", d.context)?,
+            ..d
+        };
+        let report = mlaserve_cuda::bench_step::bench_step(&opts).context("bench step")?;
+        print!("{report}");
+        return Ok(());
+    }
     let gpu = Gpu::new(device).context("opening the GPU")?;
     println!(
         "device {device}: {} (sm_{}{}), {} SMs, {} KB shared memory per block (opt-in)",

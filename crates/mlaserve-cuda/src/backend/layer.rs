@@ -1,0 +1,198 @@
+//! One decoder block on the device: MLA (projections, latent write, absorbed attention,
+//! W_UV, o_proj) and the FFN (dense SwiGLU or DeepSeekMoE), pre-norm residual.
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::bf16;
+
+use super::weights::{Attn, Ffn, Mlp, Moe};
+use super::{BlockRef, CudaBackend, Step};
+use crate::error::Result;
+use crate::reference::DecodeDims;
+use crate::MlaDecodeShape;
+
+impl CudaBackend {
+    /// Runs a block over `x` (`[n][h]` f32, the residual stream) in place.
+    pub(super) fn run_block(&mut self, which: BlockRef, x: &mut CudaSlice<f32>, st: &Step) -> Result<()> {
+        let s = self.gpu.stream.clone();
+        let (h, n) = (self.cfg.hidden_size, st.n);
+        let eps = self.cfg.rms_norm_eps as f32;
+        let (block, cache_idx) = match which {
+            BlockRef::Target(l) => (&self.blocks[l], l),
+            BlockRef::Mtp(d) => (&self.mtp[d].block, self.cfg.num_hidden_layers + d),
+        };
+        let mut xn = s.alloc_zeros::<bf16>(n * h)?;
+        self.ops.rmsnorm_bf16(&s, &mut xn, h, &*x, h, &block.in_norm, n, eps)?;
+        // The cache is written inside; take it out of `self` for the call.
+        let mut cache = std::mem::replace(&mut self.caches[cache_idx], s.alloc_zeros::<bf16>(1)?);
+        let block = match which {
+            BlockRef::Target(l) => &self.blocks[l],
+            BlockRef::Mtp(d) => &self.mtp[d].block,
+        };
+        let a = self.attention(&block.attn, &xn, &mut cache, st);
+        self.caches[cache_idx] = cache;
+        self.ops.add(&s, x, &a?)?;
+        self.ops.rmsnorm_bf16(&s, &mut xn, h, &*x, h, &block.post_norm, n, eps)?;
+        let f = match &block.ffn {
+            Ffn::Dense(m) => self.mlp(m, &xn, n)?,
+            Ffn::Moe(m) => {
+                // The router reads the normed state in f32 (its choice is discrete).
+                let mut xf = s.alloc_zeros::<f32>(n * h)?;
+                self.ops.rmsnorm_f32(&s, &mut xf, h, &*x, h, &block.post_norm, n, eps)?;
+                self.moe(m, &xn, &xf, n)?
+            }
+        };
+        self.ops.add(&s, x, &f)?;
+        Ok(())
+    }
+
+    /// MLA over normed `xn` (`[n][h]` bf16): writes the latent cache, returns `o_proj`'s
+    /// output `[n][h]` f32.
+    fn attention(
+        &self,
+        a: &Attn,
+        xn: &CudaSlice<bf16>,
+        cache: &mut CudaSlice<bf16>,
+        st: &Step,
+    ) -> Result<CudaSlice<f32>> {
+        let s = &self.gpu.stream;
+        let c = &self.cfg;
+        let n = st.n;
+        let (heads, nope, rope, lora, vdim) =
+            (a.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim);
+        let qk = nope + rope;
+        // DeepSeek's and transformers' q_a/kv_a norms use eps 1e-6 whatever rms_norm_eps says.
+        let eps_lat = 1e-6;
+        let mut q = s.alloc_zeros::<f32>(n * heads * qk)?;
+        match &a.q_a {
+            Some((qa, qn)) => {
+                let r = qa.out;
+                let mut cq = s.alloc_zeros::<f32>(n * r)?;
+                self.gemm.forward(s, qa, xn, n, &mut cq)?;
+                let mut cqn = s.alloc_zeros::<bf16>(n * r)?;
+                self.ops.rmsnorm_bf16(s, &mut cqn, r, &cq, r, qn, n, eps_lat)?;
+                self.gemm.forward(s, &a.q_b, &cqn, n, &mut q)?;
+            }
+            None => self.gemm.forward(s, &a.q_b, xn, n, &mut q)?,
+        }
+        let lat = lora + rope;
+        let mut kv = s.alloc_zeros::<f32>(n * lat)?;
+        self.gemm.forward(s, &a.kv_a, xn, n, &mut kv)?;
+        self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, st.max_slot, n, eps_lat)?;
+        let mut qa = s.alloc_zeros::<f32>(n * heads * lat)?;
+        let mut qa_bf16 = s.alloc_zeros::<bf16>(n * heads * lat)?;
+        self.ops.q_absorb(s, &mut qa, &mut qa_bf16, &q, &a.w_uk, &self.rope, &st.pos, n, heads, nope, lora)?;
+        let mut o_lat = s.alloc_zeros::<f32>(n * heads * lora)?;
+        let scale = c.softmax_scale() as f32;
+        match st.uniform.filter(|&ql| self.opts.decode_kernel && ql <= 4) {
+            Some(q_len) => {
+                let dims = DecodeDims {
+                    batch: st.meta.seqs,
+                    heads,
+                    q_len,
+                    dlat: lora,
+                    drope: rope,
+                    bt_stride: st.meta.bt_stride,
+                };
+                let max_len = st.meta.max_pos + 1;
+                let num_splits = self.mla.num_splits(&dims, max_len);
+                let mut ws = self.mla.workspace(s, &dims, num_splits)?;
+                let mut lse = s.alloc_zeros::<f32>(n * heads)?;
+                let shape = MlaDecodeShape { dims, num_blocks: self.opts.num_blocks, num_splits, scale };
+                self.mla.launch(s, &shape, &qa_bf16, cache, &st.tables, &st.seq_lens, &mut o_lat, &mut lse, &mut ws)?;
+            }
+            None => {
+                self.ops.attn_varlen(
+                    s,
+                    &mut o_lat,
+                    &qa,
+                    cache,
+                    &st.tables,
+                    &st.row_seq,
+                    &st.pos,
+                    &st.meta,
+                    heads,
+                    lora,
+                    rope,
+                    scale,
+                )?;
+            }
+        }
+        let mut o = s.alloc_zeros::<bf16>(n * heads * vdim)?;
+        self.ops.wuv(s, &mut o, &o_lat, &a.w_uv, n, heads, lora, vdim)?;
+        let mut out = s.alloc_zeros::<f32>(n * c.hidden_size)?;
+        self.gemm.forward(s, &a.o_proj, &o, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// SwiGLU MLP over `rows` rows of `x` (bf16, anything with a device pointer): `[rows][h]` f32.
+    fn mlp_into(
+        &self,
+        m: &Mlp,
+        x: &impl DevicePtr<bf16>,
+        rows: usize,
+        out: &mut impl cudarc::driver::DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        let i = m.inter();
+        let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
+        self.gemm.forward(s, &m.gate_up, x, rows, &mut gu)?;
+        let mut act = s.alloc_zeros::<bf16>(rows * i)?;
+        self.silu.launch(s, &mut act, &gu, i)?;
+        self.gemm.forward(s, &m.down, &act, rows, out)
+    }
+
+    fn mlp(&self, m: &Mlp, xn: &CudaSlice<bf16>, n: usize) -> Result<CudaSlice<f32>> {
+        let mut out = self.gpu.stream.alloc_zeros::<f32>(n * self.cfg.hidden_size)?;
+        self.mlp_into(m, xn, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// DeepSeekMoE: routing on the device (f32 logits from `xf`); the chosen (token, expert) pairs sorted by
+    /// expert on the host (one small copy: the ids), each expert's rows gathered and run
+    /// through its MLP, then summed per token in ascending expert order, plus the shared
+    /// experts.
+    fn moe(&self, m: &Moe, xn: &CudaSlice<bf16>, xf: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
+        let s = &self.gpu.stream;
+        let h = self.cfg.hidden_size;
+        let (e, k) = (m.route.experts, m.route.k);
+        let mut logits = s.alloc_zeros::<f32>(n * e)?;
+        self.ops.router_logits(s, &mut logits, xf, &m.gate, n, e, h)?;
+        let mut ids = s.alloc_zeros::<i32>(n * k)?;
+        let mut w = s.alloc_zeros::<f32>(n * k)?;
+        self.ops.route(s, &mut ids, &mut w, &logits, m.bias.as_ref(), n, &m.route)?;
+        let mut out = match &m.shared {
+            Some(sh) => self.mlp(sh, xn, n)?,
+            None => s.alloc_zeros::<f32>(n * h)?,
+        };
+        let ids_h = s.clone_dtoh(&ids)?;
+        s.synchronize()?;
+        // Slots (t, j) sorted by (expert, token): `perm` gives each sorted row's token,
+        // `inv` each slot's sorted row.
+        let mut slots: Vec<usize> = (0..n * k).collect();
+        slots.sort_by_key(|&sl| (ids_h[sl], sl));
+        let perm: Vec<u32> = slots.iter().map(|&sl| (sl / k) as u32).collect();
+        let mut inv = vec![0i32; n * k];
+        for (row, &sl) in slots.iter().enumerate() {
+            inv[sl] = row as i32;
+        }
+        let perm_d = s.clone_htod(&perm.iter().map(|&t| t as i32).collect::<Vec<_>>())?;
+        let inv_d = s.clone_htod(&inv)?;
+        let mut xs = s.alloc_zeros::<bf16>(n * k * h)?;
+        self.ops.gather_bf16(s, &mut xs, xn, &perm_d, &perm, h)?;
+        let mut ys = s.alloc_zeros::<f32>(n * k * h)?;
+        let mut start = 0;
+        while start < slots.len() {
+            let ex = ids_h[slots[start]];
+            let end = start + slots[start..].iter().take_while(|&&sl| ids_h[sl] == ex).count();
+            let expert = m
+                .experts
+                .get(ex as usize)
+                .ok_or_else(|| crate::CudaError::shape("moe_route_f32", format!("expert id {ex} out of range")))?;
+            let rows = end - start;
+            self.mlp_into(expert, &xs.slice(start * h..end * h), rows, &mut ys.slice_mut(start * h..end * h))?;
+            start = end;
+        }
+        self.ops.combine(s, &mut out, &ys, &ids, &w, &inv_d, n, k, h)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,441 @@
+//! [`CudaBackend`]: `mlaserve_core::Backend` on one GPU (one tensor-parallel rank).
+//!
+//! The math mirrors mlaserve-cpu exactly (RoPE on interleaved pairs with the YaRN
+//! attention factor, q_a/kv_a norms with eps 1e-6, every routing variant, MTP with the
+//! embedding zeroed at position 0, vocabulary-parallel heads); the numbers differ by bf16
+//! rounding: weights and the latent cache are bf16, GEMM inputs are rounded to bf16,
+//! the residual stream and every reduction stay f32.
+//!
+//! A step: the host lays out per-row metadata (positions, cache slots, block tables) and
+//! uploads it once; embedding, then per layer RMSNorm → MLA (projections on cuBLAS,
+//! latent write, absorbed attention: the FlashMLA-style decode kernel when every chunk
+//! is a window of the same length ≤ 4, the varlen kernel otherwise) → residual →
+//! RMSNorm → dense MLP or MoE (routing on the device, experts as per-expert GEMMs over
+//! gathered rows) → residual; final norm; the head over the requested rows only.
+//!
+//! Tensor parallelism: weights load through `Weights::f32_shard` with this rank's shard,
+//! so a rank holds only its slice; the collectives (two all-reduces per layer, the
+//! embedding all-reduce and the head all-gather) are not wired yet: `load` is rank 0 of 1.
+
+mod layer;
+mod random;
+mod weights;
+
+use std::path::Path;
+
+use cudarc::driver::CudaSlice;
+use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, BLOCK_SIZE};
+use mlaserve_model::{names, Weights};
+
+use crate::elementwise::SiluMul;
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::linear::{Gemm, GemmMode, Linear};
+use crate::ops::{AttnMeta, Ops, RopeTables};
+use crate::{MlaDecode, MlaKernel};
+use weights::{Block, Embed, Loader, Mtp};
+
+/// Construction options.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaOptions {
+    /// Physical blocks of [`BLOCK_SIZE`] tokens in every layer's latent cache.
+    pub num_blocks: usize,
+    /// Device ordinal.
+    pub ordinal: usize,
+    pub gemm: GemmMode,
+    /// Use the FlashMLA-style decode kernel for uniform decode windows (≤ 4 tokens).
+    /// Off, every row goes through the varlen kernel, whose result for a token does not
+    /// depend on the window length or the batch.
+    pub decode_kernel: bool,
+}
+
+impl CudaOptions {
+    pub fn new(num_blocks: usize, ordinal: usize) -> Self {
+        CudaOptions { num_blocks, ordinal, gemm: GemmMode::Cublas, decode_kernel: true }
+    }
+    /// Every token's result independent of its batch: the invariant GEMM, no decode kernel.
+    pub fn batch_invariant(mut self) -> Self {
+        self.gemm = GemmMode::BatchInvariant;
+        self.decode_kernel = false;
+        self
+    }
+}
+
+/// Hidden states of a step, `rows × hidden_size` f32, on the device.
+#[derive(Debug)]
+pub struct CudaHidden {
+    pub rows: usize,
+    pub data: CudaSlice<f32>,
+}
+
+/// Weight bytes by what a decode step reads (see [`CudaBackend::weight_bytes`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WeightBytes {
+    /// Target layers' weights read whole every forward (attention, dense MLPs, shared
+    /// experts, router).
+    pub target_dense: u64,
+    /// The same for the MTP layers.
+    pub mtp_dense: u64,
+    /// `lm_head` (each MTP layer's head is as large).
+    pub head: u64,
+    /// One routed expert's MLP.
+    pub expert: u64,
+    pub experts_per_layer: u64,
+    pub top_k: u64,
+    /// Target MoE layers.
+    pub moe_layers: u64,
+    pub mtp_moe: bool,
+}
+
+/// Which stack a block belongs to (its cache index differs).
+#[derive(Debug, Clone, Copy)]
+enum BlockRef {
+    Target(usize),
+    Mtp(usize),
+}
+
+/// The GPU backend (one rank).
+#[derive(Debug)]
+pub struct CudaBackend {
+    cfg: ModelConfig,
+    gpu: Gpu,
+    ops: Ops,
+    gemm: Gemm,
+    silu: SiluMul,
+    mla: MlaDecode,
+    embed: Embed,
+    blocks: Vec<Block>,
+    final_norm: CudaSlice<f32>,
+    lm_head: Linear,
+    mtp: Vec<Mtp>,
+    /// Target layers first, then one per MTP layer: `[num_blocks][64][latent]` bf16,
+    /// zeroed (stale entries are finite).
+    caches: Vec<CudaSlice<half::bf16>>,
+    rope: RopeTables,
+    opts: CudaOptions,
+}
+
+/// A step's row metadata, on the device (and what the host knows of it).
+#[derive(Debug)]
+pub(crate) struct Step {
+    pub n: usize,
+    pub tokens: CudaSlice<i32>,
+    pub pos: CudaSlice<i32>,
+    pub slot: CudaSlice<i64>,
+    pub max_slot: usize,
+    pub row_seq: CudaSlice<i32>,
+    pub tables: CudaSlice<i32>,
+    pub seq_lens: CudaSlice<i32>,
+    pub meta: AttnMeta,
+    /// `Some(q_len)` when every chunk has that many tokens (decode windows).
+    pub uniform: Option<usize>,
+}
+
+impl CudaBackend {
+    /// Loads the checkpoint in `dir` onto GPU `ordinal` with `num_blocks` cache blocks.
+    pub fn load(dir: &Path, num_blocks: usize, ordinal: usize) -> Result<Self> {
+        Self::load_with(dir, CudaOptions::new(num_blocks, ordinal))
+    }
+
+    pub fn load_with(dir: &Path, opts: CudaOptions) -> Result<Self> {
+        let bad = |e: Error| CudaError::Shape { kernel: "load", msg: e.to_string() };
+        let cfg = mlaserve_model::load_config(dir).map_err(bad)?;
+        let w = Weights::open(dir, cfg.fp8).map_err(bad)?;
+        let gpu = Gpu::new(opts.ordinal)?;
+        let (rank, world) = (0, 1);
+        let l = Loader { w: &w, s: &gpu.stream, rank, world };
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = Embed::load(&l, names::EMBED, v, h)?;
+        let blocks = (0..cfg.num_hidden_layers).map(|i| Block::load(&l, &cfg, i)).collect::<Result<Vec<_>>>()?;
+        let final_norm = l.vec(names::FINAL_NORM, h)?;
+        let head_name = if cfg.tie_word_embeddings { names::EMBED } else { names::LM_HEAD };
+        let lm_head = l.lin(head_name, v, h, Some(0))?;
+        let mtp =
+            (0..cfg.num_nextn_predict_layers).map(|d| Mtp::load(&l, &cfg, d, head_name)).collect::<Result<Vec<_>>>()?;
+        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts)
+    }
+
+    /// A model of configuration `cfg` with random weights generated on the device (for
+    /// benchmarks at real dimensions; no checkpoint needed).
+    pub fn random(cfg: ModelConfig, opts: CudaOptions, seed: u64) -> Result<Self> {
+        let gpu = Gpu::new(opts.ordinal)?;
+        let util = crate::kernels::Util::new(&gpu)?;
+        let r = random::Rand { s: &gpu.stream, util: &util, seed: std::cell::Cell::new(seed) };
+        let parts = r.model(&cfg)?;
+        Self::assemble(cfg, gpu, parts, opts)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn assemble(
+        cfg: ModelConfig,
+        gpu: Gpu,
+        parts: (Embed, Vec<Block>, CudaSlice<f32>, Linear, Vec<Mtp>),
+        opts: CudaOptions,
+    ) -> Result<Self> {
+        let (embed, blocks, final_norm, lm_head, mtp) = parts;
+        let lat = cfg.latent_dim();
+        let caches = (0..blocks.len() + mtp.len())
+            .map(|_| gpu.stream.alloc_zeros::<half::bf16>(opts.num_blocks * BLOCK_SIZE * lat))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let rope = RopeTables::new(
+            &gpu.stream,
+            &cfg.rope_inv_freq(),
+            cfg.rope_attention_factor(),
+            cfg.max_position_embeddings,
+        )?;
+        let ops = Ops::new(&gpu)?;
+        let gemm = Gemm::new(&gpu, opts.gemm)?;
+        let silu = SiluMul::new(&gpu)?;
+        let mut mla = MlaDecode::new(&gpu)?;
+        mla.set_kernel(MlaKernel::Auto)?;
+        gpu.sync()?;
+        Ok(CudaBackend { cfg, gpu, ops, gemm, silu, mla, embed, blocks, final_norm, lm_head, mtp, caches, rope, opts })
+    }
+
+    /// Fills every layer's latent cache with U(-1, 1) (benchmarks: a context without a
+    /// prefill).
+    pub fn fill_caches_random(&mut self, seed: u64) -> Result<()> {
+        let util = crate::kernels::Util::new(&self.gpu)?;
+        for (i, c) in self.caches.iter_mut().enumerate() {
+            util.fill_bf16(&self.gpu.stream, c, seed + i as u64, -1.0, 1.0)?;
+        }
+        self.gpu.sync()
+    }
+
+    /// Bytes of every weight on the device, split as (dense: attention, norms, dense
+    /// MLPs, shared experts, router, embedding and heads; one routed expert's MLP; routed
+    /// experts per MoE layer; MoE layers), for rooflines.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        let lin = |l: &Linear| (l.w.len() * 2) as u64;
+        let mlp = |m: &weights::Mlp| lin(&m.gate_up) + lin(&m.down);
+        let mut wb = WeightBytes { head: lin(&self.lm_head), ..Default::default() };
+        let blocks = self.blocks.iter().map(|b| (b, false)).chain(self.mtp.iter().map(|m| (&m.block, true)));
+        for (b, is_mtp) in blocks {
+            let a = &b.attn;
+            let mut d = lin(&a.q_b) + lin(&a.kv_a) + lin(&a.o_proj) + (a.w_uk.len() + a.w_uv.len()) as u64 * 2;
+            if let Some((qa, _)) = &a.q_a {
+                d += lin(qa);
+            }
+            match &b.ffn {
+                weights::Ffn::Dense(m) => d += mlp(m),
+                weights::Ffn::Moe(m) => {
+                    d += (m.gate.len() * 4) as u64 + m.shared.as_ref().map_or(0, mlp);
+                    wb.expert = m.experts.first().map_or(0, mlp);
+                    wb.experts_per_layer = m.experts.len() as u64;
+                    wb.top_k = m.route.k as u64;
+                    if is_mtp {
+                        wb.mtp_moe = true;
+                    } else {
+                        wb.moe_layers += 1;
+                    }
+                }
+            }
+            if is_mtp {
+                wb.mtp_dense += d;
+            } else {
+                wb.target_dense += d;
+            }
+        }
+        wb
+    }
+
+    /// Uploads host hidden rows (`rows × hidden_size`), e.g. another backend's, so a
+    /// stage can be checked on exactly the reference's inputs.
+    pub fn hidden_from_host(&self, data: &[f32]) -> Result<CudaHidden> {
+        let h = self.cfg.hidden_size;
+        if data.is_empty() || !data.len().is_multiple_of(h) {
+            return Err(CudaError::shape("hidden_from_host", format!("{} values are not rows of {h}", data.len())));
+        }
+        Ok(CudaHidden { rows: data.len() / h, data: self.gpu.stream.clone_htod(data)? })
+    }
+
+    /// The GPU this backend runs on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Builds and uploads the step's row metadata.
+    fn step(&self, batch: &Batch) -> Result<Step> {
+        let s = &self.gpu.stream;
+        let n = batch.num_tokens();
+        let bt_stride = batch.seqs.iter().map(|c| c.block_table.len()).max().unwrap_or(1).max(1);
+        let (mut tokens, mut pos, mut slot, mut row_seq) = (vec![], vec![], vec![], vec![]);
+        let mut tables = vec![0i32; batch.seqs.len().max(1) * bt_stride];
+        let mut seq_lens = Vec::with_capacity(batch.seqs.len());
+        let (mut max_pos, mut max_block, mut max_slot) = (0usize, 0usize, 0usize);
+        for (i, c) in batch.seqs.iter().enumerate() {
+            for (j, &b) in c.block_table.iter().enumerate() {
+                tables[i * bt_stride + j] = b as i32;
+                max_block = max_block.max(b as usize);
+            }
+            for (j, &t) in c.tokens.iter().enumerate() {
+                let p = c.start_pos + j;
+                let sl = c.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
+                tokens.push(t as i32);
+                pos.push(p as i32);
+                slot.push(sl as i64);
+                row_seq.push(i as i32);
+                max_pos = max_pos.max(p);
+                max_slot = max_slot.max(sl);
+            }
+            seq_lens.push((c.start_pos + c.tokens.len()) as i32);
+        }
+        let first = batch.seqs.first().map(|c| c.tokens.len()).unwrap_or(0);
+        let uniform = (first > 0 && batch.seqs.iter().all(|c| c.tokens.len() == first)).then_some(first);
+        let up = |v: &[i32]| s.clone_htod(if v.is_empty() { &[0][..] } else { v });
+        Ok(Step {
+            n,
+            tokens: up(&tokens)?,
+            pos: up(&pos)?,
+            slot: s.clone_htod(if slot.is_empty() { &[0i64][..] } else { &slot })?,
+            max_slot,
+            row_seq: up(&row_seq)?,
+            tables: up(&tables)?,
+            seq_lens: up(&seq_lens)?,
+            meta: AttnMeta { n, seqs: batch.seqs.len(), bt_stride, max_pos, max_block },
+            uniform,
+        })
+    }
+
+    /// Vocabulary-parallel head over `rows` of `normed` (`[n][h]` f32): logits on the host.
+    fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, rows: &[u32]) -> Result<Vec<f32>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let h = self.cfg.hidden_size;
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idx_d = s.clone_htod(&idx)?;
+        let mut sel = s.alloc_zeros::<half::bf16>(rows.len() * h)?;
+        self.ops.gather_f32_bf16(s, &mut sel, normed, &idx_d, rows, h)?;
+        let mut logits = s.alloc_zeros::<f32>(rows.len() * head.out)?;
+        self.gemm.forward(s, head, &sel, rows.len(), &mut logits)?;
+        let out = s.clone_dtoh(&logits)?;
+        self.gpu.sync()?;
+        Ok(out)
+    }
+
+    fn validate(&self, batch: &Batch) -> mlaserve_core::Result<()> {
+        batch.validate(self.cfg.vocab_size, self.opts.num_blocks, self.cfg.max_position_embeddings)
+    }
+
+    fn forward_impl(&mut self, batch: &Batch) -> Result<ForwardOutput<CudaHidden>> {
+        let st = self.step(batch)?;
+        let s = self.gpu.stream.clone();
+        let (h, n) = (self.cfg.hidden_size, st.n);
+        let mut x = s.alloc_zeros::<f32>(n * h)?;
+        let e = &self.embed;
+        self.ops.embed(&s, &mut x, &e.w, &st.tokens, &st.pos, h, e.lo, e.rows, false)?;
+        for l in 0..self.blocks.len() {
+            self.run_block(BlockRef::Target(l), &mut x, &st)?;
+        }
+        let mut normed = s.alloc_zeros::<f32>(n * h)?;
+        let eps = self.cfg.rms_norm_eps as f32;
+        self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &self.final_norm, n, eps)?;
+        let logits = self.head_logits(&self.lm_head, &normed, &batch.logit_rows)?;
+        self.gpu.sync()?;
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits })
+    }
+
+    fn concat_impl(&self, parts: &[(&CudaHidden, &[u32])]) -> Result<CudaHidden> {
+        let s = &self.gpu.stream;
+        let h = self.cfg.hidden_size;
+        let rows: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        let mut data = s.alloc_zeros::<f32>(rows.max(1) * h)?;
+        let mut at = 0;
+        for (src, sel) in parts {
+            if let Some(&r) = sel.iter().find(|&&r| r as usize >= src.rows) {
+                return Err(CudaError::shape("concat_hidden", format!("hidden row {r} >= {} rows", src.rows)));
+            }
+            if sel.is_empty() {
+                continue;
+            }
+            let idx = s.clone_htod(&sel.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+            self.ops.gather_f32(s, &mut data.slice_mut(at * h..(at + sel.len()) * h), &src.data, &idx, sel, h)?;
+            at += sel.len();
+        }
+        Ok(CudaHidden { rows, data })
+    }
+
+    fn mtp_impl(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &CudaHidden,
+        hidden_rows: &[u32],
+    ) -> Result<ForwardOutput<CudaHidden>> {
+        let st = self.step(batch)?;
+        let s = self.gpu.stream.clone();
+        let (h, n) = (self.cfg.hidden_size, st.n);
+        let eps = self.cfg.rms_norm_eps as f32;
+        let m = &self.mtp[layer];
+        let table = m.embed.as_ref().unwrap_or(&self.embed);
+        let mut e = s.alloc_zeros::<f32>(n * h)?;
+        // vLLM's convention: the embedding input is zero at position 0.
+        self.ops.embed(&s, &mut e, &table.w, &st.tokens, &st.pos, h, table.lo, table.rows, true)?;
+        let rows_d = s.clone_htod(&hidden_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        let mut hid = s.alloc_zeros::<f32>(n * h)?;
+        self.ops.gather_f32(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
+        // cat[r] = [enorm(e_r), hnorm(h_r)]: embedding first (DESIGN §3).
+        let mut cat = s.alloc_zeros::<half::bf16>(n * 2 * h)?;
+        self.ops.rmsnorm_bf16(&s, &mut cat, 2 * h, &e, h, &m.enorm, n, eps)?;
+        self.ops.rmsnorm_bf16(&s, &mut cat.slice_mut(h..), 2 * h, &hid, h, &m.hnorm, n, eps)?;
+        let mut x = s.alloc_zeros::<f32>(n * h)?;
+        self.gemm.forward(&s, &m.eh_proj, &cat, n, &mut x)?;
+        self.run_block(BlockRef::Mtp(layer), &mut x, &st)?;
+        let m = &self.mtp[layer];
+        let mut normed = s.alloc_zeros::<f32>(n * h)?;
+        self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &m.head_norm, n, eps)?;
+        let logits = self.head_logits(&m.head, &normed, &batch.logit_rows)?;
+        self.gpu.sync()?;
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits })
+    }
+}
+
+impl Backend for CudaBackend {
+    type Hidden = CudaHidden;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.opts.num_blocks
+    }
+
+    fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<CudaHidden>> {
+        self.validate(batch)?;
+        Ok(self.forward_impl(batch)?)
+    }
+
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &CudaHidden,
+        hidden_rows: &[u32],
+    ) -> mlaserve_core::Result<ForwardOutput<CudaHidden>> {
+        self.validate(batch)?;
+        if layer >= self.mtp.len() {
+            return Err(Error::Batch(format!("MTP layer {layer} requested; the model has {}", self.mtp.len())));
+        }
+        let n = batch.num_tokens();
+        if hidden_rows.len() != n {
+            return Err(Error::Batch(format!("{} hidden rows for {n} tokens", hidden_rows.len())));
+        }
+        if let Some(&r) = hidden_rows.iter().find(|&&r| r as usize >= prev.rows) {
+            return Err(Error::Batch(format!("hidden row {r} >= {} rows", prev.rows)));
+        }
+        Ok(self.mtp_impl(layer, batch, prev, hidden_rows)?)
+    }
+
+    fn concat_hidden(&mut self, parts: &[(&CudaHidden, &[u32])]) -> mlaserve_core::Result<CudaHidden> {
+        Ok(self.concat_impl(parts)?)
+    }
+
+    fn hidden_to_host(&self, h: &CudaHidden) -> mlaserve_core::Result<Vec<f32>> {
+        let v = self.gpu.stream.clone_dtoh(&h.data).map_err(CudaError::from)?;
+        self.gpu.sync()?;
+        Ok(v)
+    }
+}

@@ -1,0 +1,116 @@
+//! Random weights generated on the device (`bench_util.cu`'s fills), for benchmarks at
+//! real dimensions without a checkpoint: U(±1/√inp) for projections, U(0.9, 1.1) for
+//! norms, U(0, 0.1) for the routing bias.
+
+use std::cell::Cell;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use mlaserve_core::{ModelConfig, TopkMethod};
+
+use super::weights::{route_params, Attn, Block, Embed, Ffn, Mlp, Moe, Mtp};
+use crate::error::Result;
+use crate::kernels::Util;
+use crate::linear::Linear;
+
+pub(crate) struct Rand<'a> {
+    pub s: &'a Arc<CudaStream>,
+    pub util: &'a Util,
+    pub seed: Cell<u64>,
+}
+
+impl Rand<'_> {
+    fn next(&self) -> u64 {
+        let v = self.seed.get().wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.seed.set(v);
+        v
+    }
+    pub fn bf16(&self, n: usize, a: f32) -> Result<CudaSlice<bf16>> {
+        let mut x = self.s.alloc_zeros::<bf16>(n)?;
+        self.util.fill_bf16(self.s, &mut x, self.next(), -a, a)?;
+        Ok(x)
+    }
+    pub fn lin(&self, out: usize, inp: usize) -> Result<Linear> {
+        Ok(Linear { w: self.bf16(out * inp, 1.0 / (inp as f32).sqrt())?, out, inp })
+    }
+    pub fn vec(&self, n: usize, lo: f32, hi: f32) -> Result<CudaSlice<f32>> {
+        let mut x = self.s.alloc_zeros::<f32>(n)?;
+        self.util.fill_f32(self.s, &mut x, self.next(), lo, hi)?;
+        Ok(x)
+    }
+    fn norm(&self, n: usize) -> Result<CudaSlice<f32>> {
+        self.vec(n, 0.9, 1.1)
+    }
+
+    fn mlp(&self, h: usize, inter: usize) -> Result<Mlp> {
+        Ok(Mlp { gate_up: self.lin(2 * inter, h)?, down: self.lin(h, inter)? })
+    }
+
+    fn block(&self, c: &ModelConfig, layer: usize) -> Result<Block> {
+        let h = c.hidden_size;
+        let ffn = match (&c.moe, c.is_moe_layer(layer)) {
+            (Some(m), true) => Ffn::Moe(Moe {
+                gate: self.vec(m.n_routed_experts * h, -1.0 / (h as f32).sqrt(), 1.0 / (h as f32).sqrt())?,
+                bias: if m.topk_method == TopkMethod::NoauxTc {
+                    Some(self.vec(m.n_routed_experts, 0.0, 0.1)?)
+                } else {
+                    None
+                },
+                experts: (0..m.n_routed_experts)
+                    .map(|_| self.mlp(h, m.moe_intermediate_size))
+                    .collect::<Result<Vec<_>>>()?,
+                shared: if m.n_shared_experts > 0 {
+                    Some(self.mlp(h, m.moe_intermediate_size * m.n_shared_experts)?)
+                } else {
+                    None
+                },
+                route: route_params(m, c.arch),
+            }),
+            _ => Ffn::Dense(self.mlp(h, c.intermediate_size)?),
+        };
+        let (nh, qk, lora) = (c.num_attention_heads, c.qk_head_dim(), c.kv_lora_rank);
+        let (q_a, q_b) = match c.q_lora_rank {
+            Some(r) => (Some((self.lin(r, h)?, self.norm(r)?)), self.lin(nh * qk, r)?),
+            None => (None, self.lin(nh * qk, h)?),
+        };
+        let a = 1.0 / (lora as f32).sqrt();
+        Ok(Block {
+            in_norm: self.norm(h)?,
+            attn: Attn {
+                q_a,
+                q_b,
+                kv_a: self.lin(c.latent_dim(), h)?,
+                kv_a_norm: self.norm(lora)?,
+                w_uk: self.bf16(nh * c.qk_nope_head_dim * lora, a)?,
+                w_uv: self.bf16(nh * c.v_head_dim * lora, a)?,
+                o_proj: self.lin(h, nh * c.v_head_dim)?,
+                heads: nh,
+            },
+            post_norm: self.norm(h)?,
+            ffn,
+        })
+    }
+
+    /// Every weight of `c` (one rank), in the order `CudaBackend::assemble` takes them.
+    #[allow(clippy::type_complexity)]
+    pub fn model(&self, c: &ModelConfig) -> Result<(Embed, Vec<Block>, CudaSlice<f32>, Linear, Vec<Mtp>)> {
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let embed = Embed { w: self.bf16(v * h, 1.0)?, lo: 0, rows: v };
+        let blocks = (0..c.num_hidden_layers).map(|l| self.block(c, l)).collect::<Result<Vec<_>>>()?;
+        let mtp = (0..c.num_nextn_predict_layers)
+            .map(|d| {
+                Ok(Mtp {
+                    enorm: self.norm(h)?,
+                    hnorm: self.norm(h)?,
+                    eh_proj: self.lin(h, 2 * h)?,
+                    block: self.block(c, c.num_hidden_layers + d)?,
+                    head_norm: self.norm(h)?,
+                    head: self.lin(v, h)?,
+                    embed: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((embed, blocks, self.norm(h)?, self.lin(v, h)?, mtp))
+    }
+}

@@ -1,0 +1,258 @@
+//! The model's weights on the device: read as f32 through `mlaserve_model::Weights`
+//! (this rank's shard, DESIGN §6), converted to bf16 on upload. Norm weights and the
+//! routing bias stay f32 (tiny, and read by f32 kernels).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use mlaserve_core::config::Arch;
+use mlaserve_core::{ModelConfig, MoeConfig, ScoringFunc, TopkMethod};
+use mlaserve_model::{names, Shard, Weights};
+
+use crate::error::Result;
+use crate::linear::Linear;
+use crate::ops::RouteParams;
+
+fn mlerr(e: mlaserve_core::Error) -> crate::CudaError {
+    crate::CudaError::Shape { kernel: "load", msg: e.to_string() }
+}
+
+/// Reads this rank's shards and uploads them.
+pub(crate) struct Loader<'a> {
+    pub w: &'a Weights,
+    pub s: &'a Arc<CudaStream>,
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Loader<'_> {
+    fn host(&self, name: &str, shape: &[usize], shard: Option<usize>) -> Result<Vec<f32>> {
+        self.w.f32_shard(name, shape, shard.map(|d| Shard::new(d, self.rank, self.world))).map_err(mlerr)
+    }
+    /// A norm weight or bias, replicated, f32.
+    pub fn vec(&self, name: &str, len: usize) -> Result<CudaSlice<f32>> {
+        Ok(self.s.clone_htod(&self.host(name, &[len], None)?)?)
+    }
+    /// `[out, inp]` split along `shard` (0: output rows, 1: input columns) or replicated.
+    pub fn lin(&self, name: &str, out: usize, inp: usize, shard: Option<usize>) -> Result<Linear> {
+        let v = self.host(name, &[out, inp], shard)?;
+        let (o, i) = match shard {
+            Some(0) => (out / self.world, inp),
+            Some(_) => (out, inp / self.world),
+            None => (out, inp),
+        };
+        Linear::from_f32(self.s, &v, o, i)
+    }
+    fn bf16(&self, v: &[f32]) -> Result<CudaSlice<bf16>> {
+        Ok(self.s.clone_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())?)
+    }
+}
+
+/// SwiGLU MLP with gate and up fused into one `[2I, h]` projection.
+#[derive(Debug)]
+pub(crate) struct Mlp {
+    pub gate_up: Linear,
+    pub down: Linear,
+}
+
+impl Mlp {
+    fn load(l: &Loader, prefix: &str, h: usize, inter: usize) -> Result<Self> {
+        let g = l.host(&format!("{prefix}.gate_proj.weight"), &[inter, h], Some(0))?;
+        let u = l.host(&format!("{prefix}.up_proj.weight"), &[inter, h], Some(0))?;
+        let local = inter / l.world;
+        let cat: Vec<f32> = g.into_iter().chain(u).collect();
+        Ok(Mlp {
+            gate_up: Linear::from_f32(l.s, &cat, 2 * local, h)?,
+            down: l.lin(&format!("{prefix}.down_proj.weight"), h, inter, Some(1))?,
+        })
+    }
+    /// Local intermediate width.
+    pub fn inter(&self) -> usize {
+        self.gate_up.out / 2
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Moe {
+    /// Router weight `[experts][h]`, f32 (the router runs in f32, as transformers').
+    pub gate: CudaSlice<f32>,
+    pub bias: Option<CudaSlice<f32>>,
+    pub experts: Vec<Mlp>,
+    pub shared: Option<Mlp>,
+    pub route: RouteParams,
+}
+
+impl Moe {
+    fn load(l: &Loader, c: &MoeConfig, arch: Arch, layer: usize, h: usize) -> Result<Self> {
+        let e = c.n_routed_experts;
+        let n = |s: &str| names::layer(layer, s);
+        let gate = l.s.clone_htod(&l.host(&n("mlp.gate.weight"), &[e, h], None)?)?;
+        let bias = match c.topk_method {
+            TopkMethod::NoauxTc => Some(l.vec(&n("mlp.gate.e_score_correction_bias"), e)?),
+            _ => None,
+        };
+        let inter = c.moe_intermediate_size;
+        let experts =
+            (0..e).map(|i| Mlp::load(l, &n(&format!("mlp.experts.{i}")), h, inter)).collect::<Result<Vec<_>>>()?;
+        let shared = if c.n_shared_experts > 0 {
+            Some(Mlp::load(l, &n("mlp.shared_experts"), h, inter * c.n_shared_experts)?)
+        } else {
+            None
+        };
+        let route = route_params(c, arch);
+        Ok(Moe { gate, bias, experts, shared, route })
+    }
+}
+
+/// The routing kernel's parameters for a MoE config.
+pub(crate) fn route_params(c: &MoeConfig, arch: Arch) -> RouteParams {
+    RouteParams {
+        experts: c.n_routed_experts,
+        k: c.num_experts_per_tok,
+        n_group: c.n_group,
+        topk_group: c.topk_group,
+        method: match c.topk_method {
+            TopkMethod::Greedy => 0,
+            TopkMethod::GroupLimitedGreedy => 1,
+            TopkMethod::NoauxTc => 2,
+        },
+        scoring: match c.scoring_func {
+            ScoringFunc::Sigmoid => 0,
+            ScoringFunc::Softmax => 1,
+        },
+        // As DeepSeek-V2's code: normalise only for top-k > 1 there (mlaserve-cpu's rule).
+        normalise: c.norm_topk_prob && (arch == Arch::DeepseekV3 || c.num_experts_per_tok > 1),
+        scale: c.routed_scaling_factor as f32,
+    }
+}
+
+#[derive(Debug)]
+pub(crate) enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+/// MLA weights of this rank's heads.
+#[derive(Debug)]
+pub(crate) struct Attn {
+    pub q_a: Option<(Linear, CudaSlice<f32>)>,
+    pub q_b: Linear,
+    pub kv_a: Linear,
+    pub kv_a_norm: CudaSlice<f32>,
+    /// `[heads][nope][lora]`.
+    pub w_uk: CudaSlice<bf16>,
+    /// `[heads][vdim][lora]`.
+    pub w_uv: CudaSlice<bf16>,
+    pub o_proj: Linear,
+    pub heads: usize,
+}
+
+impl Attn {
+    fn load(l: &Loader, c: &ModelConfig, layer: usize) -> Result<Self> {
+        let (h, nh) = (c.hidden_size, c.num_attention_heads);
+        let lh = nh / l.world;
+        let qk = c.qk_head_dim();
+        let n = |s: &str| names::layer(layer, s);
+        let (q_a, q_b) = match c.q_lora_rank {
+            Some(r) => {
+                let qa = l.lin(&n("self_attn.q_a_proj.weight"), r, h, None)?;
+                let qn = l.vec(&n("self_attn.q_a_layernorm.weight"), r)?;
+                (Some((qa, qn)), l.lin(&n("self_attn.q_b_proj.weight"), nh * qk, r, Some(0))?)
+            }
+            None => (None, l.lin(&n("self_attn.q_proj.weight"), nh * qk, h, Some(0))?),
+        };
+        let kv_a = l.lin(&n("self_attn.kv_a_proj_with_mqa.weight"), c.latent_dim(), h, None)?;
+        let kv_a_norm = l.vec(&n("self_attn.kv_a_layernorm.weight"), c.kv_lora_rank)?;
+        let (nope, vdim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let kv_b = l.host(&n("self_attn.kv_b_proj.weight"), &[nh * (nope + vdim), lora], Some(0))?;
+        let (mut uk, mut uv) = (Vec::with_capacity(lh * nope * lora), Vec::with_capacity(lh * vdim * lora));
+        for hd in 0..lh {
+            let base = hd * (nope + vdim) * lora;
+            uk.extend_from_slice(&kv_b[base..base + nope * lora]);
+            uv.extend_from_slice(&kv_b[base + nope * lora..base + (nope + vdim) * lora]);
+        }
+        Ok(Attn {
+            q_a,
+            q_b,
+            kv_a,
+            kv_a_norm,
+            w_uk: l.bf16(&uk)?,
+            w_uv: l.bf16(&uv)?,
+            o_proj: l.lin(&n("self_attn.o_proj.weight"), h, nh * vdim, Some(1))?,
+            heads: lh,
+        })
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Block {
+    pub in_norm: CudaSlice<f32>,
+    pub attn: Attn,
+    pub post_norm: CudaSlice<f32>,
+    pub ffn: Ffn,
+}
+
+impl Block {
+    pub fn load(l: &Loader, c: &ModelConfig, layer: usize) -> Result<Self> {
+        let h = c.hidden_size;
+        let ffn = match (&c.moe, c.is_moe_layer(layer)) {
+            (Some(m), true) => Ffn::Moe(Moe::load(l, m, c.arch, layer, h)?),
+            _ => Ffn::Dense(Mlp::load(l, &names::layer(layer, "mlp"), h, c.intermediate_size)?),
+        };
+        Ok(Block {
+            in_norm: l.vec(&names::layer(layer, "input_layernorm.weight"), h)?,
+            attn: Attn::load(l, c, layer)?,
+            post_norm: l.vec(&names::layer(layer, "post_attention_layernorm.weight"), h)?,
+            ffn,
+        })
+    }
+}
+
+/// A vocabulary-parallel table: rows `[lo, lo + rows)` of `[vocab, h]`.
+#[derive(Debug)]
+pub(crate) struct Embed {
+    pub w: CudaSlice<bf16>,
+    pub lo: usize,
+    pub rows: usize,
+}
+
+impl Embed {
+    pub fn load(l: &Loader, name: &str, vocab: usize, h: usize) -> Result<Self> {
+        let rows = vocab / l.world;
+        let v = l.host(name, &[vocab, h], Some(0))?;
+        Ok(Embed { w: l.bf16(&v)?, lo: l.rank * rows, rows })
+    }
+}
+
+/// An MTP layer (DESIGN §3).
+#[derive(Debug)]
+pub(crate) struct Mtp {
+    pub enorm: CudaSlice<f32>,
+    pub hnorm: CudaSlice<f32>,
+    pub eh_proj: Linear,
+    pub block: Block,
+    pub head_norm: CudaSlice<f32>,
+    pub head: Linear,
+    pub embed: Option<Embed>,
+}
+
+impl Mtp {
+    pub fn load(l: &Loader, c: &ModelConfig, d: usize, main_head: &str) -> Result<Self> {
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let layer = c.num_hidden_layers + d;
+        let n = |s: &str| names::layer(layer, s);
+        let head_name =
+            if l.w.contains(&n("shared_head.head.weight")) { n("shared_head.head.weight") } else { main_head.into() };
+        let own_embed = n("embed_tokens.weight");
+        Ok(Mtp {
+            enorm: l.vec(&n("enorm.weight"), h)?,
+            hnorm: l.vec(&n("hnorm.weight"), h)?,
+            eh_proj: l.lin(&n("eh_proj.weight"), h, 2 * h, None)?,
+            block: Block::load(l, c, layer)?,
+            head_norm: l.vec(&n("shared_head.norm.weight"), h)?,
+            head: l.lin(&head_name, v, h, Some(0))?,
+            embed: if l.w.contains(&own_embed) { Some(Embed::load(l, &own_embed, v, h)?) } else { None },
+        })
+    }
+}

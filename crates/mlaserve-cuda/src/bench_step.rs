@@ -1,0 +1,201 @@
+//! [`bench_step`]: one decode step of a model with DeepSeek-V3's real dimensions
+//! (7168 hidden, 128 heads, 512 + 64 latent, 256 experts top-8, 129280 vocabulary),
+//! random weights generated on the device, as many layers as the options ask (one dense
+//! layer, `moe_layers` MoE layers, one MTP layer), at several batch sizes and k, beside
+//! its roofline: the bytes the step must read (weights touched + latent cache) ÷ the copy
+//! bandwidth measured in the same run.
+//!
+//! A step with k drafts is the target forward over windows of `1 + k` tokens plus the
+//! drafter's MTP stages (one over the windows, `k − 1` of one token), each returning its
+//! logits to the host as the `Backend` contract says.
+
+use std::fmt;
+use std::time::Instant;
+
+use mlaserve_core::{Backend, Batch, ModelConfig, SeqChunk, BLOCK_SIZE};
+
+use crate::bench::measure_copy_bandwidth;
+use crate::error::{CudaError, Result};
+use crate::kernels::Util;
+use crate::{CudaBackend, CudaOptions, WeightBytes};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct StepBenchOpts {
+    pub ordinal: usize,
+    /// Target MoE layers (each holds 22.5 GB of routed experts in bf16).
+    pub moe_layers: usize,
+    /// Cached tokens per request before the step.
+    pub context: usize,
+    pub batches: Vec<usize>,
+    pub ks: Vec<usize>,
+    pub iters: usize,
+}
+
+impl Default for StepBenchOpts {
+    fn default() -> Self {
+        StepBenchOpts { ordinal: 0, moe_layers: 2, context: 1024, batches: vec![1, 8, 64], ks: vec![0, 3], iters: 5 }
+    }
+}
+
+/// One (batch, k) measurement; times are medians in milliseconds.
+#[derive(Debug, Clone)]
+pub struct StepBenchRow {
+    pub batch: usize,
+    pub k: usize,
+    pub target_ms: f64,
+    pub draft_ms: f64,
+    /// Bytes the step must read (weights touched + cache).
+    pub bytes: f64,
+    pub roofline_ms: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct StepBenchReport {
+    pub gpu: String,
+    pub copy_gbps: f64,
+    pub layers: String,
+    pub context: usize,
+    pub rows: Vec<StepBenchRow>,
+}
+
+impl fmt::Display for StepBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "bench step on {}: {}; context {} tokens/request", self.gpu, self.layers, self.context)?;
+        writeln!(f, "ceiling: copy {:.0} GB/s (read + write, measured in this run)", self.copy_gbps)?;
+        writeln!(
+            f,
+            "{:>6} {:>3} {:>11} {:>10} {:>10} {:>9} {:>12} {:>8}",
+            "batch", "k", "target_ms", "draft_ms", "step_ms", "GB_read", "roofline_ms", "%roof"
+        )?;
+        for r in &self.rows {
+            let step = r.target_ms + r.draft_ms;
+            writeln!(
+                f,
+                "{:>6} {:>3} {:>11.3} {:>10.3} {:>10.3} {:>9.2} {:>12.3} {:>7.1}%",
+                r.batch,
+                r.k,
+                r.target_ms,
+                r.draft_ms,
+                step,
+                r.bytes / 1e9,
+                r.roofline_ms,
+                100.0 * r.roofline_ms / step
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// DeepSeek-V3's configuration with `1 + moe_layers` target layers (the first dense) and
+/// one MTP layer; positions up to 8192.
+pub fn v3_config(moe_layers: usize) -> Result<ModelConfig> {
+    let json = format!(
+        r#"{{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": {}, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": true,
+        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {{"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
+        "tie_word_embeddings": false, "num_nextn_predict_layers": 1,
+        "bos_token_id": 0, "eos_token_id": 1}}"#,
+        1 + moe_layers
+    );
+    ModelConfig::from_json_str(&json).map_err(|e| CudaError::Shape { kernel: "bench_step", msg: e.to_string() })
+}
+
+/// Expected distinct experts among `picks` draws of top-k of E (uniform routing).
+fn distinct(w: &WeightBytes, tokens: usize) -> f64 {
+    let e = w.experts_per_layer as f64;
+    e * (1.0 - (1.0 - w.top_k as f64 / e).powi(tokens as i32))
+}
+
+fn core_err(e: mlaserve_core::Error) -> CudaError {
+    CudaError::Shape { kernel: "bench_step", msg: e.to_string() }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the sweep (see the module docs).
+pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
+    let cfg = v3_config(opts.moe_layers)?;
+    let max_b = opts.batches.iter().copied().max().unwrap_or(1);
+    let per_seq = (opts.context + 8).div_ceil(BLOCK_SIZE);
+    let mut be = CudaBackend::random(cfg.clone(), CudaOptions::new(max_b * per_seq, opts.ordinal), 1)?;
+    be.fill_caches_random(2)?;
+    let util = Util::new(be.gpu())?;
+    let copy_gbps = measure_copy_bandwidth(be.gpu(), &util, 1 << 30)?;
+    let wb = be.weight_bytes();
+    let layer_cache = (cfg.latent_dim() * 2) as f64;
+    let target_layers = cfg.num_hidden_layers as f64;
+    let mut rows = Vec::new();
+    for &b in &opts.batches {
+        for &k in &opts.ks {
+            let s = 1 + k;
+            let window = |len: usize, start: usize| Batch {
+                seqs: (0..b)
+                    .map(|i| SeqChunk {
+                        tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
+                        start_pos: start,
+                        block_table: (i * per_seq..(i + 1) * per_seq).map(|x| x as u32).collect(),
+                    })
+                    .collect(),
+                logit_rows: (0..(b * len) as u32).collect(),
+            };
+            let target = window(s, opts.context);
+            let (mut tt, mut td) = (Vec::new(), Vec::new());
+            for it in 0..opts.iters + 1 {
+                let t0 = Instant::now();
+                let out = be.forward(&target).map_err(core_err)?;
+                let t1 = Instant::now();
+                if k > 0 {
+                    let ident: Vec<u32> = (0..(b * s) as u32).collect();
+                    let mut prev = be.mtp_forward(0, &target, &out.hidden, &ident).map_err(core_err)?.hidden;
+                    for d in 1..k {
+                        let one = window(1, opts.context + d);
+                        let rows: Vec<u32> = (0..b).map(|i| (i * if d == 1 { s } else { 1 }) as u32).collect();
+                        prev = be.mtp_forward(0, &one, &prev, &rows).map_err(core_err)?.hidden;
+                    }
+                }
+                if it > 0 {
+                    tt.push((t1 - t0).as_secs_f64() * 1e3);
+                    td.push(t1.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            let ctx = (opts.context + s) as f64;
+            let mut bytes = (wb.target_dense + wb.head) as f64
+                + wb.moe_layers as f64 * distinct(&wb, b * s) * wb.expert as f64
+                + target_layers * b as f64 * ctx * layer_cache;
+            if k > 0 {
+                let mtp_moe = |t: usize| if wb.mtp_moe { distinct(&wb, t) * wb.expert as f64 } else { 0.0 };
+                bytes += (wb.mtp_dense + wb.head) as f64 * k as f64 + mtp_moe(b * s) + (k - 1) as f64 * mtp_moe(b);
+                bytes += b as f64 * ctx * layer_cache * k as f64;
+            }
+            let roofline_ms = bytes / (copy_gbps * 1e9) * 1e3;
+            rows.push(StepBenchRow {
+                batch: b,
+                k,
+                target_ms: median(tt),
+                draft_ms: if k > 0 { median(td) } else { 0.0 },
+                bytes,
+                roofline_ms,
+            });
+        }
+    }
+    Ok(StepBenchReport {
+        gpu: be.gpu().name.clone(),
+        copy_gbps,
+        layers: format!("1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16", opts.moe_layers),
+        context: opts.context,
+        rows,
+    })
+}

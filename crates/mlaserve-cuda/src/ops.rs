@@ -1,0 +1,664 @@
+//! [`Ops`]: typed wrappers of `kernels/backend_ops.cu`, the per-token kernels of the
+//! backend's forward pass (embedding, f32 RMSNorm, adds and gathers, RoPE + paged latent
+//! write, query absorption, varlen absorbed attention, W_UV, MoE routing and combine).
+//!
+//! Every wrapper checks the lengths of the buffers it is handed against what its kernel
+//! touches, then launches on the given stream; buffers are anything cudarc can give a
+//! device pointer for (slices and views), so callers can address sub-ranges.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::kernels;
+
+/// Fails with a shape error unless `len >= want`.
+pub(crate) fn need(kernel: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
+    if len < want {
+        return Err(CudaError::shape(kernel, format!("{what} has {len} elements, needs {want}")));
+    }
+    Ok(())
+}
+
+fn i32_of(kernel: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::shape(kernel, format!("{v} overflows i32")))
+}
+
+fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (heads as u32, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+/// Routing parameters of one MoE layer, as the kernel takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteParams {
+    pub experts: usize,
+    pub k: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// 0 greedy, 1 group_limited_greedy, 2 noaux_tc.
+    pub method: i32,
+    /// 0 sigmoid, 1 softmax.
+    pub scoring: i32,
+    pub normalise: bool,
+    pub scale: f32,
+}
+
+/// The loaded functions of `backend_ops.cu`.
+#[derive(Debug)]
+pub struct Ops {
+    embed: CudaFunction,
+    norm_f32: CudaFunction,
+    norm_bf16: CudaFunction,
+    add: CudaFunction,
+    to_bf16: CudaFunction,
+    gather_f32: CudaFunction,
+    gather_f32_bf16: CudaFunction,
+    gather_bf16: CudaFunction,
+    kv_write: CudaFunction,
+    q_absorb: CudaFunction,
+    attn: CudaFunction,
+    wuv: CudaFunction,
+    route: CudaFunction,
+    combine: CudaFunction,
+    router: CudaFunction,
+    num_sms: usize,
+    max_smem: usize,
+}
+
+impl Ops {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        let m = gpu.load_module(kernels::BACKEND_OPS)?;
+        let f = |n: &str| m.load_function(n);
+        Ok(Ops {
+            embed: f("embed_gather_f32")?,
+            norm_f32: f("rmsnorm_f32_of32")?,
+            norm_bf16: f("rmsnorm_f32_obf16")?,
+            add: f("add_f32")?,
+            to_bf16: f("to_bf16_f32")?,
+            gather_f32: f("gather_rows_f32")?,
+            gather_f32_bf16: f("gather_rows_f32_obf16")?,
+            gather_bf16: f("gather_rows_bf16")?,
+            kv_write: f("kv_cache_write_bf16")?,
+            q_absorb: f("q_absorb_f32")?,
+            attn: f("mla_attn_varlen_f32")?,
+            wuv: f("wuv_f32_obf16")?,
+            route: f("moe_route_f32")?,
+            combine: f("moe_combine_f32")?,
+            router: f("linear_f32_of32")?,
+            num_sms: gpu.num_sms,
+            max_smem: gpu.max_smem_optin,
+        })
+    }
+
+    /// `out[r] = table[tokens[r] - lo]` (`[n][h]` f32), zero outside `[lo, lo + rows)` and,
+    /// when `zero_pos0`, where `positions[r] == 0`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut impl DevicePtrMut<f32>,
+        table: &CudaSlice<bf16>,
+        tokens: &CudaSlice<i32>,
+        positions: &CudaSlice<i32>,
+        h: usize,
+        lo: usize,
+        rows: usize,
+        zero_pos0: bool,
+    ) -> Result<()> {
+        const K: &str = "embed_gather_f32";
+        let n = tokens.len();
+        need(K, "positions", positions.len(), n)?;
+        need(K, "out", out.len(), n * h)?;
+        need(K, "table", table.len(), rows * h)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (hi, loi, ri, z) = (i32_of(K, h)?, i32_of(K, lo)?, i32_of(K, rows)?, zero_pos0 as i32);
+        let (o, _g) = out.device_ptr_mut(s);
+        // SAFETY: block r reads tokens[r], positions[r] (n entries each), writes out[r*h..][..h]
+        // (out holds n*h), and reads table row tokens[r]-lo only when it lies in [0, rows)
+        // (table holds rows*h).
+        unsafe {
+            s.launch_builder(&self.embed)
+                .arg(&o)
+                .arg(table)
+                .arg(tokens)
+                .arg(positions)
+                .arg(&hi)
+                .arg(&loi)
+                .arg(&ri)
+                .arg(&z)
+                .launch(rows_cfg(n, 256, 0))
+        }?;
+        Ok(())
+    }
+
+    /// RMSNorm of `rows` rows of width `dim` (x row stride `x_stride`) into f32 `out`
+    /// (row stride `out_stride`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_f32(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut impl DevicePtrMut<f32>,
+        out_stride: usize,
+        x: &impl DevicePtr<f32>,
+        x_stride: usize,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.norm(s, &self.norm_f32, out, out_stride, x, x_stride, w, rows, eps)
+    }
+
+    /// As [`Ops::rmsnorm_f32`] with a bf16 output (a GEMM's input).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_bf16(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut impl DevicePtrMut<bf16>,
+        out_stride: usize,
+        x: &impl DevicePtr<f32>,
+        x_stride: usize,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.norm(s, &self.norm_bf16, out, out_stride, x, x_stride, w, rows, eps)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm<T>(
+        &self,
+        s: &Arc<CudaStream>,
+        f: &CudaFunction,
+        out: &mut impl DevicePtrMut<T>,
+        out_stride: usize,
+        x: &impl DevicePtr<f32>,
+        x_stride: usize,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "rmsnorm_f32";
+        let dim = w.len();
+        if rows == 0 {
+            return Ok(());
+        }
+        if out_stride < dim || x_stride < dim {
+            return Err(CudaError::shape(K, "row stride below the width"));
+        }
+        need(K, "out", out.len(), (rows - 1) * out_stride + dim)?;
+        need(K, "x", x.len(), (rows - 1) * x_stride + dim)?;
+        let (os, xs, d) = (i32_of(K, out_stride)?, i32_of(K, x_stride)?, i32_of(K, dim)?);
+        let (o, _g1) = out.device_ptr_mut(s);
+        let (xp, _g2) = x.device_ptr(s);
+        // SAFETY: block r reads x[r*x_stride..][..dim] and w[..dim], writes
+        // out[r*out_stride..][..dim], r < rows; the lengths are checked above; T matches
+        // the entry point chosen by the caller (f32 or bf16).
+        unsafe {
+            s.launch_builder(f)
+                .arg(&o)
+                .arg(&os)
+                .arg(&xp)
+                .arg(&xs)
+                .arg(w)
+                .arg(&d)
+                .arg(&eps)
+                .launch(rows_cfg(rows, 256, 0))
+        }?;
+        Ok(())
+    }
+
+    fn grid_stride(&self) -> LaunchConfig {
+        LaunchConfig { grid_dim: ((self.num_sms * 4) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// `x += y` elementwise (equal lengths).
+    pub fn add(&self, s: &Arc<CudaStream>, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        need("add_f32", "y", y.len(), x.len())?;
+        let n = x.len();
+        // SAFETY: grid-strides over i < n = x.len() <= y.len().
+        unsafe { s.launch_builder(&self.add).arg(x).arg(y).arg(&n).launch(self.grid_stride()) }?;
+        Ok(())
+    }
+
+    /// `out = bf16(x)` over `x.len()` elements.
+    pub fn to_bf16(&self, s: &Arc<CudaStream>, out: &mut CudaSlice<bf16>, x: &CudaSlice<f32>) -> Result<()> {
+        need("to_bf16_f32", "out", out.len(), x.len())?;
+        let n = x.len();
+        // SAFETY: grid-strides over i < n = x.len() <= out.len().
+        unsafe { s.launch_builder(&self.to_bf16).arg(out).arg(x).arg(&n).launch(self.grid_stride()) }?;
+        Ok(())
+    }
+
+    /// `out[i] = x[rows[i]]`, rows of width `h`, f32.
+    pub fn gather_f32(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut impl DevicePtrMut<f32>,
+        x: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        host_rows: &[u32],
+        h: usize,
+    ) -> Result<()> {
+        self.gather(s, &self.gather_f32, out, x, rows, host_rows, h)
+    }
+
+    /// `out[i] = bf16(x[rows[i]])`.
+    pub fn gather_f32_bf16(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        x: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        host_rows: &[u32],
+        h: usize,
+    ) -> Result<()> {
+        self.gather(s, &self.gather_f32_bf16, out, x, rows, host_rows, h)
+    }
+
+    /// `out[i] = x[rows[i]]`, bf16.
+    pub fn gather_bf16(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        x: &CudaSlice<bf16>,
+        rows: &CudaSlice<i32>,
+        host_rows: &[u32],
+        h: usize,
+    ) -> Result<()> {
+        self.gather(s, &self.gather_bf16, out, x, rows, host_rows, h)
+    }
+
+    /// `host_rows` is the host copy of `rows`, checked against `x` before the launch.
+    #[allow(clippy::too_many_arguments)]
+    fn gather<A, B>(
+        &self,
+        s: &Arc<CudaStream>,
+        f: &CudaFunction,
+        out: &mut impl DevicePtrMut<B>,
+        x: &CudaSlice<A>,
+        rows: &CudaSlice<i32>,
+        host_rows: &[u32],
+        h: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_rows";
+        let n = host_rows.len();
+        need(K, "rows", rows.len(), n)?;
+        need(K, "out", out.len(), n * h)?;
+        if let Some(&r) = host_rows.iter().find(|&&r| (r as usize + 1) * h > x.len()) {
+            return Err(CudaError::shape(K, format!("row {r} outside the input")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let hi = i32_of(K, h)?;
+        let (o, _g) = out.device_ptr_mut(s);
+        // SAFETY: block i reads rows[i] (< n entries) and x[rows[i]*h..][..h] (every row
+        // checked in bounds on the host copy), writes out[i*h..][..h]; A/B match `f`.
+        unsafe { s.launch_builder(f).arg(&o).arg(x).arg(rows).arg(&hi).launch(rows_cfg(n, 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Writes the latent of `n` rows of `kv` (`[n][lora + rope]` f32) into `cache` at
+    /// `slot[r]`: `[RMSNorm(c_kv) * norm_w, RoPE(k_pe, pos[r])]` as bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        s: &Arc<CudaStream>,
+        cache: &mut CudaSlice<bf16>,
+        kv: &CudaSlice<f32>,
+        norm_w: &CudaSlice<f32>,
+        rope: &RopeTables,
+        pos: &CudaSlice<i32>,
+        slot: &CudaSlice<i64>,
+        host_max_slot: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "kv_cache_write_bf16";
+        let (lora, r) = (norm_w.len(), rope.dim);
+        let lat = lora + r;
+        need(K, "kv", kv.len(), n * lat)?;
+        need(K, "pos", pos.len(), n)?;
+        need(K, "slot", slot.len(), n)?;
+        need(K, "cache", cache.len(), (host_max_slot + 1) * lat)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (li, ri) = (i32_of(K, lora)?, i32_of(K, r)?);
+        // SAFETY: block r reads kv[r*lat..][..lat], norm_w[..lora], pos[r], slot[r] and the
+        // rope tables at pos[r] (positions < the tables' length, validated by the caller
+        // through Batch::validate), writes cache[slot[r]*lat..][..lat] with slot[r] <=
+        // host_max_slot (checked above against the cache length).
+        unsafe {
+            s.launch_builder(&self.kv_write)
+                .arg(cache)
+                .arg(kv)
+                .arg(norm_w)
+                .arg(&rope.cos)
+                .arg(&rope.sin)
+                .arg(pos)
+                .arg(slot)
+                .arg(&li)
+                .arg(&ri)
+                .arg(&eps)
+                .launch(rows_cfg(n, 128, 0))
+        }?;
+        Ok(())
+    }
+
+    /// Absorbed queries: `qa[r][h] = [W_UK[h]^T q_nope, RoPE(q_pe, pos[r])]`, in f32 and bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn q_absorb(
+        &self,
+        s: &Arc<CudaStream>,
+        qa: &mut CudaSlice<f32>,
+        qa_bf16: &mut CudaSlice<bf16>,
+        q: &CudaSlice<f32>,
+        wuk: &CudaSlice<bf16>,
+        rope: &RopeTables,
+        pos: &CudaSlice<i32>,
+        n: usize,
+        heads: usize,
+        nope: usize,
+        lora: usize,
+    ) -> Result<()> {
+        const K: &str = "q_absorb_f32";
+        let r = rope.dim;
+        need(K, "q", q.len(), n * heads * (nope + r))?;
+        need(K, "wuk", wuk.len(), heads * nope * lora)?;
+        need(K, "qa", qa.len(), n * heads * (lora + r))?;
+        need(K, "qa_bf16", qa_bf16.len(), n * heads * (lora + r))?;
+        need(K, "pos", pos.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (hi, ni, ri, li) = (i32_of(K, heads)?, i32_of(K, nope)?, i32_of(K, r)?, i32_of(K, lora)?);
+        // SAFETY: block (h, r) reads q[(r*heads+h)*(nope+rope)..][..nope+rope],
+        // wuk[h*nope*lora..][..nope*lora] and the rope tables at pos[r] (validated by the
+        // caller), writes qa/qa_bf16[(r*heads+h)*(lora+rope)..][..lora+rope]; lengths
+        // checked above; shared memory holds nope floats.
+        unsafe {
+            s.launch_builder(&self.q_absorb)
+                .arg(qa)
+                .arg(qa_bf16)
+                .arg(q)
+                .arg(wuk)
+                .arg(&rope.cos)
+                .arg(&rope.sin)
+                .arg(pos)
+                .arg(&hi)
+                .arg(&ni)
+                .arg(&ri)
+                .arg(&li)
+                .launch(head_cfg(heads, n, 128, nope * 4))
+        }?;
+        Ok(())
+    }
+
+    /// Varlen causal absorbed attention: row r (sequence `row_seq[r]`, position `pos[r]`)
+    /// attends to its sequence's cache positions `0..=pos[r]` through `tables`
+    /// (`[seqs][bt_stride]`). `max_pos` bounds every `pos[r]` (the caller's host copy);
+    /// `max_block` bounds every table entry.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_varlen(
+        &self,
+        s: &Arc<CudaStream>,
+        o_lat: &mut CudaSlice<f32>,
+        qa: &CudaSlice<f32>,
+        cache: &CudaSlice<bf16>,
+        tables: &CudaSlice<i32>,
+        row_seq: &CudaSlice<i32>,
+        pos: &CudaSlice<i32>,
+        meta: &AttnMeta,
+        heads: usize,
+        lora: usize,
+        rope: usize,
+        scale: f32,
+    ) -> Result<()> {
+        const K: &str = "mla_attn_varlen_f32";
+        let (n, dqk) = (meta.n, lora + rope);
+        need(K, "qa", qa.len(), n * heads * dqk)?;
+        need(K, "o_lat", o_lat.len(), n * heads * lora)?;
+        need(K, "row_seq", row_seq.len(), n)?;
+        need(K, "pos", pos.len(), n)?;
+        need(K, "tables", tables.len(), meta.seqs * meta.bt_stride)?;
+        need(K, "cache", cache.len(), (meta.max_block + 1) * 64 * dqk)?;
+        if meta.max_pos >= meta.bt_stride * 64 {
+            return Err(CudaError::shape(K, "a position lies past its block table"));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let smem = (dqk + meta.max_pos + 1) * 4;
+        if smem > self.max_smem {
+            return Err(CudaError::shape(
+                K,
+                format!("context of {} tokens needs {smem} B of shared memory", meta.max_pos),
+            ));
+        }
+        if smem > 48 * 1024 {
+            self.attn.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let (bt, hi, li, ri) = (i32_of(K, meta.bt_stride)?, i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, rope)?);
+        // SAFETY: block (h, r) reads qa[(r*heads+h)*dqk..][..dqk], tables[row_seq[r]*bt..][..]
+        // for pages j/64 with j <= pos[r] <= max_pos < bt*64, cache entries of those pages
+        // (every table entry <= max_block, checked against the cache length), and writes
+        // o_lat[(r*heads+h)*lora..][..lora]; shared memory holds dqk + max_pos + 1 floats.
+        unsafe {
+            s.launch_builder(&self.attn)
+                .arg(o_lat)
+                .arg(qa)
+                .arg(cache)
+                .arg(tables)
+                .arg(row_seq)
+                .arg(pos)
+                .arg(&bt)
+                .arg(&hi)
+                .arg(&li)
+                .arg(&ri)
+                .arg(&scale)
+                .launch(head_cfg(heads, n, 128, smem))
+        }?;
+        Ok(())
+    }
+
+    /// `out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h]` (bf16 out).
+    #[allow(clippy::too_many_arguments)]
+    pub fn wuv(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        o_lat: &CudaSlice<f32>,
+        wuv: &CudaSlice<bf16>,
+        n: usize,
+        heads: usize,
+        lora: usize,
+        vdim: usize,
+    ) -> Result<()> {
+        const K: &str = "wuv_f32_obf16";
+        need(K, "out", out.len(), n * heads * vdim)?;
+        need(K, "o_lat", o_lat.len(), n * heads * lora)?;
+        need(K, "wuv", wuv.len(), heads * vdim * lora)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (hi, li, vi) = (i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, vdim)?);
+        // SAFETY: block (h, r) reads o_lat[(r*heads+h)*lora..][..lora] and
+        // wuv[h*vdim*lora..][..vdim*lora], writes out[(r*heads+h)*vdim..][..vdim]; lengths
+        // checked; shared memory holds lora floats.
+        unsafe {
+            s.launch_builder(&self.wuv).arg(out).arg(o_lat).arg(wuv).arg(&hi).arg(&li).arg(&vi).launch(head_cfg(
+                heads,
+                n,
+                128,
+                lora * 4,
+            ))
+        }?;
+        Ok(())
+    }
+
+    /// Router logits in f32: `y[m][n] = x[m][k] · w[n][k]` (x, w f32; one warp per output,
+    /// a fixed reduction order).
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_logits(
+        &self,
+        s: &Arc<CudaStream>,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        const K: &str = "linear_f32_of32";
+        need(K, "y", y.len(), m * n)?;
+        need(K, "x", x.len(), m * k)?;
+        need(K, "w", w.len(), n * k)?;
+        if m == 0 {
+            return Ok(());
+        }
+        if m.div_ceil(4) > 65_535 {
+            return Err(CudaError::shape(K, "too many rows"));
+        }
+        let (mi, ni, ki) = (i32_of(K, m)?, i32_of(K, n)?, i32_of(K, k)?);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8) as u32, m.div_ceil(4) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: warp (col, row) reads x[row*k..][..k] and w[col*k..][..k], writes
+        // y[row*n + col], row < m, col < n; lengths checked above.
+        unsafe { s.launch_builder(&self.router).arg(y).arg(x).arg(w).arg(&mi).arg(&ni).arg(&ki).launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Routes `n` tokens from gate logits `[n][experts]`: `ids`/`weights` `[n][k]`.
+    pub fn route(
+        &self,
+        s: &Arc<CudaStream>,
+        ids: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        n: usize,
+        p: &RouteParams,
+    ) -> Result<()> {
+        const K: &str = "moe_route_f32";
+        need(K, "logits", logits.len(), n * p.experts)?;
+        need(K, "ids", ids.len(), n * p.k)?;
+        need(K, "weights", weights.len(), n * p.k)?;
+        if p.n_group == 0 || !p.experts.is_multiple_of(p.n_group) || p.k == 0 || p.k > p.experts {
+            return Err(CudaError::shape(K, format!("bad routing shape {p:?}")));
+        }
+        if let Some(b) = bias {
+            need(K, "bias", b.len(), p.experts)?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let smem = (2 * p.experts + p.n_group) * 4 + p.experts + p.n_group;
+        let (e, k, g, tg) = (i32_of(K, p.experts)?, i32_of(K, p.k)?, i32_of(K, p.n_group)?, i32_of(K, p.topk_group)?);
+        let (has_bias, norm) = (bias.is_some() as i32, p.normalise as i32);
+        let b = bias.unwrap_or(logits);
+        // SAFETY: block t reads logits[t*E..][..E] and bias[..E] (only when has_bias; the
+        // stand-in is a live buffer otherwise), writes ids/weights[t*k..][..k]; lengths
+        // checked; shared memory holds 2E + G floats and E + G bytes.
+        unsafe {
+            s.launch_builder(&self.route)
+                .arg(ids)
+                .arg(weights)
+                .arg(logits)
+                .arg(b)
+                .arg(&e)
+                .arg(&k)
+                .arg(&g)
+                .arg(&tg)
+                .arg(&p.method)
+                .arg(&p.scoring)
+                .arg(&has_bias)
+                .arg(&norm)
+                .arg(&p.scale)
+                .launch(rows_cfg(n, 128, smem))
+        }?;
+        Ok(())
+    }
+
+    /// `out[t] += Σ_j (ascending expert id) weights[t][j] · y[inv[t*k + j]]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        ids: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        inv: &CudaSlice<i32>,
+        n: usize,
+        k: usize,
+        h: usize,
+    ) -> Result<()> {
+        const K: &str = "moe_combine_f32";
+        need(K, "out", out.len(), n * h)?;
+        need(K, "y", y.len(), n * k * h)?;
+        need(K, "ids", ids.len(), n * k)?;
+        need(K, "weights", weights.len(), n * k)?;
+        need(K, "inv", inv.len(), n * k)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (ki, hi) = (i32_of(K, k)?, i32_of(K, h)?);
+        // SAFETY: block t reads ids/weights/inv[t*k..][..k] and rows inv[..] < n*k of y
+        // (a permutation built by the caller), writes out[t*h..][..h]; lengths checked.
+        unsafe {
+            s.launch_builder(&self.combine)
+                .arg(out)
+                .arg(y)
+                .arg(ids)
+                .arg(weights)
+                .arg(inv)
+                .arg(&ki)
+                .arg(&hi)
+                .launch(rows_cfg(n, 256, 0))
+        }?;
+        Ok(())
+    }
+}
+
+/// YaRN RoPE cos/sin tables `[max_pos][rope/2]` (attention factor folded in), on the device.
+#[derive(Debug)]
+pub struct RopeTables {
+    pub cos: CudaSlice<f32>,
+    pub sin: CudaSlice<f32>,
+    /// `qk_rope_head_dim`.
+    pub dim: usize,
+}
+
+impl RopeTables {
+    /// As mlaserve-cpu's `Rope::new`: f32 angle, cos/sin in f64, times the factor.
+    pub fn new(s: &Arc<CudaStream>, inv_freq: &[f64], attention_factor: f64, max_pos: usize) -> Result<Self> {
+        let (cos, sin) = crate::reference::rope_tables(inv_freq, attention_factor, max_pos);
+        Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim: 2 * inv_freq.len() })
+    }
+}
+
+/// Host facts about a step's attention metadata that bound what the kernels read.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnMeta {
+    pub n: usize,
+    pub seqs: usize,
+    pub bt_stride: usize,
+    pub max_pos: usize,
+    pub max_block: usize,
+}

@@ -1,0 +1,381 @@
+//! The forward pass's kernels (`backend_ops.cu`, `linear.rs`) against CPU references on
+//! fresh random inputs, at tiny shapes and DeepSeek-V3's real ones (7168 hidden, 128
+//! heads, 512 + 64 latent, 256 experts top-8).
+//!
+//! Tolerance: max|Δ| / max|ref| ≤ 1e-2 for bf16 outputs, ≤ 2e-3 for f32 outputs of bf16
+//! inputs (the reference rounds the same inputs to bf16 first); routing ids exact.
+//! Without a GPU the tests print why and pass (`MLASERVE_REQUIRE_GPU=1` makes it fail).
+#![cfg(feature = "cuda")]
+
+use half::bf16;
+use mlaserve_core::config::Arch;
+use mlaserve_core::{MoeConfig, ScoringFunc, TopkMethod};
+use mlaserve_cuda::linear::{Gemm, GemmMode, Linear};
+use mlaserve_cuda::ops::{AttnMeta, Ops, RopeTables, RouteParams};
+use mlaserve_cuda::reference::{self, DecodeDims};
+use mlaserve_cuda::rng::Rng;
+use mlaserve_cuda::Gpu;
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
+            eprintln!("skipping GPU test: {e}");
+            None
+        }
+        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
+    }
+}
+
+/// max|got − want| / max|want|; NaN when any output is not finite.
+fn rel(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    if got.iter().any(|v| !v.is_finite()) {
+        return f64::NAN;
+    }
+    let d = got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
+    let m = want.iter().map(|v| v.abs() as f64).fold(0.0, f64::max);
+    d / m.max(1e-30)
+}
+
+fn check(name: &str, got: &[f32], want: &[f32], tol: f64, fails: &mut Vec<String>) {
+    let r = rel(got, want);
+    let ok = r <= tol;
+    println!("{:<58} rel {r:.2e} (tol {tol:.0e}) {}", name, if ok { "ok" } else { "FAIL" });
+    if !ok {
+        fails.push(format!("{name}: {r:.3e}"));
+    }
+}
+
+fn rounded(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+fn to_bf(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+fn rand(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.uniform(lo, hi)).collect()
+}
+
+#[test]
+fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let s = &g.stream;
+    let mut rng = Rng::new(11);
+    let mut fails = Vec::new();
+    for mode in [GemmMode::Cublas, GemmMode::BatchInvariant] {
+        let gemm = Gemm::new(&g, mode).expect("gemm");
+        for (m, n, k) in [(1, 2048, 7168), (8, 576, 7168), (64, 256, 7168), (4, 7168, 2048), (5, 40, 64), (3, 24, 36)] {
+            let w = rounded(&rand(&mut rng, n * k, -0.05, 0.05));
+            let x = rounded(&rand(&mut rng, m * k, -1.0, 1.0));
+            let lin = Linear::from_f32(s, &w, n, k).expect("upload");
+            let xd = s.clone_htod(&to_bf(&x)).expect("x");
+            let mut y = s.alloc_zeros::<f32>(m * n).expect("y");
+            gemm.forward(s, &lin, &xd, m, &mut y).expect("gemm");
+            let mut yb = s.alloc_zeros::<bf16>(m * n).expect("y");
+            gemm.forward(s, &lin, &xd, m, &mut yb).expect("gemm");
+            let want: Vec<f32> = (0..m * n)
+                .map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * w[(i % n) * k + j] as f64).sum::<f64>() as f32)
+                .collect();
+            let got = s.clone_dtoh(&y).expect("dtoh");
+            let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("dtoh").iter().map(|v| v.to_f32()).collect();
+            check(&format!("gemm {mode:?} m={m} n={n} k={k} f32 out"), &got, &want, 2e-3, &mut fails);
+            check(&format!("gemm {mode:?} m={m} n={n} k={k} bf16 out"), &gotb, &want, 1e-2, &mut fails);
+        }
+        // A row's result alone vs inside 64 rows.
+        let (n, k) = (1024, 7168);
+        let lin = Linear::from_f32(s, &rand(&mut rng, n * k, -0.05, 0.05), n, k).expect("upload");
+        let x = to_bf(&rand(&mut rng, 64 * k, -1.0, 1.0));
+        let xd = s.clone_htod(&x).expect("x");
+        let x1 = s.clone_htod(&x[..k]).expect("x1");
+        let mut y64 = s.alloc_zeros::<f32>(64 * n).expect("y");
+        let mut y1 = s.alloc_zeros::<f32>(n).expect("y");
+        gemm.forward(s, &lin, &xd, 64, &mut y64).expect("gemm");
+        gemm.forward(s, &lin, &x1, 1, &mut y1).expect("gemm");
+        let (a, b) = (s.clone_dtoh(&y64).expect("dtoh"), s.clone_dtoh(&y1).expect("dtoh"));
+        let same = a[..n].iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+        println!("gemm {mode:?}: row 0 alone == row 0 of 64: {same}");
+        if mode == GemmMode::BatchInvariant && !same {
+            fails.push("invariant GEMM depends on the batch".into());
+        }
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}
+
+fn moe_cfg(e: usize, k: usize, g: usize, tg: usize, m: TopkMethod, sf: ScoringFunc, norm: bool, f: f64) -> MoeConfig {
+    MoeConfig {
+        n_routed_experts: e,
+        n_shared_experts: 1,
+        num_experts_per_tok: k,
+        moe_intermediate_size: 8,
+        n_group: g,
+        topk_group: tg,
+        topk_method: m,
+        scoring_func: sf,
+        norm_topk_prob: norm,
+        routed_scaling_factor: f,
+        first_k_dense_replace: 0,
+        moe_layer_freq: 1,
+    }
+}
+
+#[test]
+fn routing_matches_reference_every_variant() {
+    let Some(g) = gpu() else { return };
+    let s = &g.stream;
+    let ops = Ops::new(&g).expect("ops");
+    let mut rng = Rng::new(5);
+    let mut fails = Vec::new();
+    let cases = [
+        (
+            "V3 256e top8 noaux_tc sigmoid",
+            moe_cfg(256, 8, 8, 4, TopkMethod::NoauxTc, ScoringFunc::Sigmoid, true, 2.5),
+            Arch::DeepseekV3,
+        ),
+        (
+            "V2 160e top6 group_limited softmax",
+            moe_cfg(160, 6, 8, 3, TopkMethod::GroupLimitedGreedy, ScoringFunc::Softmax, false, 16.0),
+            Arch::DeepseekV2,
+        ),
+        (
+            "V2-lite 64e top6 greedy softmax norm",
+            moe_cfg(64, 6, 1, 1, TopkMethod::Greedy, ScoringFunc::Softmax, true, 1.0),
+            Arch::DeepseekV2,
+        ),
+        (
+            "tiny 16e top4 noaux_tc",
+            moe_cfg(16, 4, 4, 2, TopkMethod::NoauxTc, ScoringFunc::Sigmoid, true, 2.5),
+            Arch::DeepseekV3,
+        ),
+        (
+            "greedy sigmoid top1 norm (V2 rule: no norm)",
+            moe_cfg(32, 1, 1, 1, TopkMethod::Greedy, ScoringFunc::Sigmoid, true, 1.0),
+            Arch::DeepseekV2,
+        ),
+    ];
+    for (name, c, arch) in cases {
+        let (e, k, n) = (c.n_routed_experts, c.num_experts_per_tok, 64);
+        let logits = rand(&mut rng, n * e, -4.0, 4.0);
+        let bias = rand(&mut rng, e, 0.0, 0.5);
+        let has_bias = c.topk_method == TopkMethod::NoauxTc;
+        let p = RouteParams {
+            experts: e,
+            k,
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            method: match c.topk_method {
+                TopkMethod::Greedy => 0,
+                TopkMethod::GroupLimitedGreedy => 1,
+                TopkMethod::NoauxTc => 2,
+            },
+            scoring: if c.scoring_func == ScoringFunc::Sigmoid { 0 } else { 1 },
+            normalise: c.norm_topk_prob && (arch == Arch::DeepseekV3 || k > 1),
+            scale: c.routed_scaling_factor as f32,
+        };
+        let ld = s.clone_htod(&logits).expect("logits");
+        let bd = s.clone_htod(&bias).expect("bias");
+        let mut ids = s.alloc_zeros::<i32>(n * k).expect("ids");
+        let mut w = s.alloc_zeros::<f32>(n * k).expect("w");
+        ops.route(s, &mut ids, &mut w, &ld, has_bias.then_some(&bd), n, &p).expect("route");
+        let (ids, w) = (s.clone_dtoh(&ids).expect("ids"), s.clone_dtoh(&w).expect("w"));
+        let (mut want_w, mut id_ok) = (Vec::new(), true);
+        for t in 0..n {
+            let r = mlaserve_cpu::moe::route(&c, arch, &logits[t * e..(t + 1) * e], has_bias.then_some(&bias[..]));
+            id_ok &= r.experts.iter().zip(&ids[t * k..(t + 1) * k]).all(|(a, &b)| *a == b as usize);
+            want_w.extend(r.weights);
+        }
+        println!("route {name}: ids {}", if id_ok { "exact" } else { "DIFFER" });
+        if !id_ok {
+            fails.push(format!("{name}: ids differ"));
+        }
+        check(&format!("route {name} weights"), &w, &want_w, 1e-5, &mut fails);
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}
+
+/// Latent write (RMSNorm + YaRN RoPE into a shuffled paged cache), query absorption,
+/// varlen attention (vs `reference::mla_decode` on uniform windows) and W_UV.
+#[test]
+fn mla_pieces_match_reference() {
+    let Some(g) = gpu() else { return };
+    let s = &g.stream;
+    let ops = Ops::new(&g).expect("ops");
+    let mut rng = Rng::new(9);
+    let mut fails = Vec::new();
+    // (heads, nope, rope, lora, vdim, batch, q_len, seq_len)
+    for (heads, nope, rope, lora, vdim, batch, q_len, seq) in [
+        (128usize, 128usize, 64usize, 512usize, 128usize, 2usize, 4usize, 300usize),
+        (16, 128, 64, 512, 128, 3, 1, 1000),
+        (8, 16, 8, 32, 24, 4, 3, 70),
+        (8, 16, 8, 32, 24, 2, 1, 1),
+    ] {
+        let tag = format!("h={heads} lora={lora}+{rope} b={batch} s={q_len} len={seq}");
+        let (dqk, half) = (lora + rope, rope / 2);
+        let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / rope as f64)).collect();
+        let tabs = RopeTables::new(s, &inv_freq, 1.2, 2048).expect("rope");
+        let host_rope = mlaserve_cpu::ops::Rope::new(&inv_freq, 1.2, 2048);
+        let bt = seq.div_ceil(64);
+        let num_blocks = batch * bt + 3;
+        let mut pages: Vec<i32> = (0..num_blocks as i32).collect();
+        rng.shuffle(&mut pages);
+        let tables: Vec<i32> = pages[..batch * bt].to_vec();
+        // 1. Write the whole context through kv_write (rows: every position of every seq).
+        let n_all = batch * seq;
+        let kv = rand(&mut rng, n_all * dqk, -2.0, 2.0);
+        let norm_w = rand(&mut rng, lora, 0.5, 1.5);
+        let (mut pos, mut slot) = (Vec::new(), Vec::new());
+        for b in 0..batch {
+            for p in 0..seq {
+                pos.push(p as i32);
+                slot.push(tables[b * bt + p / 64] as i64 * 64 + (p % 64) as i64);
+            }
+        }
+        let mut cache = s.alloc_zeros::<bf16>(num_blocks * 64 * dqk).expect("cache");
+        let (kvd, nwd) = (s.clone_htod(&kv).expect("kv"), s.clone_htod(&norm_w).expect("nw"));
+        let (posd, slotd) = (s.clone_htod(&pos).expect("pos"), s.clone_htod(&slot).expect("slot"));
+        let max_slot = *slot.iter().max().expect("slots") as usize;
+        ops.kv_write(s, &mut cache, &kvd, &nwd, &tabs, &posd, &slotd, max_slot, n_all, 1e-6).expect("kv_write");
+        let cache_h: Vec<f32> = s.clone_dtoh(&cache).expect("cache").iter().map(|v| v.to_f32()).collect();
+        let mut want_c = Vec::new();
+        let mut got_c = Vec::new();
+        for r in 0..n_all {
+            let mut row = kv[r * dqk..(r + 1) * dqk].to_vec();
+            mlaserve_cpu::ops::rms_norm(&mut row[..lora], &norm_w, 1e-6);
+            host_rope.apply(&mut row[lora..], pos[r] as usize);
+            want_c.extend(row);
+            got_c.extend_from_slice(&cache_h[slot[r] as usize * dqk..][..dqk]);
+        }
+        check(&format!("kv_write {tag}"), &got_c, &want_c, 1e-2, &mut fails);
+
+        // 2. Absorb the window's queries.
+        let n = batch * q_len;
+        let q = rand(&mut rng, n * heads * (nope + rope), -1.0, 1.0);
+        let wuk = rounded(&rand(&mut rng, heads * nope * lora, -0.1, 0.1));
+        let qpos: Vec<i32> = (0..n).map(|r| (seq - q_len + r % q_len) as i32).collect();
+        let (qd, wukd, qposd) =
+            (s.clone_htod(&q).expect("q"), s.clone_htod(&to_bf(&wuk)).expect("wuk"), s.clone_htod(&qpos).expect("p"));
+        let mut qa = s.alloc_zeros::<f32>(n * heads * dqk).expect("qa");
+        let mut qab = s.alloc_zeros::<bf16>(n * heads * dqk).expect("qab");
+        ops.q_absorb(s, &mut qa, &mut qab, &qd, &wukd, &tabs, &qposd, n, heads, nope, lora).expect("q_absorb");
+        let qa_h = s.clone_dtoh(&qa).expect("qa");
+        let mut want_qa = Vec::with_capacity(n * heads * dqk);
+        for r in 0..n {
+            for h in 0..heads {
+                let qr = &q[(r * heads + h) * (nope + rope)..][..nope + rope];
+                for c in 0..lora {
+                    want_qa.push((0..nope).map(|i| qr[i] * wuk[(h * nope + i) * lora + c]).sum::<f32>());
+                }
+                let mut pe = qr[nope..].to_vec();
+                host_rope.apply(&mut pe, qpos[r] as usize);
+                want_qa.extend(pe);
+            }
+        }
+        check(&format!("q_absorb {tag}"), &qa_h, &want_qa, 2e-3, &mut fails);
+
+        // 3. Varlen attention over the cache vs the decode reference (same windows).
+        let dims = DecodeDims { batch, heads, q_len, dlat: lora, drope: rope, bt_stride: bt };
+        let scale = 1.0 / ((nope + rope) as f32).sqrt();
+        let seq_lens = vec![seq as i32; batch];
+        let (want_o, _) = reference::mla_decode(&dims, &qa_h, &cache_h, &tables, &seq_lens, scale);
+        let row_seq: Vec<i32> = (0..n).map(|r| (r / q_len) as i32).collect();
+        let (td, rsd) = (s.clone_htod(&tables).expect("t"), s.clone_htod(&row_seq).expect("rs"));
+        let mut o_lat = s.alloc_zeros::<f32>(n * heads * lora).expect("o");
+        let meta = AttnMeta { n, seqs: batch, bt_stride: bt, max_pos: seq - 1, max_block: num_blocks - 1 };
+        ops.attn_varlen(s, &mut o_lat, &qa, &cache, &td, &rsd, &qposd, &meta, heads, lora, rope, scale).expect("attn");
+        let o_h = s.clone_dtoh(&o_lat).expect("o");
+        check(&format!("attn_varlen {tag}"), &o_h, &want_o, 2e-3, &mut fails);
+
+        // 4. W_UV.
+        let wuv = rounded(&rand(&mut rng, heads * vdim * lora, -0.1, 0.1));
+        let wuvd = s.clone_htod(&to_bf(&wuv)).expect("wuv");
+        let mut out = s.alloc_zeros::<bf16>(n * heads * vdim).expect("out");
+        ops.wuv(s, &mut out, &o_lat, &wuvd, n, heads, lora, vdim).expect("wuv");
+        let got: Vec<f32> = s.clone_dtoh(&out).expect("out").iter().map(|v| v.to_f32()).collect();
+        let mut want = Vec::with_capacity(n * heads * vdim);
+        for r in 0..n {
+            for h in 0..heads {
+                for v in 0..vdim {
+                    let ol = &o_h[(r * heads + h) * lora..][..lora];
+                    want.push((0..lora).map(|c| ol[c] * wuv[(h * vdim + v) * lora + c]).sum::<f32>());
+                }
+            }
+        }
+        check(&format!("wuv {tag}"), &got, &want, 1e-2, &mut fails);
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}
+
+/// Embedding gather (with the MTP position-0 zeroing), strided RMSNorm and the MoE combine.
+#[test]
+fn small_backend_ops_match_reference() {
+    let Some(g) = gpu() else { return };
+    let s = &g.stream;
+    let ops = Ops::new(&g).expect("ops");
+    let mut rng = Rng::new(3);
+    let mut fails = Vec::new();
+    for (h, vocab, n) in [(7168, 1000, 9), (64, 512, 33)] {
+        let table = rounded(&rand(&mut rng, vocab * h, -1.0, 1.0));
+        let tokens: Vec<i32> = (0..n).map(|_| rng.below(vocab) as i32).collect();
+        let pos: Vec<i32> = (0..n as i32).map(|i| i % 4).collect();
+        let td = s.clone_htod(&to_bf(&table)).expect("t");
+        let (tokd, posd) = (s.clone_htod(&tokens).expect("tok"), s.clone_htod(&pos).expect("pos"));
+        let mut x = s.alloc_zeros::<f32>(n * h).expect("x");
+        ops.embed(s, &mut x, &td, &tokd, &posd, h, 0, vocab, true).expect("embed");
+        let want: Vec<f32> = (0..n)
+            .flat_map(|r| {
+                let t = tokens[r] as usize;
+                let z = pos[r] == 0;
+                table[t * h..(t + 1) * h].iter().map(move |&v| if z { 0.0 } else { v }).collect::<Vec<_>>()
+            })
+            .collect();
+        let xh = s.clone_dtoh(&x).expect("x");
+        check(&format!("embed h={h} n={n} (pos 0 zeroed)"), &xh, &want, 0.0, &mut fails);
+
+        // RMSNorm into the second half of [n][2h] rows.
+        let w = rand(&mut rng, h, 0.5, 1.5);
+        let wd = s.clone_htod(&w).expect("w");
+        let mut out = s.alloc_zeros::<f32>(n * 2 * h).expect("out");
+        ops.rmsnorm_f32(s, &mut out.slice_mut(h..), 2 * h, &x, h, &wd, n, 1e-6).expect("norm");
+        let got: Vec<f32> = s.clone_dtoh(&out).expect("out").chunks(2 * h).flat_map(|r| r[h..].to_vec()).collect();
+        let mut want = xh.clone();
+        for row in want.chunks_mut(h) {
+            if row.iter().any(|v| *v != 0.0) {
+                mlaserve_cpu::ops::rms_norm(row, &w, 1e-6);
+            }
+        }
+        check(&format!("rmsnorm_f32 strided h={h} n={n}"), &got, &want, 1e-5, &mut fails);
+
+        // Combine: k = 8 slots per token, rows of y in a random permutation.
+        let k = 8;
+        let y = rand(&mut rng, n * k * h, -1.0, 1.0);
+        let wts = rand(&mut rng, n * k, 0.0, 1.0);
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            let mut e: Vec<i32> = (0..256).collect();
+            rng.shuffle(&mut e);
+            ids.extend_from_slice(&e[..k]);
+        }
+        let mut inv: Vec<i32> = (0..(n * k) as i32).collect();
+        rng.shuffle(&mut inv);
+        let base = rand(&mut rng, n * h, -1.0, 1.0);
+        let mut od = s.clone_htod(&base).expect("o");
+        let (yd, idd, wd2, invd) = (
+            s.clone_htod(&y).expect("y"),
+            s.clone_htod(&ids).expect("ids"),
+            s.clone_htod(&wts).expect("w"),
+            s.clone_htod(&inv).expect("inv"),
+        );
+        ops.combine(s, &mut od, &yd, &idd, &wd2, &invd, n, k, h).expect("combine");
+        let mut want = base.clone();
+        for t in 0..n {
+            let mut order: Vec<usize> = (0..k).collect();
+            order.sort_by_key(|&j| ids[t * k + j]);
+            for c in 0..h {
+                let acc: f32 = order.iter().map(|&j| wts[t * k + j] * y[inv[t * k + j] as usize * h + c]).sum::<f32>();
+                want[t * h + c] += acc;
+            }
+        }
+        check(&format!("moe_combine h={h} n={n} k={k}"), &s.clone_dtoh(&od).expect("o"), &want, 1e-5, &mut fails);
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}

@@ -1,0 +1,393 @@
+// The per-token kernels of the CUDA backend's forward pass (crates/mlaserve-cuda/src/ops.rs):
+// embedding gather, RMSNorm over f32 rows, residual add, conversions and row gathers,
+// YaRN RoPE + paged latent-cache write, query absorption (q_lat = W_UK^T q_nope), a
+// varlen causal absorbed MLA attention over the paged cache, the W_UV up-projection,
+// MoE routing (every variant of DESIGN §3) and the weighted expert combine, and a
+// batch-invariant bf16 linear layer.
+//
+// Every reduction runs in an order fixed by the row's own data (thread-strided partial
+// sums, then a fixed tree), never by how many rows share the launch: a token's result is
+// bit-identical whatever batch it is in. Activations are f32 between kernels; weights
+// and the latent cache are bf16.
+#include "common.cuh"
+
+namespace bops {
+
+// Block-wide sum of one float per thread (blockDim.x a multiple of 32, <= 1024).
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int w = 0; w < nw; ++w) t += red[w];
+    __syncthreads();
+    return t;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = -INFINITY;
+    for (int w = 0; w < nw; ++w) t = fmaxf(t, red[w]);
+    __syncthreads();
+    return t;
+}
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+}  // namespace bops
+
+// out[r] = table[tokens[r] - lo] (zeros when the token is outside [lo, lo + rows), or when
+// zero_pos0 and positions[r] == 0: vLLM's MTP convention). grid = n rows.
+extern "C" __global__ void embed_gather_f32(float* __restrict__ out, const bf16* __restrict__ table,
+                                            const int* __restrict__ tokens, const int* __restrict__ positions,
+                                            int h, int lo, int rows, int zero_pos0) {
+    const int r = blockIdx.x;
+    const int t = tokens[r] - lo;
+    const bool zero = t < 0 || t >= rows || (zero_pos0 && positions[r] == 0);
+    for (int c = threadIdx.x; c < h; c += blockDim.x)
+        out[static_cast<size_t>(r) * h + c] = zero ? 0.f : __bfloat162float(table[static_cast<size_t>(t) * h + c]);
+}
+
+// out[r*out_stride + c] = x[r*x_stride + c] / rms(x row) * w[c], c < dim. grid = rows.
+template <typename T>
+__device__ void rmsnorm_rows(T* __restrict__ out, int out_stride, const float* __restrict__ x, int x_stride,
+                             const float* __restrict__ w, int dim, float eps) {
+    __shared__ float red[32];
+    const float* xr = x + static_cast<size_t>(blockIdx.x) * x_stride;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
+    const float inv = rsqrtf(bops::block_sum(ss, red) / dim + eps);
+    T* o = out + static_cast<size_t>(blockIdx.x) * out_stride;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) bops::store(o + c, xr[c] * inv * w[c]);
+}
+extern "C" __global__ void rmsnorm_f32_of32(float* out, int out_stride, const float* x, int x_stride,
+                                            const float* w, int dim, float eps) {
+    rmsnorm_rows(out, out_stride, x, x_stride, w, dim, eps);
+}
+extern "C" __global__ void rmsnorm_f32_obf16(bf16* out, int out_stride, const float* x, int x_stride,
+                                             const float* w, int dim, float eps) {
+    rmsnorm_rows(out, out_stride, x, x_stride, w, dim, eps);
+}
+
+// x[i] += y[i]. Grid-stride.
+extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        x[i] += y[i];
+}
+
+// out[i] = bf16(x[i]). Grid-stride.
+extern "C" __global__ void to_bf16_f32(bf16* __restrict__ out, const float* __restrict__ x, size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        out[i] = __float2bfloat16_rn(x[i]);
+}
+
+// out[i] = in[rows[i]] for rows of width h. grid = n_out.
+template <typename Tin, typename Tout>
+__device__ void gather(Tout* __restrict__ out, const Tin* __restrict__ in, const int* __restrict__ rows, int h) {
+    const size_t src = static_cast<size_t>(rows[blockIdx.x]) * h, dst = static_cast<size_t>(blockIdx.x) * h;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        if constexpr (sizeof(Tin) == sizeof(Tout)) {
+            out[dst + c] = in[src + c];
+        } else {
+            bops::store(out + dst + c, static_cast<float>(in[src + c]));
+        }
+    }
+}
+extern "C" __global__ void gather_rows_f32(float* out, const float* in, const int* rows, int h) {
+    gather(out, in, rows, h);
+}
+extern "C" __global__ void gather_rows_f32_obf16(bf16* out, const float* in, const int* rows, int h) {
+    gather(out, in, rows, h);
+}
+extern "C" __global__ void gather_rows_bf16(bf16* out, const bf16* in, const int* rows, int h) {
+    gather(out, in, rows, h);
+}
+
+// Rotates interleaved pairs (v[2i], v[2i+1]) by cos/sin[pos][i] (YaRN attention factor
+// already folded into the tables).
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, float& x, float& y) {
+    x = a * c - b * s;
+    y = a * s + b * c;
+}
+
+// Latent-cache write: per row r, c_kv = RMSNorm(kv[r][:lora]) * norm_w (eps), k_pe =
+// RoPE(kv[r][lora:], pos[r]); cache[slot[r]] = bf16([c_kv, k_pe]). grid = n rows.
+extern "C" __global__ void kv_cache_write_bf16(bf16* __restrict__ cache, const float* __restrict__ kv,
+                                               const float* __restrict__ norm_w, const float* __restrict__ cos_t,
+                                               const float* __restrict__ sin_t, const int* __restrict__ pos,
+                                               const long long* __restrict__ slot, int lora, int rope, float eps) {
+    __shared__ float red[32];
+    const int lat = lora + rope, half = rope / 2;
+    const float* x = kv + static_cast<size_t>(blockIdx.x) * lat;
+    bf16* dst = cache + static_cast<size_t>(slot[blockIdx.x]) * lat;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < lora; c += blockDim.x) ss += x[c] * x[c];
+    const float inv = rsqrtf(bops::block_sum(ss, red) / lora + eps);
+    for (int c = threadIdx.x; c < lora; c += blockDim.x) dst[c] = __float2bfloat16_rn(x[c] * inv * norm_w[c]);
+    const size_t p = static_cast<size_t>(pos[blockIdx.x]) * half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a, b;
+        rope_pair(x[lora + 2 * i], x[lora + 2 * i + 1], cos_t[p + i], sin_t[p + i], a, b);
+        dst[lora + 2 * i] = __float2bfloat16_rn(a);
+        dst[lora + 2 * i + 1] = __float2bfloat16_rn(b);
+    }
+}
+
+// Absorbed query: for row r, head h (grid = (heads, n)):
+//   qa[r][h][:lora] = W_UK[h]^T q_nope (W_UK [heads][nope][lora]),
+//   qa[r][h][lora:] = RoPE(q_pe, pos[r]);
+// written as f32 (varlen kernel) and bf16 (the decode kernel's q layout, row = token*heads
+// + head, which is `s_idx*heads + head` within a uniform window).
+extern "C" __global__ void q_absorb_f32(float* __restrict__ qa, bf16* __restrict__ qa_bf16,
+                                        const float* __restrict__ q, const bf16* __restrict__ wuk,
+                                        const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                        const int* __restrict__ pos, int heads, int nope, int rope, int lora) {
+    extern __shared__ float qn[];
+    const int h = blockIdx.x, r = blockIdx.y, qk = nope + rope, dqk = lora + rope, half = rope / 2;
+    const float* qr = q + (static_cast<size_t>(r) * heads + h) * qk;
+    for (int i = threadIdx.x; i < nope; i += blockDim.x) qn[i] = qr[i];
+    __syncthreads();
+    const size_t o = (static_cast<size_t>(r) * heads + h) * dqk;
+    const bf16* w = wuk + static_cast<size_t>(h) * nope * lora;
+    for (int c = threadIdx.x; c < lora; c += blockDim.x) {
+        float acc = 0.f;
+        for (int n = 0; n < nope; ++n) acc += qn[n] * __bfloat162float(w[static_cast<size_t>(n) * lora + c]);
+        qa[o + c] = acc;
+        qa_bf16[o + c] = __float2bfloat16_rn(acc);
+    }
+    const size_t p = static_cast<size_t>(pos[r]) * half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a, b;
+        rope_pair(qr[nope + 2 * i], qr[nope + 2 * i + 1], cos_t[p + i], sin_t[p + i], a, b);
+        qa[o + lora + 2 * i] = a;
+        qa[o + lora + 2 * i + 1] = b;
+        qa_bf16[o + lora + 2 * i] = __float2bfloat16_rn(a);
+        qa_bf16[o + lora + 2 * i + 1] = __float2bfloat16_rn(b);
+    }
+}
+
+// Varlen causal absorbed attention over the paged latent cache. Row r (sequence
+// row_seq[r], position pos[r]) and head h (grid = (heads, n), 128 threads) attend to
+// cache positions 0..=pos[r] of their sequence: keys [c_kv, k_pe], values c_kv.
+// o_lat[r][h] = softmax(scale * qa . k) . c_kv. Dynamic shared memory:
+// (lora + rope + pos_max + 1) floats.
+extern "C" __global__ void mla_attn_varlen_f32(float* __restrict__ o_lat, const float* __restrict__ qa,
+                                               const bf16* __restrict__ cache, const int* __restrict__ tables,
+                                               const int* __restrict__ row_seq, const int* __restrict__ pos,
+                                               int bt_stride, int heads, int lora, int rope, float scale) {
+    extern __shared__ float sm[];
+    __shared__ float red[32];
+    const int h = blockIdx.x, r = blockIdx.y, dqk = lora + rope;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float* q = sm;
+    float* sc = sm + dqk;
+    const float* qsrc = qa + (static_cast<size_t>(r) * heads + h) * dqk;
+    for (int i = threadIdx.x; i < dqk; i += blockDim.x) q[i] = qsrc[i];
+    __syncthreads();
+    const int len = pos[r] + 1;
+    const int* table = tables + static_cast<size_t>(row_seq[r]) * bt_stride;
+    for (int j = warp; j < len; j += nw) {
+        const bf16* e = cache + (static_cast<size_t>(table[j / 64]) * 64 + j % 64) * dqk;
+        float d = 0.f;
+        for (int i = lane; i < dqk; i += 32) d += q[i] * __bfloat162float(e[i]);
+        d = warp_sum(d);
+        if (lane == 0) sc[j] = d * scale;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = bops::block_max(m, red);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const float e = __expf(sc[j] - m);
+        sc[j] = e;
+        s += e;
+    }
+    const float inv = 1.f / bops::block_sum(s, red);  // block_sum synchronises: sc is complete
+    float* out = o_lat + (static_cast<size_t>(r) * heads + h) * lora;
+    for (int c = threadIdx.x; c < lora; c += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < len; ++j)
+            acc += sc[j] * __bfloat162float(cache[(static_cast<size_t>(table[j / 64]) * 64 + j % 64) * dqk + c]);
+        out[c] = acc * inv;
+    }
+}
+
+// out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h] (W_UV [heads][vdim][lora]); grid = (heads, n),
+// a warp per output. bf16 out: the o_proj GEMM's input.
+extern "C" __global__ void wuv_f32_obf16(bf16* __restrict__ out, const float* __restrict__ o_lat,
+                                         const bf16* __restrict__ wuv, int heads, int lora, int vdim) {
+    extern __shared__ float ol[];
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const float* src = o_lat + (static_cast<size_t>(r) * heads + h) * lora;
+    for (int i = threadIdx.x; i < lora; i += blockDim.x) ol[i] = src[i];
+    __syncthreads();
+    for (int v = warp; v < vdim; v += nw) {
+        const bf16* w = wuv + (static_cast<size_t>(h) * vdim + v) * lora;
+        float d = 0.f;
+        for (int i = lane; i < lora; i += 32) d += ol[i] * __bfloat162float(w[i]);
+        d = warp_sum(d);
+        if (lane == 0) out[(static_cast<size_t>(r) * heads + h) * vdim + v] = __float2bfloat16_rn(d);
+    }
+}
+
+// MoE routing for one token per block (DESIGN §3; mirrors mlaserve-cpu's moe::route).
+// method: 0 greedy, 1 group_limited_greedy (group max), 2 noaux_tc (bias for choice only,
+// group = sum of its top 2). scoring: 0 sigmoid, 1 softmax. Ties go to the lower index.
+// Dynamic shared memory: (2 * experts + n_group) floats + (experts + n_group) bytes.
+extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restrict__ weights,
+                                         const float* __restrict__ logits, const float* __restrict__ bias,
+                                         int experts, int k, int n_group, int topk_group, int method, int scoring,
+                                         int has_bias, int normalise, float scale) {
+    extern __shared__ float rs[];
+    __shared__ float red[32];
+    float* score = rs;
+    float* choice = rs + experts;
+    float* gscore = choice + experts;
+    unsigned char* taken = reinterpret_cast<unsigned char*>(gscore + n_group);
+    unsigned char* gkeep = taken + experts;
+    const float* lg = logits + static_cast<size_t>(blockIdx.x) * experts;
+    float m = -INFINITY;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, lg[e]);
+    m = bops::block_max(m, red);
+    float s = 0.f;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        const float v = scoring == 0 ? 1.f / (1.f + expf(-lg[e])) : expf(lg[e] - m);
+        score[e] = v;
+        s += v;
+    }
+    s = bops::block_sum(s, red);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        if (scoring == 1) score[e] /= s;
+        choice[e] = score[e] + (method == 2 && has_bias ? bias[e] : 0.f);
+        taken[e] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const int per = experts / n_group;
+    for (int g = 0; g < n_group; ++g) {
+        const float* c = choice + g * per;
+        float a = -INFINITY, b = -INFINITY;  // the two largest
+        for (int i = 0; i < per; ++i) {
+            if (c[i] > a) {
+                b = a;
+                a = c[i];
+            } else if (c[i] > b) {
+                b = c[i];
+            }
+        }
+        gscore[g] = method == 2 ? (per >= 2 ? a + b : a) : a;
+        gkeep[g] = method == 0;
+    }
+    if (method != 0) {
+        for (int it = 0; it < topk_group; ++it) {
+            int best = -1;
+            for (int g = 0; g < n_group; ++g)
+                if (!gkeep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+            if (best >= 0) gkeep[best] = 1;
+        }
+    }
+    float sum = 0.f;
+    int* oi = ids + static_cast<size_t>(blockIdx.x) * k;
+    float* ow = weights + static_cast<size_t>(blockIdx.x) * k;
+    for (int it = 0; it < k; ++it) {
+        int best = -1;
+        float bv = -INFINITY;
+        for (int e = 0; e < experts; ++e) {
+            const float v = gkeep[e / per] ? choice[e] : -INFINITY;
+            if (!taken[e] && (best < 0 || v > bv)) {
+                best = e;
+                bv = v;
+            }
+        }
+        taken[best] = 1;
+        oi[it] = best;
+        ow[it] = score[best];
+        sum += score[best];
+    }
+    for (int it = 0; it < k; ++it) ow[it] = (normalise ? ow[it] / (sum + 1e-20f) : ow[it]) * scale;
+}
+
+// out[t] += sum over its k slots in ascending expert id of weight * y[inv[t*k + j]].
+// grid = tokens.
+extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float* __restrict__ y,
+                                           const int* __restrict__ ids, const float* __restrict__ weights,
+                                           const int* __restrict__ inv, int k, int h) {
+    const int t = blockIdx.x;
+    const int* id = ids + static_cast<size_t>(t) * k;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        float acc = 0.f;
+        int prev = -1;
+        for (int it = 0; it < k; ++it) {
+            int j = -1;
+            for (int q = 0; q < k; ++q)
+                if (id[q] > prev && (j < 0 || id[q] < id[j])) j = q;
+            prev = id[j];
+            acc += weights[static_cast<size_t>(t) * k + j] * y[static_cast<size_t>(inv[t * k + j]) * h + c];
+        }
+        out[static_cast<size_t>(t) * h + c] += acc;
+    }
+}
+
+// Batch-invariant linear layer y[m][n] = x[m][:] . w[n][:] (x [m][k], w [n][k], bf16):
+// one warp per output column, lanes stride k, a fixed warp tree: y[m][n] depends only on
+// row m of x, never on how many rows the call has (unlike cuBLAS, whose algorithm and
+// split-K change with m). grid = (ceil(n / 8), ceil(m / 4)), 256 threads.
+template <typename T>
+__device__ void linear_inv(T* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w, int m, int n,
+                           int k) {
+    const int col = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (col >= n) return;
+    const bf16* wr = w + static_cast<size_t>(col) * k;
+    for (int row = blockIdx.y * 4; row < min(m, blockIdx.y * 4 + 4); ++row) {
+        const bf16* xr = x + static_cast<size_t>(row) * k;
+        float d = 0.f;
+        if (k % 8 == 0) {
+            for (int i = lane; i < k / 8; i += 32) {
+                const uint4 a = reinterpret_cast<const uint4*>(xr)[i];
+                const uint4 b = reinterpret_cast<const uint4*>(wr)[i];
+                const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+                const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 af = __bfloat1622float2(ah[q]), bf = __bfloat1622float2(bh[q]);
+                    d += af.x * bf.x + af.y * bf.y;
+                }
+            }
+        } else {
+            for (int i = lane; i < k; i += 32) d += __bfloat162float(xr[i]) * __bfloat162float(wr[i]);
+        }
+        d = warp_sum(d);
+        if (lane == 0) bops::store(y + static_cast<size_t>(row) * n + col, d);
+    }
+}
+// The MoE router in f32 (x and w f32), as transformers' DeepSeek gate computes it: the
+// expert choice is discrete, so its logits get no bf16 rounding.
+extern "C" __global__ void __launch_bounds__(256)
+    linear_f32_of32(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ w, int m, int n,
+                    int k) {
+    const int col = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (col >= n) return;
+    const float* wr = w + static_cast<size_t>(col) * k;
+    for (int row = blockIdx.y * 4; row < min(m, static_cast<int>(blockIdx.y) * 4 + 4); ++row) {
+        const float* xr = x + static_cast<size_t>(row) * k;
+        float d = 0.f;
+        for (int i = lane; i < k; i += 32) d += xr[i] * wr[i];
+        d = warp_sum(d);
+        if (lane == 0) y[static_cast<size_t>(row) * n + col] = d;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256)
+    linear_inv_bf16_of32(float* y, const bf16* x, const bf16* w, int m, int n, int k) {
+    linear_inv(y, x, w, m, n, k);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    linear_inv_bf16_obf16(bf16* y, const bf16* x, const bf16* w, int m, int n, int k) {
+    linear_inv(y, x, w, m, n, k);
+}
