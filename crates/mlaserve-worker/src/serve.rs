@@ -65,7 +65,8 @@ impl ServeArgs {
         }
     }
 
-    fn worker_args(&self) -> WorkerArgs {
+    /// The settings of the embedded worker group.
+    pub fn worker_args(&self) -> WorkerArgs {
         WorkerArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             kv_blocks: self.kv_blocks,

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod backend;
 pub mod bench;
 pub mod bench_serve;
 pub mod gen_model;

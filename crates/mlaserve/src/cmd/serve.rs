@@ -1,9 +1,21 @@
-//! `mlaserve serve`: router + one worker group in one process (CPU backend for now;
-//! the GPU backend plugs in through `mlaserve_worker::serve::run_with_engine`).
+//! `mlaserve serve`: router + one worker group in one process, on the GPU when this build
+//! has CUDA and a GPU is present, else on the CPU backend (`--backend` chooses).
 
-pub use mlaserve_worker::ServeArgs as Args;
+use super::backend::{spawn_engine, BackendArgs};
 
-pub fn run(args: Args) -> anyhow::Result<()> {
-    super::runtime()?.block_on(mlaserve_worker::serve::run_cpu(args))?;
-    Ok(())
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub serve: mlaserve_worker::ServeArgs,
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    super::runtime()?.block_on(async move {
+        let w = a.serve.worker_args();
+        let engine = spawn_engine(&a.backend, w.model.clone(), w.kv_blocks, w.engine_config()).await?;
+        mlaserve_worker::serve::run_with_engine(a.serve, engine).await?;
+        anyhow::Ok(())
+    })
 }

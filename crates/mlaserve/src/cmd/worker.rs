@@ -37,6 +37,10 @@ pub struct Args {
     pub worker: mlaserve_worker::WorkerArgs,
     #[command(flatten)]
     pub tp: TpArgs,
+    /// Backend of a single-rank group (a multi-rank group runs the CPU backend with NCCL
+    /// collectives for now).
+    #[command(flatten)]
+    pub backend: super::backend::BackendArgs,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -48,8 +52,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.tp.world_size
     );
     if a.tp.world_size == 1 {
-        super::runtime()?.block_on(mlaserve_worker::run_cpu(a.worker))?;
-        return Ok(());
+        return super::runtime()?.block_on(async move {
+            let w = a.worker;
+            let engine =
+                super::backend::spawn_engine(&a.backend, w.model.clone(), w.kv_blocks, w.engine_config()).await?;
+            let h = mlaserve_worker::start(w, engine).await?;
+            println!("mlaserve worker group `{}` listening on {}", h.group, h.addr);
+            mlaserve_router::server::shutdown_signal().await;
+            h.shutdown().await;
+            anyhow::Ok(())
+        });
     }
     tp::run(a)
 }

@@ -1,0 +1,65 @@
+//! Which backend a worker group runs on, and starting its engine.
+
+use mlaserve_engine::{EngineConfig, EngineHandle};
+use std::path::PathBuf;
+
+/// The compute backend of a worker group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// The GPU when this build has CUDA (`--features cuda`) and a GPU is present, else CPU.
+    Auto,
+    /// The f32 CPU reference backend.
+    Cpu,
+    /// The CUDA backend (needs a build with `--features cuda`).
+    Cuda,
+}
+
+/// `--backend` for commands that run a worker group.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BackendArgs {
+    /// Compute backend of the worker group.
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    pub backend: BackendKind,
+    /// CUDA device of the group (single-rank groups).
+    #[arg(long = "cuda-device", default_value_t = 0)]
+    pub cuda_device: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_present(ordinal: usize) -> bool {
+    mlaserve_cuda::Gpu::new(ordinal).is_ok()
+}
+
+/// Starts the engine of a single-rank group on the chosen backend.
+pub async fn spawn_engine(
+    b: &BackendArgs,
+    model: PathBuf,
+    kv_blocks: usize,
+    cfg: EngineConfig,
+) -> anyhow::Result<EngineHandle> {
+    #[cfg(feature = "cuda")]
+    {
+        let use_gpu = match b.backend {
+            BackendKind::Cuda => true,
+            BackendKind::Auto => gpu_present(b.cuda_device),
+            BackendKind::Cpu => false,
+        };
+        if use_gpu {
+            let ordinal = b.cuda_device;
+            tracing::info!(ordinal, "worker group on the CUDA backend");
+            let make = move || {
+                mlaserve_cuda::CudaBackend::load_with(&model, mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal))
+                    .map_err(|e| mlaserve_core::Error::Backend(e.to_string()))
+            };
+            return Ok(EngineHandle::spawn(make, cfg).await?);
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    if b.backend == BackendKind::Cuda {
+        anyhow::bail!(
+            "--backend cuda: this build has no CUDA; rebuild with `cargo build --release -p mlaserve --features cuda`"
+        );
+    }
+    tracing::info!("worker group on the CPU backend");
+    Ok(EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&model, kv_blocks), cfg).await?)
+}
