@@ -18,6 +18,19 @@ enum What {
     /// Concurrent streaming clients against a running router: TTFT, inter-token and
     /// end-to-end latency percentiles, throughput.
     Serve(super::bench_serve::Args),
+    /// The padded MLA decode kernel against the copy bandwidth and the cuBLAS GEMM rate
+    /// measured in the same run (needs `--features cuda` and a GPU).
+    MlaDecode(GpuArgs),
+    /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline
+    /// (needs `--features cuda` and a GPU).
+    Step(GpuArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct GpuArgs {
+    /// CUDA device.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -75,7 +88,26 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         What::Acceptance(a) => acceptance(a),
         What::Serve(a) => super::bench_serve::run(a),
+        What::MlaDecode(g) => gpu_bench(g, true),
+        What::Step(g) => gpu_bench(g, false),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_bench(g: GpuArgs, mla: bool) -> anyhow::Result<()> {
+    if mla {
+        let opts = mlaserve_cuda::bench::MlaDecodeBenchOpts::default();
+        println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
+    } else {
+        let opts = mlaserve_cuda::bench_step::StepBenchOpts { ordinal: g.device, ..Default::default() };
+        println!("{}", mlaserve_cuda::bench_step::bench_step(&opts)?);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_bench(_: GpuArgs, _: bool) -> anyhow::Result<()> {
+    anyhow::bail!("GPU benchmarks need a build with CUDA: `cargo build --release -p mlaserve --features cuda`")
 }
 
 fn read_prompts(a: &AcceptanceArgs, tok: &mlaserve_model::Tokenizer) -> anyhow::Result<Vec<Vec<u32>>> {
