@@ -1,4 +1,4 @@
-//! `cargo bench -p mlaserve-engine --bench engine [-- running=256 k=3 vocab=16 sampled steps=500]`:
+//! `cargo bench -p mlaserve-engine --bench engine [-- running=256 k=3 mtp=1 vocab=16 sampled steps=500]`:
 //! host-side scheduling and bookkeeping time per step with many running requests
 //! (goal: median <= 50 us with 256). With no arguments it runs the standard cases.
 
@@ -17,6 +17,7 @@ fn parse(args: &[String]) -> Option<BenchConfig> {
             ("steps", Some(n)) => c.steps = n,
             ("prompt", Some(n)) => c.prompt_len = n,
             ("sampled", _) => c.sampled = true,
+            ("mtp", Some(n)) => c.mtp_layers = Some(n),
             _ => continue,
         }
         any = true;
@@ -31,6 +32,7 @@ fn main() {
         Some(c) => vec![c],
         None => vec![
             base.clone(),
+            BenchConfig { mtp_layers: Some(1), ..base.clone() },
             BenchConfig { k: 0, ..base.clone() },
             BenchConfig { sampled: true, ..base.clone() },
             BenchConfig { vocab: 512, ..base.clone() },

@@ -25,11 +25,14 @@ pub struct BenchConfig {
     pub steps: usize,
     /// Sample with temperature 1 instead of greedy.
     pub sampled: bool,
+    /// MTP layers of the synthetic model; `None`: `k` (every draft stage its own layer,
+    /// the most host work). DeepSeek-V3/R1 checkpoints have one (a reused chain).
+    pub mtp_layers: Option<usize>,
 }
 
 impl Default for BenchConfig {
     fn default() -> Self {
-        BenchConfig { running: 256, k: 3, vocab: 16, prompt_len: 32, steps: 500, sampled: false }
+        BenchConfig { running: 256, k: 3, vocab: 16, prompt_len: 32, steps: 500, sampled: false, mtp_layers: None }
     }
 }
 
@@ -52,11 +55,12 @@ impl std::fmt::Display for BenchReport {
         let c = &self.config;
         write!(
             f,
-            "engine host time per step: {} running, k={}, vocab {}, {}: median {:.1} us, p90 {:.1} us, \
+            "engine host time per step: {} running, k={}, {} MTP layer(s), vocab {}, {}: median {:.1} us, p90 {:.1} us, \
              mean {:.1} us over {} steps (phases, mean: schedule {:.1}, verify {:.1}, draft {:.1}; \
              synthetic backend time, excluded: median {:.1} us)",
             c.running,
             c.k,
+            c.mtp_layers.unwrap_or(c.k).max(1),
             c.vocab,
             if c.sampled { "sampled" } else { "greedy" },
             self.median_us,
@@ -125,7 +129,12 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 pub fn bench_engine(cfg: &BenchConfig) -> Result<BenchReport> {
     let max_len = cfg.prompt_len + (cfg.steps + 64) * (cfg.k + 1) + 16;
     let blocks_per = crate::block::blocks_for(max_len + 2 * cfg.k) + 1;
-    let backend = SyntheticBackend::new(cfg.vocab, cfg.k.max(1), cfg.running * blocks_per, max_len + 64);
+    let backend = SyntheticBackend::new(
+        cfg.vocab,
+        cfg.mtp_layers.unwrap_or(cfg.k).max(1),
+        cfg.running * blocks_per,
+        max_len + 64,
+    );
     let config = EngineConfig {
         num_speculative_tokens: Some(cfg.k),
         max_batch_tokens: cfg.running * (cfg.k + 1) + cfg.running * cfg.prompt_len,

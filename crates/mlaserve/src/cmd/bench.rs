@@ -69,6 +69,9 @@ struct EngineArgs {
     /// Sample with temperature 1 instead of greedy decoding.
     #[arg(long)]
     sampled: bool,
+    /// MTP layers of the synthetic model (default: k; DeepSeek-V3 has 1).
+    #[arg(long)]
+    mtp_layers: Option<usize>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -80,6 +83,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 vocab: e.vocab,
                 steps: e.steps,
                 sampled: e.sampled,
+                mtp_layers: e.mtp_layers,
                 ..Default::default()
             };
             let report = mlaserve_engine::bench_engine(&cfg).context("bench engine")?;
