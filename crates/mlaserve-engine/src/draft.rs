@@ -90,6 +90,8 @@ pub(crate) struct DraftScratch {
     /// `chain.len() × k` drafts, row-major.
     drafts: Vec<u32>,
     chunks: Vec<ChunkInfo>,
+    /// Kept rows (of the previous step's stage d − 1) joined into stage d's input.
+    kept: Vec<u32>,
     /// Running index → index into `chunks`.
     chunk_of: Vec<Option<usize>>,
     /// Running index → the request goes on after this step.
@@ -186,59 +188,64 @@ pub(crate) fn draft<B: Backend>(
         // its last d positions, whose entries were computed from drafts then: their
         // hidden input is the row kept from the previous step's stage d − 1.
         let prev_kept = mem.prev.get(d - 1);
-        let a_rows = {
-            let mut off_prev = 0u32;
-            let mut kept = Vec::new();
-            sc.hidden_rows.clear();
-            batch.logit_rows.clear();
-            let mut row = 0u32;
-            for (c, ch) in batch.seqs.iter_mut().zip(sc.chunks.iter_mut()) {
-                let s = &running[ch.idx];
-                let cont = ch.cont && prev_kept.is_some() && ch.ext[d - 1] == d - 1;
-                let ext = if cont { d } else { 0 };
-                ch.ext[d] = ext;
-                let prev_len = ch.len + if cont { d - 1 } else { 0 };
-                if cont {
-                    let t = s.mtp_tail.map(|t| t.rows[d - 1]).unwrap_or(0);
-                    kept.push(t);
-                    // Marked with the high bit; rebased below once the count is known.
-                    sc.hidden_rows.push(u32::MAX - (kept.len() as u32 - 1));
-                }
-                sc.hidden_rows.extend(off_prev..off_prev + prev_len as u32);
-                off_prev += prev_len as u32;
-                c.start_pos = ch.start - ext;
-                c.tokens.resize(ch.len + ext, 0);
-                let drafts: &[u32] = match sc.chain_of[ch.idx] {
-                    Some(ci) => &sc.drafts[ci * k..ci * k + d],
-                    None => &[],
-                };
-                let n = s.tokens.len() + drafts.len();
-                for (i, t) in c.tokens.iter_mut().enumerate() {
-                    let j = (c.start_pos + i + d + 1).min(n - 1);
-                    *t = if j < s.tokens.len() { s.tokens[j] } else { drafts[j - s.tokens.len()] };
-                }
-                if let Some(off) = ch.draft_off {
-                    batch.logit_rows.push(row + (ext + off) as u32);
-                }
-                row += c.tokens.len() as u32;
+        // First pass: which chunks redo positions, and where the kept rows will land
+        // (after all of stage d − 1's rows in the joined hidden state).
+        let mut n_a = 0u32;
+        sc.kept.clear();
+        for ch in sc.chunks.iter_mut() {
+            let cont = ch.cont && prev_kept.is_some() && ch.ext[d - 1] == d - 1;
+            ch.ext[d] = if cont { d } else { 0 };
+            n_a += (ch.len + ch.ext[d - 1]) as u32;
+            if cont {
+                sc.kept.push(running[ch.idx].mtp_tail.map(|t| t.rows[d - 1]).unwrap_or(0));
             }
-            (off_prev, kept)
-        };
-        let (n_a, kept) = a_rows;
+        }
+        sc.hidden_rows.clear();
+        batch.logit_rows.clear();
+        let (mut off_prev, mut row, mut kept_i) = (0u32, 0u32, 0u32);
+        for (c, ch) in batch.seqs.iter_mut().zip(&sc.chunks) {
+            let s = &running[ch.idx];
+            let ext = ch.ext[d];
+            let prev_len = (ch.len + ch.ext[d - 1]) as u32;
+            if ext > 0 {
+                sc.hidden_rows.push(n_a + kept_i);
+                kept_i += 1;
+            }
+            sc.hidden_rows.extend(off_prev..off_prev + prev_len);
+            off_prev += prev_len;
+            c.start_pos = ch.start - ext;
+            c.tokens.resize(ch.len + ext, 0);
+            let drafts: &[u32] = match sc.chain_of[ch.idx] {
+                Some(ci) => &sc.drafts[ci * k..ci * k + d],
+                None => &[],
+            };
+            // Row i reads sequence index start_pos + i + d + 1 of `tokens ++ drafts`,
+            // clamped at its end: a bulk copy, then the drafts, then the last one repeated.
+            let first = c.start_pos + d + 1;
+            let n = s.tokens.len() + drafts.len();
+            let from_tokens = s.tokens.len().saturating_sub(first).min(c.tokens.len());
+            if from_tokens > 0 {
+                c.tokens[..from_tokens].copy_from_slice(&s.tokens[first..first + from_tokens]);
+            }
+            let last = if n == s.tokens.len() { s.tokens[n - 1] } else { drafts[drafts.len() - 1] };
+            for (i, t) in c.tokens.iter_mut().enumerate().skip(from_tokens) {
+                let j = first + i;
+                *t = if j < n { drafts[j - s.tokens.len()] } else { last };
+            }
+            if let Some(off) = ch.draft_off {
+                batch.logit_rows.push(row + (ext + off) as u32);
+            }
+            row += c.tokens.len() as u32;
+        }
         let input;
-        let prev: &B::Hidden = if kept.is_empty() {
+        let prev: &B::Hidden = if sc.kept.is_empty() {
             &outs[d - 1]
         } else {
-            for r in sc.hidden_rows.iter_mut() {
-                if *r > u32::MAX - kept.len() as u32 {
-                    *r = n_a + (u32::MAX - *r);
-                }
-            }
             sc.all_rows.clear();
             sc.all_rows.extend(0..n_a);
             let kept_h = prev_kept.ok_or_else(|| mlaserve_core::Error::Batch("no kept MTP rows".into()))?;
             let t = Instant::now();
-            input = backend.concat_hidden(&[(&outs[d - 1], &sc.all_rows), (kept_h, &kept)])?;
+            input = backend.concat_hidden(&[(&outs[d - 1], &sc.all_rows), (kept_h, &sc.kept)])?;
             backend_us += t.elapsed().as_micros() as u64;
             &input
         };
