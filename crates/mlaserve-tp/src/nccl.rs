@@ -135,3 +135,29 @@ pub fn device_count() -> Result<usize> {
     let n = CudaContext::device_count().map_err(|e| Error::Backend(format!("no CUDA device for NCCL: {e:?}")))?;
     Ok(n.max(0) as usize)
 }
+
+/// Bytes of the ids a group needs: one for the backend's communicator, one for the
+/// leader's step-plan channel.
+pub const GROUP_ID_BYTES: usize = 2 * ID_BYTES;
+
+/// Fresh ids for a group (on the leader): [`GROUP_ID_BYTES`] bytes to hand to the ranks.
+pub fn new_group_ids() -> Result<Vec<u8>> {
+    Ok([new_id()?, new_id()?].concat())
+}
+
+/// Both communicators of a rank from the group's ids: the backend's own (all-reduces,
+/// gathers) and the step-plan channel of `mlaserve_core::TpLeader`/`run_follower`.
+pub fn group_comms(
+    ordinal: usize,
+    rank: usize,
+    world: usize,
+    ids: &[u8],
+    timeout: Duration,
+) -> Result<(NcclCollective, NcclCollective)> {
+    if ids.len() != GROUP_ID_BYTES {
+        return Err(Error::Collective(format!("group ids have {} bytes, expected {GROUP_ID_BYTES}", ids.len())));
+    }
+    let inner = NcclCollective::new(ordinal, rank, world, &ids[..ID_BYTES], timeout)?;
+    let plans = NcclCollective::new(ordinal, rank, world, &ids[ID_BYTES..], timeout)?;
+    Ok((inner, plans))
+}

@@ -100,7 +100,7 @@ mod nccl {
     //! One OS process per rank over real NCCL (GPU machines only).
 
     use super::*;
-    use mlaserve_tp::nccl::{new_id, NcclCollective, ID_BYTES};
+    use mlaserve_tp::nccl::{device_count, group_comms, new_group_ids, NcclCollective};
     use mlaserve_tp::rendezvous;
     use std::net::{SocketAddr, TcpListener};
     use std::process::{Child, Command};
@@ -110,12 +110,8 @@ mod nccl {
 
     /// Both communicators of a rank: one inside the backend, one for the plans.
     fn comms(rank: usize, world: usize, ids: &[u8]) -> (NcclCollective, NcclCollective) {
-        let n = cudarc::driver::CudaContext::device_count().expect("CUDA") as usize;
-        let ordinal = rank % n;
-        let t = Duration::from_secs(10);
-        let a = NcclCollective::new(ordinal, rank, world, &ids[..ID_BYTES], t).expect("comm A");
-        let b = NcclCollective::new(ordinal, rank, world, &ids[ID_BYTES..], t).expect("comm B");
-        (a, b)
+        let ordinal = rank % device_count().expect("CUDA").max(1);
+        group_comms(ordinal, rank, world, ids, Duration::from_secs(10)).expect("communicators")
     }
 
     /// The follower side: runs when this test binary is re-executed with `ROLE` set.
@@ -153,7 +149,7 @@ mod nccl {
     fn leader(world: usize, dir: &Path) -> (TpLeader<CpuBackend, NcclCollective>, Vec<Child>) {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
         let followers = spawn_followers(l.local_addr().expect("addr"), world, dir);
-        let ids = [new_id().expect("id"), new_id().expect("id")].concat();
+        let ids = new_group_ids().expect("ids");
         rendezvous::serve(&l, "test", world, &ids, Duration::from_secs(30)).expect("rendezvous");
         let (a, b) = comms(0, world, &ids);
         (TpLeader::new(load(dir, Box::new(a)), b).expect("leader"), followers)

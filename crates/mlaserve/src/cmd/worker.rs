@@ -56,14 +56,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let w = a.worker;
             let engine =
                 super::backend::spawn_engine(&a.backend, w.model.clone(), w.kv_blocks, w.engine_config()).await?;
-            let h = mlaserve_worker::start(w, engine).await?;
-            println!("mlaserve worker group `{}` listening on {}", h.group, h.addr);
-            mlaserve_router::server::shutdown_signal().await;
-            h.shutdown().await;
-            anyhow::Ok(())
+            serve_group(w, engine, 1).await
         });
     }
     tp::run(a)
+}
+
+/// Serves a group's engine to routers until SIGTERM or Ctrl-C, then deregisters.
+async fn serve_group(
+    w: mlaserve_worker::WorkerArgs,
+    engine: mlaserve_engine::EngineHandle,
+    world: usize,
+) -> anyhow::Result<()> {
+    let h = mlaserve_worker::start(w, engine).await?;
+    println!("mlaserve worker group `{}` (TP {world}) listening on {}", h.group, h.addr);
+    mlaserve_router::server::shutdown_signal().await;
+    h.shutdown().await;
+    Ok(())
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -79,7 +88,7 @@ mod tp {
     use anyhow::Context;
     use mlaserve_core::{run_follower, TpLeader};
     use mlaserve_cpu::{CpuBackend, CpuOptions};
-    use mlaserve_tp::nccl::{new_id, NcclCollective, ID_BYTES};
+    use mlaserve_tp::nccl::{new_group_ids, NcclCollective};
     use mlaserve_tp::rendezvous;
     use std::time::Duration;
 
@@ -92,11 +101,8 @@ mod tp {
 
     /// Both communicators of a rank: the backend's own, and the step-plan channel.
     fn comms(tp: &TpArgs, ids: &[u8]) -> mlaserve_core::Result<(NcclCollective, NcclCollective)> {
-        let gpu = ordinal(tp)?;
         let t = Duration::from_secs(tp.collective_timeout_s);
-        let a = NcclCollective::new(gpu, tp.rank, tp.world_size, &ids[..ID_BYTES], t)?;
-        let b = NcclCollective::new(gpu, tp.rank, tp.world_size, &ids[ID_BYTES..], t)?;
-        Ok((a, b))
+        mlaserve_tp::nccl::group_comms(ordinal(tp)?, tp.rank, tp.world_size, ids, t)
     }
 
     pub fn run(a: Args) -> anyhow::Result<()> {
@@ -118,7 +124,7 @@ mod tp {
             run_follower(&mut backend, &plans).context("following the leader's step plans")?;
             return Ok(());
         }
-        let ids = [new_id()?, new_id()?].concat();
+        let ids = new_group_ids()?;
         let listener = if via_etcd {
             None
         } else {
@@ -145,11 +151,7 @@ mod tp {
                 None
             };
             let engine = mlaserve_engine::EngineHandle::spawn(make, worker.engine_config()).await?;
-            let h = mlaserve_worker::start(worker, engine).await?;
-            println!("mlaserve worker group `{}` (TP {world}) listening on {}", h.group, h.addr);
-            mlaserve_router::server::shutdown_signal().await;
-            h.shutdown().await;
-            anyhow::Ok(())
+            serve_group(worker, engine, world).await
         })
     }
 }
