@@ -72,6 +72,19 @@ extern "C" __global__ void rmsnorm_f32_obf16(bf16* out, int out_stride, const fl
     rmsnorm_rows(out, out_stride, x, x_stride, w, dim, eps);
 }
 
+// out[i] = sum over r = 0, 1, ..., world-1 of parts[r * n + i], in that order: the
+// deterministic all-reduce of tensor parallelism (an all-gather, then this), whose result
+// for an element depends only on the ranks' values, never on the buffer's length.
+extern "C" __global__ void sum_ranks_f32(float* __restrict__ out, const float* __restrict__ parts, int world,
+                                         size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        float t = parts[i];
+        for (int r = 1; r < world; ++r) t += parts[static_cast<size_t>(r) * n + i];
+        out[i] = t;
+    }
+}
+
 // x[i] += y[i]. Grid-stride.
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, size_t n) {
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;

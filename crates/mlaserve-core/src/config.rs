@@ -280,6 +280,28 @@ impl ModelConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 
+    /// Fails unless every dimension tensor parallelism splits (heads, the MLPs'
+    /// intermediate widths, the vocabulary) divides by `world` ranks.
+    pub fn check_tp(&self, world: usize) -> Result<()> {
+        let mut dims = vec![
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
+        ];
+        if let Some(m) = &self.moe {
+            dims.push(("moe_intermediate_size", m.moe_intermediate_size));
+        }
+        for (name, v) in dims {
+            if world == 0 || v % world != 0 {
+                return Err(Error::config(
+                    name,
+                    format!("value {v} is not divisible by the tensor-parallel size {world}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Values per token per layer in the latent cache: `kv_lora_rank + qk_rope_head_dim`.
     pub fn latent_dim(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim

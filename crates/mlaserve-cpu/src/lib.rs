@@ -135,7 +135,7 @@ impl CpuBackend {
         let cfg = mlaserve_model::load_config(dir)?;
         let w = Weights::open(dir, cfg.fp8)?;
         let (rank, world) = (comm.rank(), comm.world_size());
-        check_divisible(&cfg, world)?;
+        cfg.check_tp(world)?;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = VocabShard::load(&w, names::EMBED, v, h, rank, world)?;
         let blocks =
@@ -257,23 +257,6 @@ fn layout(batch: &Batch) -> StepLayout<'_> {
         rows.extend((0..c.tokens.len()).map(|i| (s, c.start_pos + i)));
     }
     StepLayout { rows, tables: batch.seqs.iter().map(|c| c.block_table.as_slice()).collect() }
-}
-
-fn check_divisible(c: &ModelConfig, world: usize) -> Result<()> {
-    let mut dims = vec![
-        ("num_attention_heads", c.num_attention_heads),
-        ("intermediate_size", c.intermediate_size),
-        ("vocab_size", c.vocab_size),
-    ];
-    if let Some(m) = &c.moe {
-        dims.push(("moe_intermediate_size", m.moe_intermediate_size));
-    }
-    for (name, v) in dims {
-        if v % world != 0 {
-            return Err(Error::config(name, format!("value {v} is not divisible by the tensor-parallel size {world}")));
-        }
-    }
-    Ok(())
 }
 
 impl Backend for CpuBackend {

@@ -12,6 +12,9 @@ pub enum CudaError {
     /// (`NcclError` implements no `std::error::Error`, hence no `#[from]`.)
     #[error("NCCL: {0:?}")]
     Nccl(cudarc::nccl::result::NcclError),
+    /// A tensor-parallel collective failed or timed out (the communicator is aborted).
+    #[error("collective: {0}")]
+    Collective(String),
     /// libcuda could not be loaded: no NVIDIA driver on this machine.
     #[error("no CUDA driver library (libcuda.so) could be loaded; is there a GPU and its driver?")]
     NoDriver,
@@ -36,6 +39,9 @@ pub type Result<T, E = CudaError> = std::result::Result<T, E>;
 
 impl From<CudaError> for mlaserve_core::Error {
     fn from(e: CudaError) -> Self {
-        mlaserve_core::Error::Backend(e.to_string())
+        match e {
+            CudaError::Collective(m) => mlaserve_core::Error::Collective(m),
+            e => mlaserve_core::Error::Backend(e.to_string()),
+        }
     }
 }

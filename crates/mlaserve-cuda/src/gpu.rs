@@ -41,6 +41,15 @@ impl Gpu {
         Ok(Gpu { ctx, stream, num_sms, max_smem_optin, name, compute_capability })
     }
 
+    /// CUDA devices on this machine (an error when there is no driver).
+    pub fn count() -> Result<usize> {
+        // SAFETY: as in `new`.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        Ok(CudaContext::device_count()?.max(0) as usize)
+    }
+
     /// Loads an embedded fatbin ([`crate::kernels`]); the driver picks the image for this GPU.
     pub fn load_module(&self, image: &[u8]) -> Result<Arc<CudaModule>> {
         Ok(self.ctx.load_module(Ptx::from_binary(image.to_vec()))?)

@@ -26,6 +26,8 @@ pub mod bench_step;
 #[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
+pub mod comm;
+#[cfg(feature = "cuda")]
 pub mod elementwise;
 #[cfg(feature = "cuda")]
 mod error;
@@ -42,6 +44,8 @@ pub mod ops;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaHidden, CudaOptions, WeightBytes};
+#[cfg(feature = "cuda")]
+pub use comm::{DeviceComm, TpInit};
 #[cfg(feature = "cuda")]
 pub use error::{CudaError, Result};
 #[cfg(feature = "cuda")]

@@ -57,6 +57,7 @@ pub struct Ops {
     norm_f32: CudaFunction,
     norm_bf16: CudaFunction,
     add: CudaFunction,
+    sum_ranks: CudaFunction,
     to_bf16: CudaFunction,
     gather_f32: CudaFunction,
     gather_f32_bf16: CudaFunction,
@@ -81,6 +82,7 @@ impl Ops {
             norm_f32: f("rmsnorm_f32_of32")?,
             norm_bf16: f("rmsnorm_f32_obf16")?,
             add: f("add_f32")?,
+            sum_ranks: f("sum_ranks_f32")?,
             to_bf16: f("to_bf16_f32")?,
             gather_f32: f("gather_rows_f32")?,
             gather_f32_bf16: f("gather_rows_f32_obf16")?,
@@ -226,6 +228,25 @@ impl Ops {
         let n = x.len();
         // SAFETY: grid-strides over i < n = x.len() <= y.len().
         unsafe { s.launch_builder(&self.add).arg(x).arg(y).arg(&n).launch(self.grid_stride()) }?;
+        Ok(())
+    }
+
+    /// `out[i] = Σ_r parts[r·n + i]` summed in rank order, `n = out.len()`: the second half of
+    /// the deterministic all-reduce (`parts` is the all-gather of `world` ranks' buffers).
+    pub fn sum_ranks(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<f32>,
+        parts: &CudaSlice<f32>,
+        world: usize,
+    ) -> Result<()> {
+        const K: &str = "sum_ranks_f32";
+        let n = out.len();
+        need(K, "parts", parts.len(), n * world)?;
+        let w = i32_of(K, world)?;
+        // SAFETY: grid-strides over i < n = out.len(), reading parts[r*n + i] for r < world
+        // (parts holds world*n).
+        unsafe { s.launch_builder(&self.sum_ranks).arg(out).arg(parts).arg(&w).arg(&n).launch(self.grid_stride()) }?;
         Ok(())
     }
 

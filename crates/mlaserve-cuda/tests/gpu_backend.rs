@@ -2,7 +2,9 @@
 //! (a prefill of two sequences, a uniform decode step of 4-token windows, a 1-token
 //! decode step, a mixed step with a prefill chunk over a cached prefix and a new
 //! sequence, both MTP layers), logits within 2e-2 of max|ref| (bf16 weights and cache).
-//! Runs with the default options (cuBLAS, decode kernel) and the batch-invariant ones.
+//! Runs with the default options (cuBLAS, decode kernel) and the batch-invariant ones, on
+//! one GPU and as tensor-parallel groups of 2 and 4 ranks (threads, one GPU each, NCCL
+//! on the backend's stream; every rank's outputs must agree bit for bit).
 //!
 //! Expert choice is discrete: a prefill token whose f32 routing lies within 5e-3 of a tie
 //! (found by a CPU replay, `common::near_ties`) may pick another expert on the GPU and
@@ -14,6 +16,7 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use mlaserve_core::{Backend, Batch, SeqChunk};
 use mlaserve_cpu::CpuBackend;
@@ -74,74 +77,126 @@ type Cmp = (String, f64, usize, Vec<(usize, f64)>);
 /// Rows excluded from the strict check in a named output.
 type Excluded = BTreeSet<usize>;
 
-/// Runs the scenario on both backends.
-fn scenario(gpu: &mut CudaBackend, cpu: &mut CpuBackend, ties: &Excluded) -> Vec<(Cmp, Excluded)> {
-    let (ta, tb, tc) = ([3u32, 7], [1u32, 9], [5u32]);
-    let mut res = Vec::new();
-    let (v, hd) = (cpu.config().vocab_size, cpu.config().hidden_size);
-    let mut cmp = |name: &str, g: &[f32], c: &[f32]| {
-        let width = if name.contains("hidden") { hd } else { v };
-        let ex = if name.starts_with("prefill") { ties.clone() } else { Excluded::new() };
-        let over = rows_over(g, c, width);
-        // rel over the rows that are not near a routing tie
-        let keep: Vec<usize> = (0..g.len() / width).filter(|r| !ex.contains(r)).collect();
-        let pick = |v: &[f32]| keep.iter().flat_map(|&r| v[r * width..(r + 1) * width].to_vec()).collect::<Vec<_>>();
-        res.push(((name.to_string(), rel(&pick(g), &pick(c)), g.len() / width, over), ex))
-    };
+/// Named outputs of one side of the scenario.
+type Outputs = Vec<(&'static str, Vec<f32>)>;
+
+const TABLES: ([u32; 2], [u32; 2], [u32; 1]) = ([3, 7], [1, 9], [5]);
+
+fn prefill_batch() -> Batch {
+    let (ta, tb, _) = TABLES;
+    let mut b = Batch { seqs: vec![chunk(toks(1, 70), 0, &ta), chunk(toks(2, 20), 0, &tb)], logit_rows: vec![] };
+    all_rows(&mut b);
+    b
+}
+
+/// The scenario's calls on one backend. `prefill_hidden` is the CPU's prefill hidden state
+/// (MTP layer 0 runs on it, so a target-side routing flip does not propagate into its
+/// check); `upload` turns it into the backend's hidden type.
+fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f32]) -> B::Hidden) -> Outputs {
+    let (ta, tb, tc) = TABLES;
+    let mut out = Outputs::new();
     // 1. Prefill: A 70 tokens (two blocks), B 20.
-    let mut b1 = Batch { seqs: vec![chunk(toks(1, 70), 0, &ta), chunk(toks(2, 20), 0, &tb)], logit_rows: vec![] };
-    all_rows(&mut b1);
-    let (g1, c1) = (gpu.forward(&b1).expect("gpu prefill"), cpu.forward(&b1).expect("cpu prefill"));
-    cmp("prefill logits (90 rows)", &g1.logits, &c1.logits);
-    cmp("prefill hidden", &gpu.hidden_to_host(&g1.hidden).expect("h"), &cpu.hidden_to_host(&c1.hidden).expect("h"));
+    let b1 = prefill_batch();
+    let o1 = be.forward(&b1).expect("prefill");
+    out.push(("prefill logits (90 rows)", o1.logits));
+    out.push(("prefill hidden", be.hidden_to_host(&o1.hidden).expect("hidden")));
     // MTP layer 0 over the prefill (tokens shifted by one), then layer 1 on the last rows.
     let mut m0 = b1.clone();
     for c in &mut m0.seqs {
         c.tokens.rotate_left(1);
     }
     let ident: Vec<u32> = (0..90).collect();
-    let cpu_hidden = gpu.hidden_from_host(&cpu.hidden_to_host(&c1.hidden).expect("h")).expect("upload");
-    let (gm0, cm0) = (
-        gpu.mtp_forward(0, &m0, &cpu_hidden, &ident).expect("gpu mtp0"),
-        cpu.mtp_forward(0, &m0, &c1.hidden, &ident).expect("cpu mtp0"),
-    );
-    cmp("MTP layer 0 logits (90 rows, CPU hidden in)", &gm0.logits, &cm0.logits);
+    let h = upload(be, prefill_hidden);
+    let om0 = be.mtp_forward(0, &m0, &h, &ident).expect("mtp0");
+    out.push(("MTP layer 0 logits (90 rows, CPU hidden in)", om0.logits));
     let m1 = Batch { seqs: vec![chunk(vec![11], 70, &ta), chunk(vec![12], 20, &tb)], logit_rows: vec![0, 1] };
-    let (gm1, cm1) = (
-        gpu.mtp_forward(1, &m1, &gm0.hidden, &[69, 89]).expect("gpu mtp1"),
-        cpu.mtp_forward(1, &m1, &cm0.hidden, &[69, 89]).expect("cpu mtp1"),
-    );
-    cmp("MTP layer 1 logits", &gm1.logits, &cm1.logits);
+    out.push(("MTP layer 1 logits", be.mtp_forward(1, &m1, &om0.hidden, &[69, 89]).expect("mtp1").logits));
     // 2. Uniform decode windows of 4 (the decode kernel's path with default options).
     let mut b2 = Batch { seqs: vec![chunk(toks(3, 4), 70, &ta), chunk(toks(4, 4), 20, &tb)], logit_rows: vec![] };
     all_rows(&mut b2);
-    let (g2, c2) = (gpu.forward(&b2).expect("gpu decode"), cpu.forward(&b2).expect("cpu decode"));
-    cmp("decode s=4 logits", &g2.logits, &c2.logits);
+    out.push(("decode s=4 logits", be.forward(&b2).expect("decode").logits));
     // 3. One-token decode.
     let mut b3 = Batch { seqs: vec![chunk(vec![40], 74, &ta), chunk(vec![41], 24, &tb)], logit_rows: vec![] };
     all_rows(&mut b3);
-    let (g3, c3) = (gpu.forward(&b3).expect("gpu decode1"), cpu.forward(&b3).expect("cpu decode1"));
-    cmp("decode s=1 logits", &g3.logits, &c3.logits);
+    out.push(("decode s=1 logits", be.forward(&b3).expect("decode1").logits));
     // 4. Mixed: a 2-token window, a 30-token chunk over B's cached 25, a new sequence C.
     let b4 = Batch {
         seqs: vec![chunk(toks(5, 2), 75, &ta), chunk(toks(6, 30), 25, &tb), chunk(toks(7, 5), 0, &tc)],
         logit_rows: vec![0, 1, 31, 36],
     };
-    let (g4, c4) = (gpu.forward(&b4).expect("gpu mixed"), cpu.forward(&b4).expect("cpu mixed"));
-    cmp("mixed logits", &g4.logits, &c4.logits);
-    res
+    out.push(("mixed logits", be.forward(&b4).expect("mixed").logits));
+    out
 }
 
-fn run_with(opts: CudaOptions, label: &str) {
+/// Compares the GPU's outputs with the CPU's, prefill rows near a routing tie reported
+/// rather than asserted.
+fn compare(gpu: &Outputs, cpu: &Outputs, v: usize, hd: usize, ties: &Excluded) -> Vec<(Cmp, Excluded)> {
+    gpu.iter()
+        .zip(cpu)
+        .map(|((name, g), (_, c))| {
+            let width = if name.contains("hidden") { hd } else { v };
+            let ex = if name.starts_with("prefill") { ties.clone() } else { Excluded::new() };
+            let over = rows_over(g, c, width);
+            // rel over the rows that are not near a routing tie
+            let keep: Vec<usize> = (0..g.len() / width).filter(|r| !ex.contains(r)).collect();
+            let pick =
+                |v: &[f32]| keep.iter().flat_map(|&r| v[r * width..(r + 1) * width].to_vec()).collect::<Vec<_>>();
+            ((name.to_string(), rel(&pick(g), &pick(c)), g.len() / width, over), ex)
+        })
+        .collect()
+}
+
+/// The CPU side: its outputs and its prefill hidden state.
+fn cpu_side(dir: &std::path::Path) -> (Outputs, Vec<f32>) {
+    let mut cpu = CpuBackend::load(dir, BLOCKS).expect("load cpu");
+    let h = cpu.forward(&prefill_batch()).expect("cpu prefill").hidden.data;
+    let hd = cpu.config().hidden_size;
+    let mut cpu = CpuBackend::load(dir, BLOCKS).expect("load cpu");
+    let out = calls(&mut cpu, &h, |_, d| mlaserve_cpu::CpuHidden { rows: d.len() / hd, data: d.to_vec() });
+    (out, h)
+}
+
+/// The GPU side on a tensor-parallel group of `world` ranks (threads, GPUs 0..world, the
+/// backend's own NCCL communicator): rank 0's outputs.
+fn gpu_side(dir: &std::path::Path, opts: CudaOptions, world: usize, prefill_hidden: &[f32]) -> Outputs {
+    let upload = |g: &CudaBackend, d: &[f32]| g.hidden_from_host(d).expect("upload");
+    if world == 1 {
+        let mut gpu = CudaBackend::load_with(dir, opts).expect("load gpu");
+        return calls(&mut gpu, prefill_hidden, upload);
+    }
+    let id = mlaserve_cuda::TpInit::new_id().expect("NCCL id");
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..world)
+            .map(|rank| {
+                let init = mlaserve_cuda::TpInit { rank, world, id: id.clone(), timeout: Duration::from_secs(60) };
+                let opts = CudaOptions { ordinal: rank, ..opts };
+                s.spawn(move || {
+                    let mut gpu = CudaBackend::load_tp(dir, opts, Some(&init)).expect("load rank");
+                    calls(&mut gpu, prefill_hidden, upload)
+                })
+            })
+            .collect();
+        let mut outs: Vec<Outputs> = ranks.into_iter().map(|r| r.join().expect("rank thread")).collect();
+        for (r, o) in outs.iter().enumerate().skip(1) {
+            for ((name, a), (_, b)) in o.iter().zip(&outs[0]) {
+                assert!(a == b, "rank {r}'s {name} differs from rank 0's: the ranks must agree bit for bit");
+            }
+        }
+        outs.swap_remove(0)
+    })
+}
+
+fn run_with(opts: CudaOptions, world: usize, label: &str) {
     let t = tempfile::tempdir().expect("tempdir");
     mlaserve_model::presets::generate("tiny-v3", t.path()).expect("preset");
-    let mut gpu = CudaBackend::load_with(t.path(), opts).expect("load gpu");
-    let mut cpu = CpuBackend::load(t.path(), BLOCKS).expect("load cpu");
+    let cfg = mlaserve_model::load_config(t.path()).expect("config");
+    let (cpu, prefill_hidden) = cpu_side(t.path());
+    let gpu = gpu_side(t.path(), opts, world, &prefill_hidden);
     let seqs = vec![(toks(1, 70), vec![3, 7]), (toks(2, 20), vec![1, 9])];
     let ties: Excluded =
         common::near_ties(t.path(), &seqs, 5e-3).into_iter().flat_map(|(_, v)| v).map(|x| x.0).collect();
     println!("{label}: prefill rows within 5e-3 of a routing tie (reported, not asserted): {ties:?}");
-    let res = scenario(&mut gpu, &mut cpu, &ties);
+    let res = compare(&gpu, &cpu, cfg.vocab_size, cfg.hidden_size, &ties);
     let mut bad = Vec::new();
     for ((name, r, rows, over), ex) in &res {
         let ok = *r <= TOL;
@@ -165,12 +220,28 @@ fn run_with(opts: CudaOptions, label: &str) {
     assert!(bad.is_empty(), "{label}: {bad:?}");
 }
 
+/// GPUs for a `world`-rank test, or `None` (skip) when the machine has fewer and
+/// `MLASERVE_REQUIRE_GPUS` does not ask for at least that many.
+fn require_gpus(world: usize) -> bool {
+    if !require_gpu() {
+        return false;
+    }
+    let have = mlaserve_cuda::Gpu::count().unwrap_or(0);
+    let want: usize = std::env::var("MLASERVE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    if have >= world {
+        return true;
+    }
+    assert!(want < world, "MLASERVE_REQUIRE_GPUS={want} but only {have} GPUs");
+    eprintln!("skipping TP={world} test: {have} GPU(s)");
+    false
+}
+
 #[test]
 fn tiny_v3_matches_cpu_default_options() {
     if !require_gpu() {
         return;
     }
-    run_with(CudaOptions::new(BLOCKS, 0), "cublas+decode");
+    run_with(CudaOptions::new(BLOCKS, 0), 1, "cublas+decode");
 }
 
 #[test]
@@ -178,5 +249,16 @@ fn tiny_v3_matches_cpu_batch_invariant() {
     if !require_gpu() {
         return;
     }
-    run_with(CudaOptions::new(BLOCKS, 0).batch_invariant(), "batch-invariant");
+    run_with(CudaOptions::new(BLOCKS, 0).batch_invariant(), 1, "batch-invariant");
+}
+
+#[test]
+fn tiny_v3_tp2_and_tp4_match_cpu() {
+    for world in [2, 4] {
+        if !require_gpus(world) {
+            return;
+        }
+        run_with(CudaOptions::new(BLOCKS, 0), world, &format!("TP{world} nccl"));
+        run_with(CudaOptions::new(BLOCKS, 0).batch_invariant(), world, &format!("TP{world} ordered"));
+    }
 }

@@ -6,14 +6,21 @@
 //! guaranteed and asserted. With the default options (cuBLAS, whose algorithm changes
 //! with the row count, and the decode kernel for uniform windows) the test reports how
 //! many requests diverge, and how many match the CPU backend, without failing.
+//!
+//! The same on tensor-parallel groups of 2 and 4 ranks (threads, one GPU each): the
+//! engine drives a `TpLeader`, the other ranks follow its plans over an in-process
+//! channel, and the backends all-reduce over their own NCCL communicator. With the
+//! batch-invariant options (ordered all-reduce included) k = 3 must equal k = 0.
 #![cfg(feature = "cuda")]
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
-use mlaserve_core::Backend;
-use mlaserve_cuda::{CudaBackend, CudaOptions};
+use std::time::Duration;
+
+use mlaserve_core::{Backend, LocalGroup, TpLeader};
+use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
 use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
 
 const BLOCKS: usize = 512;
@@ -101,6 +108,125 @@ fn greedy_k3_equals_k0_batch_invariant() {
         differing(&k0, &cpu)
     );
     assert_eq!(k3, k0, "greedy k = 3 differs from k = 0 on the GPU (batch-invariant options)");
+}
+
+/// GPUs 0..world present, or skip (fail instead when `MLASERVE_REQUIRE_GPUS` asks for
+/// at least `world`).
+fn require_gpus(world: usize) -> bool {
+    if !require_gpu() {
+        return false;
+    }
+    let have = mlaserve_cuda::Gpu::count().unwrap_or(0);
+    let want: usize = std::env::var("MLASERVE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    if have >= world {
+        return true;
+    }
+    assert!(want < world, "MLASERVE_REQUIRE_GPUS={want} but only {have} GPUs");
+    eprintln!("skipping TP={world} test: {have} GPU(s)");
+    false
+}
+
+/// The workload on a group of `world` ranks (GPU r for rank r).
+fn tp_run(dir: &Path, opts: CudaOptions, world: usize, k: usize) -> Vec<Vec<u32>> {
+    let id = TpInit::new_id().expect("NCCL id");
+    let init = |rank| TpInit { rank, world, id: id.clone(), timeout: Duration::from_secs(60) };
+    let t0 = Instant::now();
+    let out = std::thread::scope(|s| {
+        let mut plans = LocalGroup::new(world, Duration::from_secs(120));
+        let followers: Vec<_> = plans
+            .drain(1..)
+            .enumerate()
+            .map(|(i, p)| {
+                let init = init(i + 1);
+                s.spawn(move || {
+                    let o = CudaOptions { ordinal: init.rank, ..opts };
+                    let mut be = CudaBackend::load_tp(dir, o, Some(&init)).expect("load follower");
+                    mlaserve_core::run_follower(&mut be, &p)
+                })
+            })
+            .collect();
+        let be = CudaBackend::load_tp(dir, opts, Some(&init(0))).expect("load leader");
+        let mut leader = TpLeader::new(be, plans.pop().expect("rank 0")).expect("leader");
+        let out = run(&mut leader, k);
+        leader.shutdown().expect("shutdown");
+        for f in followers {
+            f.join().expect("follower thread").expect("follower");
+        }
+        out
+    });
+    let n: usize = out.iter().map(Vec::len).sum();
+    println!("  TP={world} k={k} {opts:?}: {n} tokens in {:.2}s", t0.elapsed().as_secs_f64());
+    out
+}
+
+#[test]
+fn tp_groups_greedy_k3_equals_k0_batch_invariant() {
+    let t = model();
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let mut tp1 = None;
+    for world in [2, 4] {
+        if !require_gpus(world) {
+            return;
+        }
+        let tp1 = tp1.get_or_insert_with(|| gpu_run(t.path(), opts, 0));
+        let k0 = tp_run(t.path(), opts, world, 0);
+        let k3 = tp_run(t.path(), opts, world, 3);
+        println!(
+            "TP={world} batch-invariant: k3 vs k0 differ in {}/64 requests; TP={world} vs TP=1 (GPU, k0) differ in {}/64",
+            differing(&k3, &k0),
+            differing(&k0, tp1)
+        );
+        assert_eq!(k3, k0, "TP={world}: greedy k = 3 differs from k = 0 (batch-invariant options)");
+        let fast = CudaOptions::new(BLOCKS, 0);
+        let (f0, f3) = (tp_run(t.path(), fast, world, 0), tp_run(t.path(), fast, world, 3));
+        println!("TP={world} default options: k3 vs k0 differ in {}/64 requests (reported)", differing(&f3, &f0));
+    }
+}
+
+/// A rank that stops taking part mid-run (it served a step, then stalls) makes the
+/// other's next step fail with a clear error within the collective timeout, instead of
+/// hanging, and the communicator stays failed.
+///
+/// (Before a communicator's first collective, NCCL sets up its connections inside the
+/// host call, which then blocks until the peer joins: a rank stuck before its first step
+/// is not bounded by this deadline. The worker's rendezvous and the NCCL init, which wait
+/// for every rank, come before that.)
+#[test]
+fn a_stalled_rank_fails_the_step_within_the_timeout() {
+    if !require_gpus(2) {
+        return;
+    }
+    let t = model();
+    let id = TpInit::new_id().expect("NCCL id");
+    let timeout = Duration::from_secs(5);
+    let init = |rank| TpInit { rank, world: 2, id: id.clone(), timeout };
+    let chunk = |tokens: Vec<u32>, start_pos| mlaserve_core::SeqChunk { tokens, start_pos, block_table: vec![0] };
+    let prefill = mlaserve_core::Batch { seqs: vec![chunk(vec![5, 6, 7], 0)], logit_rows: vec![2] };
+    let decode = mlaserve_core::Batch { seqs: vec![chunk(vec![8], 3)], logit_rows: vec![0] };
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let dir = t.path();
+        let prefill2 = prefill.clone();
+        let staller = s.spawn(move || {
+            let init = init(1);
+            let mut be = CudaBackend::load_tp(dir, CudaOptions::new(BLOCKS, 1), Some(&init)).expect("load rank 1");
+            be.forward(&prefill2).expect("rank 1's first step");
+            // Now never join a collective again until released.
+            let _ = rx.recv();
+        });
+        let mut be = CudaBackend::load_tp(dir, CudaOptions::new(BLOCKS, 0), Some(&init(0))).expect("load rank 0");
+        be.forward(&prefill).expect("rank 0's first step");
+        let t0 = Instant::now();
+        let err = be.forward(&decode).expect_err("a step without the other rank must fail").to_string();
+        let waited = t0.elapsed();
+        println!("stalled rank: step failed after {waited:?}: {err}");
+        assert!(waited < timeout + Duration::from_secs(5), "took {waited:?}");
+        assert!(err.contains("peer rank died or stalls"), "{err}");
+        let again = be.forward(&decode).expect_err("the group stays failed").to_string();
+        assert!(again.contains("aborted"), "{again}");
+        drop(tx);
+        staller.join().expect("staller");
+    });
 }
 
 #[test]

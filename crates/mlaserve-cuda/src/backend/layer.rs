@@ -30,9 +30,11 @@ impl CudaBackend {
         };
         let a = self.attention(&block.attn, &xn, &mut cache, st);
         self.caches[cache_idx] = cache;
-        self.ops.add(&s, x, &a?)?;
+        let mut a = a?;
+        self.all_reduce(&mut a)?;
+        self.ops.add(&s, x, &a)?;
         self.ops.rmsnorm_bf16(&s, &mut xn, h, &*x, h, &block.post_norm, n, eps)?;
-        let f = match &block.ffn {
+        let mut f = match &block.ffn {
             Ffn::Dense(m) => self.mlp(m, &xn, n)?,
             Ffn::Moe(m) => {
                 // The router reads the normed state in f32 (its choice is discrete).
@@ -41,6 +43,7 @@ impl CudaBackend {
                 self.moe(m, &xn, &xf, n)?
             }
         };
+        self.all_reduce(&mut f)?;
         self.ops.add(&s, x, &f)?;
         Ok(())
     }
@@ -164,6 +167,7 @@ impl CudaBackend {
             Some(sh) => self.mlp(sh, xn, n)?,
             None => s.alloc_zeros::<f32>(n * h)?,
         };
+        self.settle("MoE routing")?;
         let ids_h = s.clone_dtoh(&ids)?;
         s.synchronize()?;
         // Slots (t, j) sorted by (expert, token): `perm` gives each sorted row's token,

@@ -13,9 +13,15 @@
 //! RMSNorm → dense MLP or MoE (routing on the device, experts as per-expert GEMMs over
 //! gathered rows) → residual; final norm; the head over the requested rows only.
 //!
-//! Tensor parallelism: weights load through `Weights::f32_shard` with this rank's shard,
-//! so a rank holds only its slice; the collectives (two all-reduces per layer, the
-//! embedding all-reduce and the head all-gather) are not wired yet: `load` is rank 0 of 1.
+//! Tensor parallelism (DESIGN §6): with a [`TpInit`] the backend joins its group's NCCL
+//! communicator on its own stream and loads only its shards through
+//! `Weights::f32_shard` (heads, the MLPs' intermediate widths, the vocabulary). A layer
+//! all-reduces twice (after `o_proj`, after the FFN) and the vocabulary-parallel
+//! embedding once, on the device; the head's logits are all-gathered. The router runs
+//! replicated on the identical reduced residual, so every rank routes alike. In
+//! batch-invariant mode the all-reduce is the deterministic one (all-gather + sum in rank
+//! order) so a token's sum never depends on its batch. Every wait for the stream is
+//! bounded ([`DeviceComm::wait`]): a dead peer fails the step instead of hanging it.
 
 mod layer;
 mod random;
@@ -27,6 +33,7 @@ use cudarc::driver::CudaSlice;
 use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, BLOCK_SIZE};
 use mlaserve_model::{names, Weights};
 
+use crate::comm::{DeviceComm, TpInit};
 use crate::elementwise::SiluMul;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
@@ -47,16 +54,20 @@ pub struct CudaOptions {
     /// Off, every row goes through the varlen kernel, whose result for a token does not
     /// depend on the window length or the batch.
     pub decode_kernel: bool,
+    /// Tensor parallelism's all-reduce in a fixed order (all-gather, then a rank-ordered
+    /// sum) instead of NCCL's, so results do not depend on the batch (batch-invariant mode).
+    pub ordered_all_reduce: bool,
 }
 
 impl CudaOptions {
     pub fn new(num_blocks: usize, ordinal: usize) -> Self {
-        CudaOptions { num_blocks, ordinal, gemm: GemmMode::Cublas, decode_kernel: true }
+        CudaOptions { num_blocks, ordinal, gemm: GemmMode::Cublas, decode_kernel: true, ordered_all_reduce: false }
     }
     /// Every token's result independent of its batch: the invariant GEMM, no decode kernel.
     pub fn batch_invariant(mut self) -> Self {
         self.gemm = GemmMode::BatchInvariant;
         self.decode_kernel = false;
+        self.ordered_all_reduce = true;
         self
     }
 }
@@ -113,6 +124,8 @@ pub struct CudaBackend {
     caches: Vec<CudaSlice<half::bf16>>,
     rope: RopeTables,
     opts: CudaOptions,
+    /// The group's communicator (none for a single rank).
+    comm: Option<DeviceComm>,
 }
 
 /// A step's row metadata, on the device (and what the host knows of it).
@@ -129,6 +142,10 @@ pub(crate) struct Step {
     pub meta: AttnMeta,
     /// `Some(q_len)` when every chunk has that many tokens (decode windows).
     pub uniform: Option<usize>,
+    /// The rows whose logits are returned (`Batch::logit_rows`), uploaded with the rest:
+    /// an upload from pageable host memory synchronizes the stream, so none may follow a
+    /// collective inside a step (a stalled peer would block it beyond any deadline).
+    pub logit_rows: CudaSlice<i32>,
 }
 
 impl CudaBackend {
@@ -138,11 +155,19 @@ impl CudaBackend {
     }
 
     pub fn load_with(dir: &Path, opts: CudaOptions) -> Result<Self> {
+        Self::load_tp(dir, opts, None)
+    }
+
+    /// Loads rank `tp.rank`'s shards of the checkpoint in `dir` and joins the group's
+    /// communicator (a single rank without `tp`).
+    pub fn load_tp(dir: &Path, opts: CudaOptions, tp: Option<&TpInit>) -> Result<Self> {
         let bad = |e: Error| CudaError::Shape { kernel: "load", msg: e.to_string() };
         let cfg = mlaserve_model::load_config(dir).map_err(bad)?;
+        let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
+        cfg.check_tp(world).map_err(bad)?;
         let w = Weights::open(dir, cfg.fp8).map_err(bad)?;
         let gpu = Gpu::new(opts.ordinal)?;
-        let (rank, world) = (0, 1);
+        let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let l = Loader { w: &w, s: &gpu.stream, rank, world };
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = Embed::load(&l, names::EMBED, v, h)?;
@@ -152,17 +177,26 @@ impl CudaBackend {
         let lm_head = l.lin(head_name, v, h, Some(0))?;
         let mtp =
             (0..cfg.num_nextn_predict_layers).map(|d| Mtp::load(&l, &cfg, d, head_name)).collect::<Result<Vec<_>>>()?;
-        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts)
+        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts, comm)
     }
 
     /// A model of configuration `cfg` with random weights generated on the device (for
     /// benchmarks at real dimensions; no checkpoint needed).
     pub fn random(cfg: ModelConfig, opts: CudaOptions, seed: u64) -> Result<Self> {
+        Self::random_tp(cfg, opts, seed, None)
+    }
+
+    /// [`Self::random`] for one rank of a tensor-parallel group: this rank's shapes (its
+    /// heads, intermediate and vocabulary slices), its own random values.
+    pub fn random_tp(cfg: ModelConfig, opts: CudaOptions, seed: u64, tp: Option<&TpInit>) -> Result<Self> {
+        let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
+        cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "random", msg: e.to_string() })?;
         let gpu = Gpu::new(opts.ordinal)?;
+        let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let util = crate::kernels::Util::new(&gpu)?;
-        let r = random::Rand { s: &gpu.stream, util: &util, seed: std::cell::Cell::new(seed) };
+        let r = random::Rand { s: &gpu.stream, util: &util, seed: std::cell::Cell::new(seed), rank, world };
         let parts = r.model(&cfg)?;
-        Self::assemble(cfg, gpu, parts, opts)
+        Self::assemble(cfg, gpu, parts, opts, comm)
     }
 
     #[allow(clippy::type_complexity)]
@@ -171,6 +205,7 @@ impl CudaBackend {
         gpu: Gpu,
         parts: (Embed, Vec<Block>, CudaSlice<f32>, Linear, Vec<Mtp>),
         opts: CudaOptions,
+        comm: Option<DeviceComm>,
     ) -> Result<Self> {
         let (embed, blocks, final_norm, lm_head, mtp) = parts;
         let lat = cfg.latent_dim();
@@ -189,7 +224,23 @@ impl CudaBackend {
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
         gpu.sync()?;
-        Ok(CudaBackend { cfg, gpu, ops, gemm, silu, mla, embed, blocks, final_norm, lm_head, mtp, caches, rope, opts })
+        Ok(CudaBackend {
+            cfg,
+            gpu,
+            ops,
+            gemm,
+            silu,
+            mla,
+            embed,
+            blocks,
+            final_norm,
+            lm_head,
+            mtp,
+            caches,
+            rope,
+            opts,
+            comm,
+        })
     }
 
     /// Fills every layer's latent cache with U(-1, 1) (benchmarks: a context without a
@@ -254,6 +305,31 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// The group's communicator (`None` for a single rank).
+    pub fn comm(&self) -> Option<&DeviceComm> {
+        self.comm.as_ref()
+    }
+
+    /// Sums `buf` (`[rows][h]` partial results of this rank's shard) across the group, on
+    /// the stream; nothing for a single rank.
+    pub(crate) fn all_reduce(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
+        match &self.comm {
+            None => Ok(()),
+            Some(c) if self.opts.ordered_all_reduce => c.all_reduce_ordered(&self.ops, buf),
+            Some(c) => c.all_reduce(buf),
+        }
+    }
+
+    /// Waits for the stream: bounded by the collective timeout in a group (a dead peer
+    /// fails the wait), a plain synchronize for a single rank. Call before every copy
+    /// to the host.
+    pub(crate) fn settle(&self, what: &str) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.wait(what),
+            None => Ok(()),
+        }
+    }
+
     /// Builds and uploads the step's row metadata.
     fn step(&self, batch: &Batch) -> Result<Step> {
         let s = &self.gpu.stream;
@@ -294,24 +370,42 @@ impl CudaBackend {
             seq_lens: up(&seq_lens)?,
             meta: AttnMeta { n, seqs: batch.seqs.len(), bt_stride, max_pos, max_block },
             uniform,
+            logit_rows: up(&batch.logit_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
         })
     }
 
-    /// Vocabulary-parallel head over `rows` of `normed` (`[n][h]` f32): logits on the host.
-    fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, rows: &[u32]) -> Result<Vec<f32>> {
+    /// Vocabulary-parallel head over `rows` of `normed` (`[n][h]` f32): logits on the host
+    /// (every rank's slice, all-gathered and put in vocabulary order).
+    fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[u32]) -> Result<Vec<f32>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
         let s = &self.gpu.stream;
         let h = self.cfg.hidden_size;
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let idx_d = s.clone_htod(&idx)?;
+        let idx_d = &st.logit_rows;
         let mut sel = s.alloc_zeros::<half::bf16>(rows.len() * h)?;
-        self.ops.gather_f32_bf16(s, &mut sel, normed, &idx_d, rows, h)?;
+        self.ops.gather_f32_bf16(s, &mut sel, normed, idx_d, rows, h)?;
         let mut logits = s.alloc_zeros::<f32>(rows.len() * head.out)?;
         self.gemm.forward(s, head, &sel, rows.len(), &mut logits)?;
-        let out = s.clone_dtoh(&logits)?;
+        let Some(comm) = &self.comm else {
+            let out = s.clone_dtoh(&logits)?;
+            self.gpu.sync()?;
+            return Ok(out);
+        };
+        let world = comm.world;
+        let mut all = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
+        comm.all_gather(&logits, &mut all)?;
+        self.settle("head all-gather")?;
+        let gathered = s.clone_dtoh(&all)?;
         self.gpu.sync()?;
+        // `gathered` is rank-major `[world][rows][part]`; reorder to `[rows][vocab]`.
+        let (n, part) = (rows.len(), head.out);
+        let mut out = vec![0f32; n * part * world];
+        for rk in 0..world {
+            for r in 0..n {
+                out[r * part * world + rk * part..][..part].copy_from_slice(&gathered[(rk * n + r) * part..][..part]);
+            }
+        }
         Ok(out)
     }
 
@@ -326,13 +420,15 @@ impl CudaBackend {
         let mut x = s.alloc_zeros::<f32>(n * h)?;
         let e = &self.embed;
         self.ops.embed(&s, &mut x, &e.w, &st.tokens, &st.pos, h, e.lo, e.rows, false)?;
+        self.all_reduce(&mut x)?;
         for l in 0..self.blocks.len() {
             self.run_block(BlockRef::Target(l), &mut x, &st)?;
         }
         let mut normed = s.alloc_zeros::<f32>(n * h)?;
         let eps = self.cfg.rms_norm_eps as f32;
         self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &self.final_norm, n, eps)?;
-        let logits = self.head_logits(&self.lm_head, &normed, &batch.logit_rows)?;
+        let logits = self.head_logits(&self.lm_head, &normed, &st, &batch.logit_rows)?;
+        self.settle("forward")?;
         self.gpu.sync()?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits })
     }
@@ -370,10 +466,12 @@ impl CudaBackend {
         let eps = self.cfg.rms_norm_eps as f32;
         let m = &self.mtp[layer];
         let table = m.embed.as_ref().unwrap_or(&self.embed);
+        // Uploaded before the first collective (see `Step::logit_rows`).
+        let rows_d = s.clone_htod(&hidden_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
         let mut e = s.alloc_zeros::<f32>(n * h)?;
         // vLLM's convention: the embedding input is zero at position 0.
         self.ops.embed(&s, &mut e, &table.w, &st.tokens, &st.pos, h, table.lo, table.rows, true)?;
-        let rows_d = s.clone_htod(&hidden_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        self.all_reduce(&mut e)?;
         let mut hid = s.alloc_zeros::<f32>(n * h)?;
         self.ops.gather_f32(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
         // cat[r] = [enorm(e_r), hnorm(h_r)]: embedding first (DESIGN §3).
@@ -386,7 +484,8 @@ impl CudaBackend {
         let m = &self.mtp[layer];
         let mut normed = s.alloc_zeros::<f32>(n * h)?;
         self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &m.head_norm, n, eps)?;
-        let logits = self.head_logits(&m.head, &normed, &batch.logit_rows)?;
+        let logits = self.head_logits(&m.head, &normed, &st, &batch.logit_rows)?;
+        self.settle("MTP forward")?;
         self.gpu.sync()?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits })
     }
@@ -434,6 +533,7 @@ impl Backend for CudaBackend {
     }
 
     fn hidden_to_host(&self, h: &CudaHidden) -> mlaserve_core::Result<Vec<f32>> {
+        self.settle("hidden_to_host")?;
         let v = self.gpu.stream.clone_dtoh(&h.data).map_err(CudaError::from)?;
         self.gpu.sync()?;
         Ok(v)

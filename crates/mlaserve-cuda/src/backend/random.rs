@@ -18,6 +18,9 @@ pub(crate) struct Rand<'a> {
     pub s: &'a Arc<CudaStream>,
     pub util: &'a Util,
     pub seed: Cell<u64>,
+    /// This rank's place in its group: shapes are its shard's.
+    pub rank: usize,
+    pub world: usize,
 }
 
 impl Rand<'_> {
@@ -58,18 +61,18 @@ impl Rand<'_> {
                     None
                 },
                 experts: (0..m.n_routed_experts)
-                    .map(|_| self.mlp(h, m.moe_intermediate_size))
+                    .map(|_| self.mlp(h, m.moe_intermediate_size / self.world))
                     .collect::<Result<Vec<_>>>()?,
                 shared: if m.n_shared_experts > 0 {
-                    Some(self.mlp(h, m.moe_intermediate_size * m.n_shared_experts)?)
+                    Some(self.mlp(h, m.moe_intermediate_size * m.n_shared_experts / self.world)?)
                 } else {
                     None
                 },
                 route: route_params(m, c.arch),
             }),
-            _ => Ffn::Dense(self.mlp(h, c.intermediate_size)?),
+            _ => Ffn::Dense(self.mlp(h, c.intermediate_size / self.world)?),
         };
-        let (nh, qk, lora) = (c.num_attention_heads, c.qk_head_dim(), c.kv_lora_rank);
+        let (nh, qk, lora) = (c.num_attention_heads / self.world, c.qk_head_dim(), c.kv_lora_rank);
         let (q_a, q_b) = match c.q_lora_rank {
             Some(r) => (Some((self.lin(r, h)?, self.norm(r)?)), self.lin(nh * qk, r)?),
             None => (None, self.lin(nh * qk, h)?),
@@ -96,7 +99,8 @@ impl Rand<'_> {
     #[allow(clippy::type_complexity)]
     pub fn model(&self, c: &ModelConfig) -> Result<(Embed, Vec<Block>, CudaSlice<f32>, Linear, Vec<Mtp>)> {
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let embed = Embed { w: self.bf16(v * h, 1.0)?, lo: 0, rows: v };
+        let v = v / self.world;
+        let embed = Embed { w: self.bf16(v * h, 1.0)?, lo: self.rank * v, rows: v };
         let blocks = (0..c.num_hidden_layers).map(|l| self.block(c, l)).collect::<Result<Vec<_>>>()?;
         let mtp = (0..c.num_nextn_predict_layers)
             .map(|d| {
