@@ -8,6 +8,15 @@
 //! A step with k drafts is the target forward over windows of `1 + k` tokens plus the
 //! drafter's MTP stages (one over the windows, `k − 1` of one token), each returning its
 //! logits to the host as the `Backend` contract says.
+//!
+//! With `tp > 1` the model is spread over GPUs `ordinal..ordinal + tp`, one rank per GPU,
+//! each with its shard and the backend's NCCL communicator (DESIGN §6): [`bench_step`]
+//! runs the ranks as threads of this process, [`bench_step_rank`] is one rank for a
+//! caller that runs them as processes (the CLI does, as a worker group does); the
+//! roofline is per rank (each reads its shard of the weights and of the heads' work: the
+//! latent cache is read whole by every rank). The all-reduce share is the time the step's
+//! collectives take alone (the same all-reduces and all-gathers, same sizes, back to back
+//! on the same communicators, measured in the same run) over the step's time.
 
 use std::fmt;
 use std::time::Instant;
@@ -15,6 +24,7 @@ use std::time::Instant;
 use mlaserve_core::{Backend, Batch, ModelConfig, SeqChunk, BLOCK_SIZE};
 
 use crate::bench::measure_copy_bandwidth;
+use crate::comm::TpInit;
 use crate::error::{CudaError, Result};
 use crate::kernels::Util;
 use crate::{CudaBackend, CudaOptions, WeightBytes};
@@ -30,11 +40,21 @@ pub struct StepBenchOpts {
     pub batches: Vec<usize>,
     pub ks: Vec<usize>,
     pub iters: usize,
+    /// Tensor-parallel ranks (GPUs `ordinal..ordinal + tp`).
+    pub tp: usize,
 }
 
 impl Default for StepBenchOpts {
     fn default() -> Self {
-        StepBenchOpts { ordinal: 0, moe_layers: 2, context: 1024, batches: vec![1, 8, 64], ks: vec![0, 3], iters: 5 }
+        StepBenchOpts {
+            ordinal: 0,
+            moe_layers: 2,
+            context: 1024,
+            batches: vec![1, 8, 64],
+            ks: vec![0, 3],
+            iters: 5,
+            tp: 1,
+        }
     }
 }
 
@@ -48,6 +68,8 @@ pub struct StepBenchRow {
     /// Bytes the step must read (weights touched + cache).
     pub bytes: f64,
     pub roofline_ms: f64,
+    /// The step's collectives alone (0 for one rank).
+    pub comm_ms: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -56,23 +78,28 @@ pub struct StepBenchReport {
     pub copy_gbps: f64,
     pub layers: String,
     pub context: usize,
+    pub tp: usize,
     pub rows: Vec<StepBenchRow>,
 }
 
 impl fmt::Display for StepBenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "bench step on {}: {}; context {} tokens/request", self.gpu, self.layers, self.context)?;
-        writeln!(f, "ceiling: copy {:.0} GB/s (read + write, measured in this run)", self.copy_gbps)?;
         writeln!(
             f,
-            "{:>6} {:>3} {:>11} {:>10} {:>10} {:>9} {:>12} {:>8}",
-            "batch", "k", "target_ms", "draft_ms", "step_ms", "GB_read", "roofline_ms", "%roof"
+            "bench step on {} × {}: {}; context {} tokens/request; TP {}",
+            self.tp, self.gpu, self.layers, self.context, self.tp
+        )?;
+        writeln!(f, "ceiling: copy {:.0} GB/s per GPU (read + write, measured in this run)", self.copy_gbps)?;
+        writeln!(
+            f,
+            "{:>6} {:>3} {:>11} {:>10} {:>10} {:>9} {:>12} {:>8} {:>9} {:>7}",
+            "batch", "k", "target_ms", "draft_ms", "step_ms", "GB_read", "roofline_ms", "%roof", "comm_ms", "%comm"
         )?;
         for r in &self.rows {
             let step = r.target_ms + r.draft_ms;
             writeln!(
                 f,
-                "{:>6} {:>3} {:>11.3} {:>10.3} {:>10.3} {:>9.2} {:>12.3} {:>7.1}%",
+                "{:>6} {:>3} {:>11.3} {:>10.3} {:>10.3} {:>9.2} {:>12.3} {:>7.1}% {:>9.3} {:>6.1}%",
                 r.batch,
                 r.k,
                 r.target_ms,
@@ -80,7 +107,9 @@ impl fmt::Display for StepBenchReport {
                 step,
                 r.bytes / 1e9,
                 r.roofline_ms,
-                100.0 * r.roofline_ms / step
+                100.0 * r.roofline_ms / step,
+                r.comm_ms,
+                100.0 * r.comm_ms / step
             )?;
         }
         Ok(())
@@ -127,10 +156,72 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs the sweep (see the module docs).
 pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
+    if opts.tp <= 1 {
+        return bench_rank(opts, None);
+    }
+    let id = TpInit::new_id()?;
+    let mut results = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..opts.tp)
+            .map(|rank| {
+                let init =
+                    TpInit { rank, world: opts.tp, id: id.clone(), timeout: std::time::Duration::from_secs(120) };
+                s.spawn(move || bench_rank(opts, Some(&init)))
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|r| r.join().unwrap_or_else(|_| Err(CudaError::shape("bench_step", "a rank's thread panicked"))))
+            .collect::<Vec<_>>()
+    });
+    // Every rank timed the same steps (they wait for each other); rank 0 reports.
+    for r in results.iter().skip(1) {
+        if let Err(e) = r {
+            return Err(CudaError::shape("bench_step", format!("a follower rank failed: {e}")));
+        }
+    }
+    results.swap_remove(0)
+}
+
+/// Seconds the collectives of a forward over `rows` tokens take alone on `be`'s
+/// communicator: one embedding all-reduce and two per block over `rows × hidden` f32, and
+/// the head's all-gather of `logit_rows × vocab/tp` f32; median of `iters`.
+fn comm_seconds(be: &CudaBackend, blocks: usize, rows: usize, logit_rows: usize, iters: usize) -> Result<f64> {
+    let Some(c) = be.comm() else { return Ok(0.0) };
+    let cfg = be.config();
+    let s = &be.gpu().stream;
+    let mut buf = s.alloc_zeros::<f32>(rows * cfg.hidden_size)?;
+    let part = logit_rows * cfg.vocab_size / c.world;
+    let local = s.alloc_zeros::<f32>(part)?;
+    let mut all = s.alloc_zeros::<f32>(part * c.world)?;
+    let mut t = Vec::new();
+    for it in 0..iters + 1 {
+        c.wait("comm bench")?;
+        let t0 = Instant::now();
+        for _ in 0..1 + 2 * blocks {
+            be.all_reduce(&mut buf)?;
+        }
+        c.all_gather(&local, &mut all)?;
+        c.wait("comm bench")?;
+        if it > 0 {
+            t.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(t))
+}
+
+/// One rank's share of the sweep (all of it for a single GPU): every rank of a group runs
+/// it with the same options and its own `tp.rank`, on GPU `opts.ordinal + tp.rank`;
+/// rank 0's report is the group's.
+pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchReport> {
+    bench_rank(opts, tp)
+}
+
+fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchReport> {
     let cfg = v3_config(opts.moe_layers)?;
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let per_seq = (opts.context + 8).div_ceil(BLOCK_SIZE);
-    let mut be = CudaBackend::random(cfg.clone(), CudaOptions::new(max_b * per_seq, opts.ordinal), 1)?;
+    let ordinal = opts.ordinal + tp.map_or(0, |t| t.rank);
+    let mut be = CudaBackend::random_tp(cfg.clone(), CudaOptions::new(max_b * per_seq, ordinal), 1, tp)?;
     be.fill_caches_random(2)?;
     let util = Util::new(be.gpu())?;
     let copy_gbps = measure_copy_bandwidth(be.gpu(), &util, 1 << 30)?;
@@ -181,6 +272,11 @@ pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
                 bytes += b as f64 * ctx * layer_cache * k as f64;
             }
             let roofline_ms = bytes / (copy_gbps * 1e9) * 1e3;
+            let mut comm = comm_seconds(&be, 1 + opts.moe_layers, b * s, b * s, opts.iters)?;
+            if k > 0 {
+                comm += comm_seconds(&be, 1, b * s, b * s, opts.iters)?;
+                comm += (k - 1) as f64 * comm_seconds(&be, 1, b, b, opts.iters)?;
+            }
             rows.push(StepBenchRow {
                 batch: b,
                 k,
@@ -188,6 +284,7 @@ pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
                 draft_ms: if k > 0 { median(td) } else { 0.0 },
                 bytes,
                 roofline_ms,
+                comm_ms: comm * 1e3,
             });
         }
     }
@@ -196,6 +293,7 @@ pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
         copy_gbps,
         layers: format!("1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16", opts.moe_layers),
         context: opts.context,
+        tp: opts.tp.max(1),
         rows,
     })
 }

@@ -155,27 +155,54 @@ mod nccl {
         (TpLeader::new(load(dir, Box::new(a)), b).expect("leader"), followers)
     }
 
+    /// Group sizes to run: `MLASERVE_TP_WORLDS` (comma-separated, default `2`), each no
+    /// larger than the GPUs present.
+    fn worlds() -> Vec<usize> {
+        let spec = std::env::var("MLASERVE_TP_WORLDS").unwrap_or_else(|_| "2".into());
+        let w: Vec<usize> = spec.split(',').map(|x| x.trim().parse().expect("MLASERVE_TP_WORLDS")).collect();
+        let gpus = device_count().expect("CUDA");
+        assert!(w.iter().all(|&n| n <= gpus), "MLASERVE_TP_WORLDS={spec} but {gpus} GPUs");
+        w
+    }
+
+    /// The bundled model (issue 7), when this runs from the repository root or
+    /// `MLASERVE_BUNDLED_MODEL` names it.
+    fn bundled() -> Option<std::path::PathBuf> {
+        let p = std::env::var("MLASERVE_BUNDLED_MODEL").unwrap_or_else(|_| "models/mla-tiny-code".into());
+        let p = std::path::PathBuf::from(p);
+        p.join("config.json").exists().then_some(p)
+    }
+
     #[test]
-    fn tp2_processes_over_nccl_equal_tp1() {
+    fn tp_processes_over_nccl_equal_tp1() {
         if std::env::var(ROLE).is_ok() {
             return;
         }
         let t = model();
-        for k in [3, 0] {
-            let want = run(CpuBackend::load(t.path(), BLOCKS).expect("load"), k).expect("tp1");
-            let (mut l, followers) = leader(2, t.path());
-            let t0 = Instant::now();
-            let got = run(&mut l, k).expect("tp2 run");
-            eprintln!(
-                "TP=2 over NCCL, k={k}: {} tokens in {:?}",
-                got.iter().map(Vec::len).sum::<usize>(),
-                t0.elapsed()
-            );
-            l.shutdown().expect("shutdown");
-            for mut f in followers {
-                assert!(f.wait().expect("wait").success());
+        let mut models = vec![("tiny-v3", t.path().to_path_buf())];
+        match bundled() {
+            Some(p) => models.push(("mla-tiny-code", p)),
+            None => eprintln!("bundled model not found (run from the repository root): tiny-v3 only"),
+        }
+        for (name, dir) in &models {
+            for k in [3, 0] {
+                let want = run(CpuBackend::load(dir, BLOCKS).expect("load"), k).expect("tp1");
+                for world in worlds() {
+                    let (mut l, followers) = leader(world, dir);
+                    let t0 = Instant::now();
+                    let got = run(&mut l, k).expect("tp run");
+                    eprintln!(
+                        "{name}: TP={world} over NCCL, k={k}: {} tokens in {:?}",
+                        got.iter().map(Vec::len).sum::<usize>(),
+                        t0.elapsed()
+                    );
+                    l.shutdown().expect("shutdown");
+                    for mut f in followers {
+                        assert!(f.wait().expect("wait").success());
+                    }
+                    assert_eq!(got, want, "{name}: TP={world} (NCCL) k={k} differs from TP=1");
+                }
             }
-            assert_eq!(got, want, "TP=2 (NCCL) k={k} differs from TP=1");
         }
     }
 
@@ -185,7 +212,8 @@ mod nccl {
             return;
         }
         let t = model();
-        let (mut l, mut followers) = leader(2, t.path());
+        let world = *worlds().iter().max().expect("a group size");
+        let (mut l, mut followers) = leader(world, t.path());
         let mut e = Engine::new(&mut l, EngineConfig { num_speculative_tokens: Some(3), ..Default::default() })
             .expect("engine");
         for r in workload() {
@@ -194,7 +222,8 @@ mod nccl {
         for _ in 0..3 {
             e.step();
         }
-        followers[0].kill().expect("kill");
+        // Kill the last rank; the others stay up.
+        followers.last_mut().expect("a follower").kill().expect("kill");
         let t0 = Instant::now();
         let err = loop {
             let evs = e.step();
@@ -208,7 +237,7 @@ mod nccl {
             assert!(e.has_work(), "the engine finished without noticing the dead rank");
         };
         let waited = t0.elapsed();
-        eprintln!("leader failed {waited:?} after the kill: {err}");
+        eprintln!("TP={world}: leader failed {waited:?} after the kill: {err}");
         assert!(waited < Duration::from_secs(30));
         assert!(err.contains("peer rank died") || err.contains("abort") || err.contains("NCCL"), "{err}");
     }

@@ -21,9 +21,34 @@ enum What {
     /// The padded MLA decode kernel against the copy bandwidth and the cuBLAS GEMM rate
     /// measured in the same run (needs `--features cuda` and a GPU).
     MlaDecode(GpuArgs),
-    /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline
-    /// (needs `--features cuda` and a GPU).
-    Step(GpuArgs),
+    /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline,
+    /// on one GPU or a tensor-parallel group (needs `--features cuda` and the GPUs).
+    Step(StepArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct StepArgs {
+    /// First CUDA device (a group uses `device..device + tp`).
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Tensor-parallel ranks, one GPU (and thread) each, NCCL between them.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Target MoE layers (after one dense layer; plus one MTP layer).
+    #[arg(long, default_value_t = 2)]
+    moe_layers: usize,
+    /// Cached tokens per request before the step.
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+    /// Run the ranks as threads of one process instead of one process per rank.
+    #[arg(long)]
+    threads: bool,
+    /// (Internal) this process is rank R of a `--tp` group started by rank 0.
+    #[arg(long, hide = true, requires = "nccl_id")]
+    rank: Option<usize>,
+    /// (Internal) the group's NCCL id, hex.
+    #[arg(long, hide = true)]
+    nccl_id: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -92,26 +117,86 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         What::Acceptance(a) => acceptance(a),
         What::Serve(a) => super::bench_serve::run(a),
-        What::MlaDecode(g) => gpu_bench(g, true),
-        What::Step(g) => gpu_bench(g, false),
+        What::MlaDecode(g) => mla_decode_bench(g),
+        What::Step(a) => step_bench(a),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn gpu_bench(g: GpuArgs, mla: bool) -> anyhow::Result<()> {
-    if mla {
-        let opts = mlaserve_cuda::bench::MlaDecodeBenchOpts::default();
-        println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
-    } else {
-        let opts = mlaserve_cuda::bench_step::StepBenchOpts { ordinal: g.device, ..Default::default() };
-        println!("{}", mlaserve_cuda::bench_step::bench_step(&opts)?);
+fn mla_decode_bench(g: GpuArgs) -> anyhow::Result<()> {
+    let opts = mlaserve_cuda::bench::MlaDecodeBenchOpts::default();
+    println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn step_bench(a: StepArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
+    let cfg = mlaserve_cuda::bench_step::v3_config(a.moe_layers)?;
+    cfg.check_tp(a.tp).with_context(|| format!("--tp {}", a.tp))?;
+    let opts = mlaserve_cuda::bench_step::StepBenchOpts {
+        ordinal: a.device,
+        tp: a.tp,
+        moe_layers: a.moe_layers,
+        context: a.context,
+        ..Default::default()
+    };
+    if a.tp == 1 || a.threads {
+        let how = if a.tp > 1 { "ranks: threads of one process" } else { "one rank" };
+        println!("{}({how})", mlaserve_cuda::bench_step::bench_step(&opts)?);
+        return Ok(());
     }
+    let timeout = std::time::Duration::from_secs(300);
+    let init = |rank, id| mlaserve_cuda::TpInit { rank, world: a.tp, id, timeout };
+    if let (Some(rank), Some(hex)) = (a.rank, &a.nccl_id) {
+        let id = (0..hex.len())
+            .step_by(2)
+            .map(|i| hex.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
+            .collect::<Option<Vec<u8>>>()
+            .context("--nccl-id is not hex")?;
+        mlaserve_cuda::bench_step::bench_step_rank(&opts, Some(&init(rank, id)))?;
+        return Ok(());
+    }
+    // Rank 0 here, ranks 1.. as processes of this same command, one GPU each.
+    let id = mlaserve_cuda::TpInit::new_id()?;
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let mut children = (1..a.tp)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args(["bench", "step", "--device", &a.device.to_string(), "--tp", &a.tp.to_string()])
+                .args(["--moe-layers", &a.moe_layers.to_string(), "--context", &a.context.to_string()])
+                .args(["--rank", &r.to_string(), "--nccl-id", &hex])
+                .spawn()
+                .with_context(|| format!("starting rank {r}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let report = mlaserve_cuda::bench_step::bench_step_rank(&opts, Some(&init(0, id)));
+    if report.is_err() {
+        // The others may wait for rank 0 forever (NCCL init): stop them.
+        for c in &mut children {
+            let _ = c.kill();
+        }
+    }
+    for (r, c) in children.iter_mut().enumerate() {
+        let st = c.wait()?;
+        anyhow::ensure!(st.success(), "rank {} exited with {st}", r + 1);
+    }
+    println!("{}(ranks: one process each)", report?);
     Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_bench(_: GpuArgs, _: bool) -> anyhow::Result<()> {
-    anyhow::bail!("GPU benchmarks need a build with CUDA: `cargo build --release -p mlaserve --features cuda`")
+const NO_CUDA: &str = "GPU benchmarks need a build with CUDA: `cargo build --release -p mlaserve --features cuda`";
+
+#[cfg(not(feature = "cuda"))]
+fn mla_decode_bench(g: GpuArgs) -> anyhow::Result<()> {
+    anyhow::bail!("bench mla-decode --device {}: {NO_CUDA}", g.device)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn step_bench(a: StepArgs) -> anyhow::Result<()> {
+    anyhow::bail!("bench step --tp {} --device {}: {NO_CUDA}", a.tp, a.device)
 }
 
 fn read_prompts(a: &AcceptanceArgs, tok: &mlaserve_model::Tokenizer) -> anyhow::Result<Vec<Vec<u32>>> {

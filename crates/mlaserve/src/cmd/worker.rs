@@ -6,7 +6,9 @@
 //! the router), ranks 1.. follow the leader's step plans. The group registers only once
 //! every rank has joined (NCCL's init returns only then). With `--etcd` the NCCL ids go
 //! through etcd under the leader's lease instead of `--tp-addr`. A rank that dies makes
-//! the others fail within `--collective-timeout-s`.
+//! the others fail within `--collective-timeout-s`. `--backend` picks what every rank
+//! computes on: the CUDA backend (NCCL on its own stream) or the CPU reference (its
+//! collectives staged through the GPU's NCCL).
 
 use std::net::SocketAddr;
 
@@ -37,8 +39,7 @@ pub struct Args {
     pub worker: mlaserve_worker::WorkerArgs,
     #[command(flatten)]
     pub tp: TpArgs,
-    /// Backend of a single-rank group (a multi-rank group runs the CPU backend with NCCL
-    /// collectives for now).
+    /// Backend of the group's ranks (every rank of a group must be given the same one).
     #[command(flatten)]
     pub backend: super::backend::BackendArgs,
 }
@@ -86,10 +87,11 @@ mod tp {
 mod tp {
     use super::*;
     use anyhow::Context;
-    use mlaserve_core::{run_follower, TpLeader};
+    use mlaserve_core::{run_follower, Backend, TpLeader};
     use mlaserve_cpu::{CpuBackend, CpuOptions};
-    use mlaserve_tp::nccl::{new_group_ids, NcclCollective};
+    use mlaserve_tp::nccl::{new_group_ids, NcclCollective, GROUP_ID_BYTES, ID_BYTES};
     use mlaserve_tp::rendezvous;
+    use std::path::Path;
     use std::time::Duration;
 
     fn ordinal(tp: &TpArgs) -> mlaserve_core::Result<usize> {
@@ -99,17 +101,78 @@ mod tp {
         Ok(tp.rank % mlaserve_tp::nccl::device_count()?.max(1))
     }
 
-    /// Both communicators of a rank: the backend's own, and the step-plan channel.
-    fn comms(tp: &TpArgs, ids: &[u8]) -> mlaserve_core::Result<(NcclCollective, NcclCollective)> {
+    /// Whether the ranks compute on the CUDA backend.
+    fn on_gpu(b: &super::super::backend::BackendArgs, tp: &TpArgs) -> anyhow::Result<bool> {
+        use super::super::backend::BackendKind;
+        #[cfg(feature = "cuda")]
+        if b.backend != BackendKind::Cpu {
+            let present = ordinal(tp).map(|o| mlaserve_cuda::Gpu::new(o).is_ok()).unwrap_or(false);
+            anyhow::ensure!(
+                present || b.backend == BackendKind::Auto,
+                "--backend cuda: no usable GPU for rank {}",
+                tp.rank
+            );
+            return Ok(present);
+        }
+        #[cfg(not(feature = "cuda"))]
+        anyhow::ensure!(
+            b.backend != BackendKind::Cuda,
+            "--backend cuda: this build has no CUDA; rebuild with `cargo build --release -p mlaserve --features cuda`"
+        );
+        let _ = tp;
+        Ok(false)
+    }
+
+    /// The step-plan channel (host-staged NCCL) and the backend's own communicator: the
+    /// CPU backend runs its collectives through a second `NcclCollective`, the CUDA backend
+    /// joins NCCL on its own stream.
+    fn plans(tp: &TpArgs, ids: &[u8]) -> mlaserve_core::Result<NcclCollective> {
         let t = Duration::from_secs(tp.collective_timeout_s);
-        mlaserve_tp::nccl::group_comms(ordinal(tp)?, tp.rank, tp.world_size, ids, t)
+        NcclCollective::new(ordinal(tp)?, tp.rank, tp.world_size, &ids[ID_BYTES..], t)
+    }
+
+    fn cpu_backend(tp: &TpArgs, ids: &[u8], model: &Path, kv_blocks: usize) -> mlaserve_core::Result<CpuBackend> {
+        let t = Duration::from_secs(tp.collective_timeout_s);
+        let inner = NcclCollective::new(ordinal(tp)?, tp.rank, tp.world_size, &ids[..ID_BYTES], t)?;
+        let opts = CpuOptions { num_blocks: kv_blocks, ..Default::default() };
+        CpuBackend::load_with(model, opts, Box::new(inner))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_backend(
+        tp: &TpArgs,
+        ids: &[u8],
+        model: &Path,
+        kv_blocks: usize,
+    ) -> mlaserve_core::Result<mlaserve_cuda::CudaBackend> {
+        let init = mlaserve_cuda::TpInit {
+            rank: tp.rank,
+            world: tp.world_size,
+            id: ids[..ID_BYTES].to_vec(),
+            timeout: Duration::from_secs(tp.collective_timeout_s),
+        };
+        let opts = mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal(tp)?);
+        Ok(mlaserve_cuda::CudaBackend::load_tp(model, opts, Some(&init))?)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_backend(_: &TpArgs, _: &[u8], _: &Path, _: usize) -> mlaserve_core::Result<CpuBackend> {
+        Err(mlaserve_core::Error::Backend("this build has no CUDA".into()))
+    }
+
+    fn follow<B: Backend>(a: &Args, backend: mlaserve_core::Result<B>, ids: &[u8]) -> anyhow::Result<()> {
+        let mut backend = backend.with_context(|| format!("--model {}", a.worker.model.display()))?;
+        let plans = plans(&a.tp, ids)?;
+        eprintln!("mlaserve worker rank {} of {} following {}", a.tp.rank, a.tp.world_size, a.tp.tp_addr);
+        run_follower(&mut backend, &plans).context("following the leader's step plans")
     }
 
     pub fn run(a: Args) -> anyhow::Result<()> {
         let group = a.worker.group.clone().unwrap_or_else(|| "default".into());
         let timeout = Duration::from_secs(a.tp.collective_timeout_s.max(30));
-        let opts = CpuOptions { num_blocks: a.worker.kv_blocks, ..Default::default() };
         let via_etcd = !a.worker.etcd.is_empty();
+        let gpu = on_gpu(&a.backend, &a.tp)?;
+        let (model, kv_blocks) = (a.worker.model.clone(), a.worker.kv_blocks);
         if a.tp.rank > 0 {
             let ids = if via_etcd {
                 let (eps, cluster) = (a.worker.etcd.clone(), a.worker.cluster.clone());
@@ -117,12 +180,18 @@ mod tp {
             } else {
                 rendezvous::join(a.tp.tp_addr, &group, a.tp.rank, a.tp.world_size, timeout)?
             };
-            let (inner, plans) = comms(&a.tp, &ids)?;
-            let mut backend = CpuBackend::load_with(&a.worker.model, opts, Box::new(inner))
-                .with_context(|| format!("--model {}", a.worker.model.display()))?;
-            eprintln!("mlaserve worker rank {} of {} following {}", a.tp.rank, a.tp.world_size, a.tp.tp_addr);
-            run_follower(&mut backend, &plans).context("following the leader's step plans")?;
-            return Ok(());
+            anyhow::ensure!(
+                ids.len() == GROUP_ID_BYTES,
+                "group `{group}`: the leader handed out {} bytes of NCCL ids, expected {GROUP_ID_BYTES}",
+                ids.len()
+            );
+            // The backend first: its communicator's init waits for every rank's, in the
+            // same order on every rank (backend, then plans).
+            return if gpu {
+                follow(&a, cuda_backend(&a.tp, &ids, &model, kv_blocks), &ids)
+            } else {
+                follow(&a, cpu_backend(&a.tp, &ids, &model, kv_blocks), &ids)
+            };
         }
         let ids = new_group_ids()?;
         let listener = if via_etcd {
@@ -130,16 +199,14 @@ mod tp {
         } else {
             Some(std::net::TcpListener::bind(a.tp.tp_addr).with_context(|| format!("--tp-addr {}", a.tp.tp_addr))?)
         };
-        let (tp, model, world) = (a.tp.clone(), a.worker.model.clone(), a.tp.world_size);
+        let (tp, world) = (a.tp.clone(), a.tp.world_size);
         let (eps, cluster, lease) = (a.worker.etcd.clone(), a.worker.cluster.clone(), a.worker.lease_ttl_s);
         let (group2, ids2) = (group.clone(), ids.clone());
-        let make = move || -> mlaserve_core::Result<_> {
-            if let Some(l) = &listener {
-                rendezvous::serve(l, &group2, world, &ids2, timeout)?;
+        let join = move || -> mlaserve_core::Result<()> {
+            match &listener {
+                Some(l) => rendezvous::serve(l, &group2, world, &ids2, timeout),
+                None => Ok(()),
             }
-            let (inner, plans) = comms(&tp, &ids2)?;
-            let backend = CpuBackend::load_with(&model, opts, Box::new(inner))?;
-            TpLeader::new(backend, plans)
         };
         let worker = a.worker;
         super::super::runtime()?.block_on(async move {
@@ -150,7 +217,22 @@ mod tp {
             } else {
                 None
             };
-            let engine = mlaserve_engine::EngineHandle::spawn(make, worker.engine_config()).await?;
+            let cfg = worker.engine_config();
+            let engine = if gpu {
+                let make = move || {
+                    join()?;
+                    let b = cuda_backend(&tp, &ids, &model, kv_blocks)?;
+                    TpLeader::new(b, plans(&tp, &ids)?)
+                };
+                mlaserve_engine::EngineHandle::spawn(make, cfg).await?
+            } else {
+                let make = move || {
+                    join()?;
+                    let b = cpu_backend(&tp, &ids, &model, kv_blocks)?;
+                    TpLeader::new(b, plans(&tp, &ids)?)
+                };
+                mlaserve_engine::EngineHandle::spawn(make, cfg).await?
+            };
             serve_group(worker, engine, world).await
         })
     }
