@@ -7,7 +7,14 @@
 #
 # `--backend`: each test function in its own process (the CudaBackend, engine and kernel
 # tests), memcheck on the backend tests, the measured numbers; no benchmark.
-# MLASERVE_CHECK_BUDGET_S (default 270) caps the whole run.
+# MLASERVE_CHECK_BUDGET_S (default 270) caps the whole run; MLASERVE_CHECK_ONLY (a regex
+# over step names) runs a subset.
+#
+# `--tp N`: tensor parallelism on N GPUs (N = 2 or 4; run on a kind with N GPUs): the
+# CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0, a
+# stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
+# rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
+# TP 1 .. N, and `bench mla-decode`.
 #
 # Runs every GPU test binary in .gpu/tests/, compute-sanitizer memcheck on the kernel
 # tests, a SASS summary of the embedded kernels, and the checks + decode benchmark of
@@ -29,6 +36,7 @@ mode=full
 case "${1:-}" in
     --quick) quick="--quick" ;;
     --backend) mode=backend ;;   # per-test processes + targeted memcheck, no benchmark
+    --tp) mode=tp; tp_n="${2:?--tp needs the number of GPUs}" ;;
 esac
 # Every step's time limit is cut to what is left of this budget (a device call has one).
 deadline=$((SECONDS + ${MLASERVE_CHECK_BUDGET_S:-270}))
@@ -43,6 +51,11 @@ failures=0
 step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seconds
     local name="$1" log="$2"; shift 2
     local t0=$SECONDS left=$((deadline - SECONDS))
+    # MLASERVE_CHECK_ONLY (an extended regex) runs only the steps whose name matches.
+    if [[ -n "${MLASERVE_CHECK_ONLY:-}" ]] && ! [[ "$name" =~ $MLASERVE_CHECK_ONLY ]]; then
+        summary+=("$(printf '%-34s %-6s' "$name" "not selected")")
+        return 0
+    fi
     if ((left < 5)); then
         summary+=("$(printf '%-34s %-6s' "$name" "SKIP (budget)")")
         failures=$((failures + 1))
@@ -65,6 +78,72 @@ step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seco
     nvidia-smi -q | grep -iE "persistence|compute mode|mig mode" | head
     ls -la "$gpu_dir" "$gpu_dir"/* 2>&1
 } >"$out/machine.txt" 2>&1
+
+# TP mode (see the header).
+if [[ "$mode" == tp ]]; then
+    export MLASERVE_REQUIRE_GPUS="$tp_n"
+    worlds="2"; ((tp_n >= 4)) && worlds="2,4"
+    for spec in gpu_backend:tiny_v3_tp2_and_tp4_match_cpu gpu_engine:tp_groups_greedy_k3_equals_k0_batch_invariant \
+        gpu_engine:a_stalled_rank_fails_the_step_within_the_timeout; do
+        step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
+            --nocapture --test-threads=1
+    done
+    # Processes over real NCCL (CPU compute: exact equality with TP = 1), tiny-v3 and the
+    # bundled model, then a killed rank.
+    step "tp_group processes (TP $worlds)" "$out/tp-group.log" env MLASERVE_TP_WORLDS="$worlds" timeout 300 \
+        "$gpu_dir/tests/tp_group" nccl:: --test-threads=1 --nocapture
+    # The CLI: a worker group of N ranks on the CUDA backend, a router, a generation, then
+    # the last rank killed; the leader must turn the group failed within 30 s.
+    cli_group() {
+        # Rank logs go to a scratch folder and into cli.log at the end ($OUT returns at most
+        # 8 files).
+        local m="$repo/models/mla-tiny-code" port=29611 pids=() r logs
+        logs="$(mktemp -d)"
+        for ((r = tp_n - 1; r >= 1; r--)); do
+            "$gpu_dir/bin/mlaserve" worker --model "$m" --backend cuda --world-size "$tp_n" --rank "$r" \
+                --tp-addr 127.0.0.1:$port --collective-timeout-s 10 >"$logs/rank$r.log" 2>&1 &
+            pids[r]=$!
+        done
+        "$gpu_dir/bin/mlaserve" worker --model "$m" --backend cuda --world-size "$tp_n" --rank 0 \
+            --tp-addr 127.0.0.1:$port --collective-timeout-s 10 --listen 127.0.0.1:50161 >"$logs/rank0.log" 2>&1 &
+        pids[0]=$!
+        for _ in $(seq 120); do grep -q "listening" "$logs/rank0.log" && break; sleep 0.5; done
+        "$gpu_dir/bin/mlaserve" router --model "$m" --worker http://127.0.0.1:50161 --listen 127.0.0.1:50151 \
+            >"$logs/router.log" 2>&1 &
+        local router=$!
+        sleep 2
+        timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def fibonacci(n):" \
+            --max-new-tokens 48 || return 1
+        local victim=$((tp_n - 1)) t0
+        kill -9 "${pids[victim]}"
+        t0=$(date +%s.%N)
+        timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "x = " --max-new-tokens 8 || true
+        for _ in $(seq 600); do grep -q "group failed" "$logs/rank0.log" && break; sleep 0.1; done
+        echo "TP=$tp_n CLI: leader reported the group failed $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t0 }") s after rank $victim was killed"
+        grep -h "group failed\|aborted" "$logs/rank0.log" | head -3
+        kill "$router" "${pids[@]}" 2>/dev/null
+        wait 2>/dev/null
+        tail -n 15 "$logs"/*.log
+        grep -q "group failed" "$logs/rank0.log"
+    }
+    step "CLI worker group TP $tp_n (cuda) + kill" "$out/cli.log" cli_group
+    for ((n = 1; n <= tp_n; n *= 2)); do
+        step "bench step --tp $n" "$out/bench-step.log" timeout 240 "$gpu_dir/bin/mlaserve" bench step --tp "$n"
+    done
+    step "bench step --tp $tp_n --threads" "$out/bench-step.log" timeout 240 "$gpu_dir/bin/mlaserve" bench step \
+        --tp "$tp_n" --threads
+    step "bench mla-decode" "$out/bench-mla.log" timeout 150 "$gpu_dir/bin/mlaserve" bench mla-decode
+    {
+        echo
+        echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
+        printf '%s\n' "${summary[@]}"
+        echo "---- measured"
+        grep -hE " rel |differ|tokens in|failed .* after|panicked" "$out/tests.log" "$out/tp-group.log" "$out/cli.log" | head -60
+        grep -hE "^bench step|^ceiling|^ +[0-9]+ +[0-9] |^\(" "$out/bench-step.log"
+        grep -hE "ceiling|heads" "$out/bench-mla.log" | head -40
+    } | tee "$out/summary.txt"
+    exit "$failures"
+fi
 
 # Backend mode: every test function of every binary in its own process (a fault or a
 # hang in one cannot hide the others), then memcheck on the tests that touch every

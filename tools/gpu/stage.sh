@@ -5,6 +5,9 @@
 #   .gpu/bin/mlaserve-cuda-check   checks + benchmark
 #   .gpu/tests/*                   cargo test binaries of mlaserve-cuda (unit + GPU)
 #   .gpu/kernels/*.fatbin          the embedded kernel images (for cuobjdump there)
+#   .gpu/bin/mlaserve              the CLI (--features cuda): bench step --tp, TP workers
+#   .gpu/tests/tp_group            mlaserve-tp's group test (--features nccl): processes
+#                                  over real NCCL
 #
 # Needs nvcc (CUDA_HOME, NVCC or PATH; tools/ci/install-nvcc.sh installs one).
 #
@@ -20,6 +23,14 @@ if [[ -z "${CUDA_HOME:-}${NVCC:-}" ]] && ! command -v nvcc >/dev/null; then
 fi
 target="${CARGO_TARGET_DIR:-$repo/target}"
 cargo build --release -p mlaserve-cuda --features cuda --bin mlaserve-cuda-check
+cargo build --release -p mlaserve --features cuda
+tp_test=$(cargo test --release -p mlaserve-tp --features nccl --test group --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    try: m=json.loads(l)
+    except ValueError: continue
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="group":
+        print(m["executable"])')
 # --message-format=json names the test executables; keep those of mlaserve-cuda.
 tests=$(cargo test --release -p mlaserve-cuda --features cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
@@ -30,7 +41,8 @@ for l in sys.stdin:
         print(m["executable"])')
 rm -rf .gpu/bin .gpu/tests .gpu/kernels
 mkdir -p .gpu/bin .gpu/tests .gpu/kernels
-cp "$target/release/mlaserve-cuda-check" .gpu/bin/
+cp "$target/release/mlaserve-cuda-check" "$target/release/mlaserve" .gpu/bin/
+cp "$tp_test" .gpu/tests/tp_group
 for t in $tests; do
     name="$(basename "$t")"
     cp "$t" ".gpu/tests/${name%-*}"   # drop cargo's hash suffix
