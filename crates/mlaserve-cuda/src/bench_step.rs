@@ -42,6 +42,9 @@ pub struct StepBenchOpts {
     pub iters: usize,
     /// Tensor-parallel ranks (GPUs `ordinal..ordinal + tp`).
     pub tp: usize,
+    /// After each measurement, one more step with every phase timed (a wait for the stream
+    /// after each: the phases add up to more than the unprofiled step).
+    pub profile: bool,
 }
 
 impl Default for StepBenchOpts {
@@ -54,6 +57,7 @@ impl Default for StepBenchOpts {
             ks: vec![0, 3],
             iters: 5,
             tp: 1,
+            profile: false,
         }
     }
 }
@@ -70,6 +74,8 @@ pub struct StepBenchRow {
     pub roofline_ms: f64,
     /// The step's collectives alone (0 for one rank).
     pub comm_ms: f64,
+    /// Milliseconds per phase of one profiled step (empty unless asked for).
+    pub profile: Vec<(&'static str, f64)>,
 }
 
 #[derive(Debug, Clone)]
@@ -111,6 +117,14 @@ impl fmt::Display for StepBenchReport {
                 r.comm_ms,
                 100.0 * r.comm_ms / step
             )?;
+        }
+        for r in self.rows.iter().filter(|r| !r.profile.is_empty()) {
+            let total: f64 = r.profile.iter().map(|p| p.1).sum();
+            write!(f, "profile batch {} k {} ({total:.2} ms, each phase waited for):", r.batch, r.k)?;
+            for (name, ms) in &r.profile {
+                write!(f, " {name} {ms:.2};")?;
+            }
+            writeln!(f)?;
         }
         Ok(())
     }
@@ -262,6 +276,16 @@ fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchRepo
                     td.push(t1.elapsed().as_secs_f64() * 1e3);
                 }
             }
+            let mut profile = Vec::new();
+            if opts.profile {
+                be.set_profile(true);
+                let out = be.forward(&target).map_err(core_err)?;
+                if k > 0 {
+                    let ident: Vec<u32> = (0..(b * s) as u32).collect();
+                    be.mtp_forward(0, &target, &out.hidden, &ident).map_err(core_err)?;
+                }
+                profile = be.set_profile(false).into_iter().map(|(n, t)| (n, t * 1e3)).collect();
+            }
             let ctx = (opts.context + s) as f64;
             let mut bytes = (wb.target_dense + wb.head) as f64
                 + wb.moe_layers as f64 * distinct(&wb, b * s) * wb.expert as f64
@@ -285,6 +309,7 @@ fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchRepo
                 bytes,
                 roofline_ms,
                 comm_ms: comm * 1e3,
+                profile,
             });
         }
     }

@@ -31,11 +31,17 @@ impl CudaBackend {
         let a = self.attention(&block.attn, &xn, &mut cache, st);
         self.caches[cache_idx] = cache;
         let mut a = a?;
+        self.mark("attention")?;
         self.all_reduce(&mut a)?;
+        self.mark("all-reduce")?;
         self.ops.add(&s, x, &a)?;
         self.ops.rmsnorm_bf16(&s, &mut xn, h, &*x, h, &block.post_norm, n, eps)?;
         let mut f = match &block.ffn {
-            Ffn::Dense(m) => self.mlp(m, &xn, n)?,
+            Ffn::Dense(m) => {
+                let f = self.mlp(m, &xn, n)?;
+                self.mark("dense MLP")?;
+                f
+            }
             Ffn::Moe(m) => {
                 // The router reads the normed state in f32 (its choice is discrete).
                 let mut xf = s.alloc_zeros::<f32>(n * h)?;
@@ -44,6 +50,7 @@ impl CudaBackend {
             }
         };
         self.all_reduce(&mut f)?;
+        self.mark("all-reduce")?;
         self.ops.add(&s, x, &f)?;
         Ok(())
     }
@@ -163,10 +170,12 @@ impl CudaBackend {
         let mut ids = s.alloc_zeros::<i32>(n * k)?;
         let mut w = s.alloc_zeros::<f32>(n * k)?;
         self.ops.route(s, &mut ids, &mut w, &logits, m.bias.as_ref(), n, &m.route)?;
+        self.mark("MoE routing")?;
         let mut out = match &m.shared {
             Some(sh) => self.mlp(sh, xn, n)?,
             None => s.alloc_zeros::<f32>(n * h)?,
         };
+        self.mark("MoE shared experts")?;
         self.settle("MoE routing")?;
         let ids_h = s.clone_dtoh(&ids)?;
         s.synchronize()?;
@@ -196,7 +205,9 @@ impl CudaBackend {
             self.mlp_into(expert, &xs.slice(start * h..end * h), rows, &mut ys.slice_mut(start * h..end * h))?;
             start = end;
         }
+        self.mark("MoE routed experts")?;
         self.ops.combine(s, &mut out, &ys, &ids, &w, &inv_d, n, k, h)?;
+        self.mark("MoE combine")?;
         Ok(out)
     }
 }

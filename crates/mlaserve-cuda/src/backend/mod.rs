@@ -126,6 +126,16 @@ pub struct CudaBackend {
     opts: CudaOptions,
     /// The group's communicator (none for a single rank).
     comm: Option<DeviceComm>,
+    /// Phase timings when profiling ([`CudaBackend::set_profile`]).
+    prof: Option<std::cell::RefCell<Profile>>,
+}
+
+/// Wall time per phase of the forward passes since profiling was switched on; each mark
+/// waits for the stream, so a profiled step is slower than an unprofiled one.
+#[derive(Debug)]
+struct Profile {
+    last: std::time::Instant,
+    phases: Vec<(&'static str, f64)>,
 }
 
 /// A step's row metadata, on the device (and what the host knows of it).
@@ -240,6 +250,7 @@ impl CudaBackend {
             rope,
             opts,
             comm,
+            prof: None,
         })
     }
 
@@ -303,6 +314,33 @@ impl CudaBackend {
     /// The GPU this backend runs on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Switches phase profiling on (off: `false`) and returns what was recorded so far:
+    /// seconds per phase (embedding, attention, all-reduces, dense MLP, MoE routing, MoE
+    /// experts, head...), summed over the forward passes since it was switched on.
+    pub fn set_profile(&mut self, on: bool) -> Vec<(&'static str, f64)> {
+        let was = self.prof.take().map(|p| p.into_inner().phases).unwrap_or_default();
+        if on {
+            self.prof = Some(std::cell::RefCell::new(Profile { last: std::time::Instant::now(), phases: Vec::new() }));
+        }
+        was
+    }
+
+    /// Ends phase `what` when profiling: waits for the stream, adds the time since the last
+    /// mark to the phase.
+    pub(crate) fn mark(&self, what: &'static str) -> Result<()> {
+        let Some(p) = &self.prof else { return Ok(()) };
+        self.settle(what)?;
+        self.gpu.sync()?;
+        let mut p = p.borrow_mut();
+        let dt = p.last.elapsed().as_secs_f64();
+        p.last = std::time::Instant::now();
+        match p.phases.iter_mut().find(|(n, _)| *n == what) {
+            Some((_, t)) => *t += dt,
+            None => p.phases.push((what, dt)),
+        }
+        Ok(())
     }
 
     /// The group's communicator (`None` for a single rank).
@@ -414,20 +452,25 @@ impl CudaBackend {
     }
 
     fn forward_impl(&mut self, batch: &Batch) -> Result<ForwardOutput<CudaHidden>> {
+        self.mark("idle (between calls)")?;
         let st = self.step(batch)?;
+        self.mark("step metadata upload")?;
         let s = self.gpu.stream.clone();
         let (h, n) = (self.cfg.hidden_size, st.n);
         let mut x = s.alloc_zeros::<f32>(n * h)?;
         let e = &self.embed;
         self.ops.embed(&s, &mut x, &e.w, &st.tokens, &st.pos, h, e.lo, e.rows, false)?;
         self.all_reduce(&mut x)?;
+        self.mark("embedding")?;
         for l in 0..self.blocks.len() {
             self.run_block(BlockRef::Target(l), &mut x, &st)?;
         }
         let mut normed = s.alloc_zeros::<f32>(n * h)?;
         let eps = self.cfg.rms_norm_eps as f32;
         self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &self.final_norm, n, eps)?;
+        self.mark("final norm")?;
         let logits = self.head_logits(&self.lm_head, &normed, &st, &batch.logit_rows)?;
+        self.mark("head (logits to host)")?;
         self.settle("forward")?;
         self.gpu.sync()?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits })
@@ -460,7 +503,9 @@ impl CudaBackend {
         prev: &CudaHidden,
         hidden_rows: &[u32],
     ) -> Result<ForwardOutput<CudaHidden>> {
+        self.mark("idle (between calls)")?;
         let st = self.step(batch)?;
+        self.mark("step metadata upload")?;
         let s = self.gpu.stream.clone();
         let (h, n) = (self.cfg.hidden_size, st.n);
         let eps = self.cfg.rms_norm_eps as f32;
@@ -480,11 +525,13 @@ impl CudaBackend {
         self.ops.rmsnorm_bf16(&s, &mut cat.slice_mut(h..), 2 * h, &hid, h, &m.hnorm, n, eps)?;
         let mut x = s.alloc_zeros::<f32>(n * h)?;
         self.gemm.forward(&s, &m.eh_proj, &cat, n, &mut x)?;
+        self.mark("MTP input (embedding, norms, eh_proj)")?;
         self.run_block(BlockRef::Mtp(layer), &mut x, &st)?;
         let m = &self.mtp[layer];
         let mut normed = s.alloc_zeros::<f32>(n * h)?;
         self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &m.head_norm, n, eps)?;
         let logits = self.head_logits(&m.head, &normed, &st, &batch.logit_rows)?;
+        self.mark("head (logits to host)")?;
         self.settle("MTP forward")?;
         self.gpu.sync()?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits })

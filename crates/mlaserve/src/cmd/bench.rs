@@ -43,6 +43,9 @@ struct StepArgs {
     /// Run the ranks as threads of one process instead of one process per rank.
     #[arg(long)]
     threads: bool,
+    /// Also time each phase of one step (target forward and the first MTP stage).
+    #[arg(long)]
+    profile: bool,
     /// (Internal) this process is rank R of a `--tp` group started by rank 0.
     #[arg(long, hide = true, requires = "nccl_id")]
     rank: Option<usize>,
@@ -139,6 +142,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         tp: a.tp,
         moe_layers: a.moe_layers,
         context: a.context,
+        profile: a.profile,
         ..Default::default()
     };
     if a.tp == 1 || a.threads {
@@ -167,6 +171,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(["bench", "step", "--device", &a.device.to_string(), "--tp", &a.tp.to_string()])
                 .args(["--moe-layers", &a.moe_layers.to_string(), "--context", &a.context.to_string()])
                 .args(["--rank", &r.to_string(), "--nccl-id", &hex])
+                .args(a.profile.then_some("--profile"))
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))
         })
