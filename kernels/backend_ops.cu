@@ -85,6 +85,18 @@ extern "C" __global__ void sum_ranks_f32(float* __restrict__ out, const float* _
     }
 }
 
+// out[r][rk * part + c] = parts[rk][r][c]: the vocabulary-parallel head's all-gathered
+// logits (rank-major) put in vocabulary order, so one copy brings them to the host.
+extern "C" __global__ void interleave_ranks_f32(float* __restrict__ out, const float* __restrict__ parts, int world,
+                                                int rows, int part) {
+    const size_t total = static_cast<size_t>(world) * rows * part;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t c = i % part, r = (i / part) % rows, rk = i / (static_cast<size_t>(part) * rows);
+        out[(r * world + rk) * part + c] = parts[i];
+    }
+}
+
 // x[i] += y[i]. Grid-stride.
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, size_t n) {
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;

@@ -58,6 +58,7 @@ pub struct Ops {
     norm_bf16: CudaFunction,
     add: CudaFunction,
     sum_ranks: CudaFunction,
+    interleave: CudaFunction,
     to_bf16: CudaFunction,
     gather_f32: CudaFunction,
     gather_f32_bf16: CudaFunction,
@@ -83,6 +84,7 @@ impl Ops {
             norm_bf16: f("rmsnorm_f32_obf16")?,
             add: f("add_f32")?,
             sum_ranks: f("sum_ranks_f32")?,
+            interleave: f("interleave_ranks_f32")?,
             to_bf16: f("to_bf16_f32")?,
             gather_f32: f("gather_rows_f32")?,
             gather_f32_bf16: f("gather_rows_f32_obf16")?,
@@ -247,6 +249,30 @@ impl Ops {
         // SAFETY: grid-strides over i < n = out.len(), reading parts[r*n + i] for r < world
         // (parts holds world*n).
         unsafe { s.launch_builder(&self.sum_ranks).arg(out).arg(parts).arg(&w).arg(&n).launch(self.grid_stride()) }?;
+        Ok(())
+    }
+
+    /// `out[r][rk·part + c] = parts[rk][r][c]` for `world` ranks' `[rows][part]` blocks
+    /// (rank-major, as an all-gather leaves them) into `[rows][world·part]`.
+    pub fn interleave_ranks(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<f32>,
+        parts: &CudaSlice<f32>,
+        world: usize,
+        rows: usize,
+        part: usize,
+    ) -> Result<()> {
+        const K: &str = "interleave_ranks_f32";
+        let n = world * rows * part;
+        need(K, "parts", parts.len(), n)?;
+        need(K, "out", out.len(), n)?;
+        let (w, r, p) = (i32_of(K, world)?, i32_of(K, rows)?, i32_of(K, part)?);
+        // SAFETY: grid-strides over i < world*rows*part, reading parts[i] and writing
+        // out[(r*world + rk)*part + c] < world*rows*part; both hold at least that many.
+        unsafe {
+            s.launch_builder(&self.interleave).arg(out).arg(parts).arg(&w).arg(&r).arg(&p).launch(self.grid_stride())
+        }?;
         Ok(())
     }
 

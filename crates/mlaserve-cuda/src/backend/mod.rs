@@ -433,17 +433,12 @@ impl CudaBackend {
         let world = comm.world;
         let mut all = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
         comm.all_gather(&logits, &mut all)?;
+        // Rank-major `[world][rows][part]` → `[rows][vocab]` on the device: one copy out.
+        let mut ordered = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
+        self.ops.interleave_ranks(s, &mut ordered, &all, world, rows.len(), head.out)?;
         self.settle("head all-gather")?;
-        let gathered = s.clone_dtoh(&all)?;
+        let out = s.clone_dtoh(&ordered)?;
         self.gpu.sync()?;
-        // `gathered` is rank-major `[world][rows][part]`; reorder to `[rows][vocab]`.
-        let (n, part) = (rows.len(), head.out);
-        let mut out = vec![0f32; n * part * world];
-        for rk in 0..world {
-            for r in 0..n {
-                out[r * part * world + rk * part..][..part].copy_from_slice(&gathered[(rk * n + r) * part..][..part]);
-            }
-        }
         Ok(out)
     }
 
