@@ -11,8 +11,10 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
+// Block-wide best (value, index) of row blockIdx.x, valid in thread 0 (index 0x7fffffff
+// when the row holds only NaN).
 template <typename T>
-__device__ __forceinline__ void body(const T* __restrict__ logits, int* __restrict__ out, int vocab) {
+__device__ __forceinline__ void best_of_row(const T* __restrict__ logits, int vocab, float& bv_out, int& bi_out) {
     __shared__ float sv[THREADS / 32];
     __shared__ int si[THREADS / 32];
     const T* row = logits + static_cast<size_t>(blockIdx.x) * vocab;
@@ -46,8 +48,17 @@ __device__ __forceinline__ void body(const T* __restrict__ logits, int* __restri
                 bv = sv[w];
                 bi = si[w];
             }
-        out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;  // an all-NaN / all -inf row gives 0
+        bv_out = bv;
+        bi_out = bi;
     }
+}
+
+template <typename T>
+__device__ __forceinline__ void body(const T* __restrict__ logits, int* __restrict__ out, int vocab) {
+    float bv;
+    int bi;
+    best_of_row(logits, vocab, bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;  // an all-NaN row gives 0
 }
 }  // namespace amax
 
@@ -57,4 +68,18 @@ extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_f32(const flo
 }
 extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_bf16(const bf16* logits, int* out, int vocab) {
     amax::body<bf16>(logits, out, vocab);
+}
+
+// The vocabulary-parallel form: out[2r] = the row's largest logit, out[2r + 1] = its index
+// + offset (this rank's first vocabulary id), as floats (exact below 2^24); an all-NaN row
+// gives (NaN, offset). The host picks across ranks with the same rule. grid = rows.
+extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_pair_f32(const float* logits, float* out, int vocab,
+                                                                           int offset) {
+    float bv;
+    int bi;
+    amax::best_of_row<float>(logits, vocab, bv, bi);
+    if (threadIdx.x == 0) {
+        out[2 * blockIdx.x] = bi == 0x7fffffff ? __int_as_float(0x7fc00000) : bv;
+        out[2 * blockIdx.x + 1] = static_cast<float>((bi == 0x7fffffff ? 0 : bi) + offset);
+    }
 }

@@ -12,7 +12,7 @@ pub mod local_group;
 pub mod sampling;
 pub mod tp;
 
-pub use backend::{Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
+pub use backend::{argmax, Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
 pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};

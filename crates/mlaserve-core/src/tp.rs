@@ -85,7 +85,7 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         encode_batch(batch, &mut w);
         self.send(&w)?;
         let out = self.inner.forward(batch)?;
-        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits })
+        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits, argmax: out.argmax })
     }
 
     fn mtp_forward(
@@ -102,7 +102,7 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         encode_batch(batch, &mut w);
         self.send(&w)?;
         let out = self.inner.mtp_forward(layer, batch, &prev.inner, hidden_rows)?;
-        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits })
+        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits, argmax: out.argmax })
     }
 
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
@@ -193,6 +193,8 @@ fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
     }
     w.push(b.logit_rows.len() as u32);
     w.extend_from_slice(&b.logit_rows);
+    w.push(b.argmax_rows.len() as u32);
+    w.extend_from_slice(&b.argmax_rows);
 }
 
 struct Reader<'a> {
@@ -224,7 +226,9 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     }
     let nl = r.next()? as usize;
     let logit_rows = r.take(nl)?.to_vec();
-    Ok(Batch { seqs, logit_rows })
+    let na = r.next()? as usize;
+    let argmax_rows = r.take(na)?.to_vec();
+    Ok(Batch { seqs, logit_rows, argmax_rows })
 }
 
 #[cfg(test)]
@@ -239,6 +243,7 @@ mod tests {
                 SeqChunk { tokens: vec![7], start_pos: 0, block_table: vec![0] },
             ],
             logit_rows: vec![2, 3],
+            argmax_rows: vec![0, 3],
         };
         let mut w = Vec::new();
         encode_batch(&b, &mut w);

@@ -221,6 +221,17 @@ impl CpuBackend {
         Ok(())
     }
 
+    /// The argmax token of each selected row (the full row's logits, then
+    /// `mlaserve_core::argmax`: the reference the devices' argmax is held to).
+    fn head_argmax(&self, head: &Linear, normed: &[f32], rows: &[u32]) -> Result<Vec<u32>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let v = self.cfg.vocab_size;
+        let logits = self.head_logits(head, normed, rows)?;
+        Ok(logits.chunks(v).map(mlaserve_core::argmax).collect())
+    }
+
     /// Vocab-parallel head over the selected rows: local logits, then all-gather.
     fn head_logits(&self, head: &Linear, normed: &[f32], rows: &[u32]) -> Result<Vec<f32>> {
         let h = self.cfg.hidden_size;
@@ -280,7 +291,8 @@ impl Backend for CpuBackend {
         }
         rms_norm(&mut x, &self.final_norm, self.cfg.rms_norm_eps as f32);
         let logits = self.head_logits(&self.lm_head, &x, &batch.logit_rows)?;
-        Ok(ForwardOutput { hidden: CpuHidden { rows: tokens.len(), data: x }, logits })
+        let argmax = self.head_argmax(&self.lm_head, &x, &batch.argmax_rows)?;
+        Ok(ForwardOutput { hidden: CpuHidden { rows: tokens.len(), data: x }, logits, argmax })
     }
 
     fn mtp_forward(
@@ -328,7 +340,8 @@ impl Backend for CpuBackend {
         let mut normed = x.clone();
         rms_norm(&mut normed, &m.head_norm, eps);
         let logits = self.head_logits(&m.head, &normed, &batch.logit_rows)?;
-        Ok(ForwardOutput { hidden: CpuHidden { rows: n, data: x }, logits })
+        let argmax = self.head_argmax(&m.head, &normed, &batch.argmax_rows)?;
+        Ok(ForwardOutput { hidden: CpuHidden { rows: n, data: x }, logits, argmax })
     }
 
     fn hidden_to_host(&self, h: &CpuHidden) -> Result<Vec<f32>> {

@@ -21,6 +21,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     let toks = |n: u32, s: u32| (0..n).map(|i| (i * 31 + s * 7) % 509 + 2).collect::<Vec<u32>>();
     let mut logits = Vec::new();
     let pre = Batch {
+        argmax_rows: vec![],
         seqs: vec![
             SeqChunk { tokens: toks(70, 1), start_pos: 0, block_table: vec![0, 1] },
             SeqChunk { tokens: toks(9, 2), start_pos: 0, block_table: vec![2] },
@@ -30,6 +31,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     let out = b.forward(&pre).unwrap();
     logits.extend(&out.logits);
     let step = Batch {
+        argmax_rows: vec![7, 0, 3],
         seqs: vec![
             SeqChunk { tokens: toks(4, 3), start_pos: 70, block_table: vec![0, 1] },
             SeqChunk { tokens: toks(4, 4), start_pos: 9, block_table: vec![2] },
@@ -37,10 +39,15 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
         logit_rows: (0..8).collect(),
     };
     let out = b.forward(&step).unwrap();
+    // `argmax_rows`: the argmax of those rows' logits, in the order asked.
+    let v = b.config().vocab_size;
+    let want: Vec<u32> = [7usize, 0, 3].iter().map(|&r| mlaserve_core::argmax(&out.logits[r * v..][..v])).collect();
+    assert_eq!(out.argmax, want);
     logits.extend(&out.logits);
     let mtp0 = b.mtp_forward(0, &step, &out.hidden, &(0..8).collect::<Vec<_>>()).unwrap();
     logits.extend(&mtp0.logits);
     let one = Batch {
+        argmax_rows: vec![],
         seqs: vec![SeqChunk { tokens: vec![17], start_pos: 74, block_table: vec![0, 1] }],
         logit_rows: vec![0],
     };

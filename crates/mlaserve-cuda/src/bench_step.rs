@@ -42,6 +42,9 @@ pub struct StepBenchOpts {
     pub iters: usize,
     /// Tensor-parallel ranks (GPUs `ordinal..ordinal + tp`).
     pub tp: usize,
+    /// Every row's logits to the host (as a sampling engine needs them); off, only each
+    /// row's argmax (greedy verification and drafting, on the device).
+    pub host_logits: bool,
     /// After each measurement, one more step with every phase timed (a wait for the stream
     /// after each: the phases add up to more than the unprofiled step).
     pub profile: bool,
@@ -58,6 +61,7 @@ impl Default for StepBenchOpts {
             iters: 5,
             tp: 1,
             profile: false,
+            host_logits: false,
         }
     }
 }
@@ -198,13 +202,21 @@ pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
 
 /// Seconds the collectives of a forward over `rows` tokens take alone on `be`'s
 /// communicator: one embedding all-reduce and two per block over `rows × hidden` f32, and
-/// the head's all-gather of `logit_rows × vocab/tp` f32; median of `iters`.
-fn comm_seconds(be: &CudaBackend, blocks: usize, rows: usize, logit_rows: usize, iters: usize) -> Result<f64> {
+/// the head's all-gather for `head_rows` rows (`vocab/tp` f32 each with host logits, an
+/// argmax pair each without); median of `iters`.
+fn comm_seconds(
+    be: &CudaBackend,
+    blocks: usize,
+    rows: usize,
+    head_rows: usize,
+    host_logits: bool,
+    iters: usize,
+) -> Result<f64> {
     let Some(c) = be.comm() else { return Ok(0.0) };
     let cfg = be.config();
     let s = &be.gpu().stream;
     let mut buf = s.alloc_zeros::<f32>(rows * cfg.hidden_size)?;
-    let part = logit_rows * cfg.vocab_size / c.world;
+    let part = if host_logits { head_rows * cfg.vocab_size / c.world } else { 2 * head_rows };
     let local = s.alloc_zeros::<f32>(part)?;
     let mut all = s.alloc_zeros::<f32>(part * c.world)?;
     let mut t = Vec::new();
@@ -246,7 +258,9 @@ fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchRepo
     for &b in &opts.batches {
         for &k in &opts.ks {
             let s = 1 + k;
+            let all = |len: usize| (0..(b * len) as u32).collect::<Vec<u32>>();
             let window = |len: usize, start: usize| Batch {
+                argmax_rows: if opts.host_logits { vec![] } else { all(len) },
                 seqs: (0..b)
                     .map(|i| SeqChunk {
                         tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
@@ -254,7 +268,7 @@ fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchRepo
                         block_table: (i * per_seq..(i + 1) * per_seq).map(|x| x as u32).collect(),
                     })
                     .collect(),
-                logit_rows: (0..(b * len) as u32).collect(),
+                logit_rows: if opts.host_logits { all(len) } else { vec![] },
             };
             let target = window(s, opts.context);
             let (mut tt, mut td) = (Vec::new(), Vec::new());
@@ -296,10 +310,11 @@ fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchRepo
                 bytes += b as f64 * ctx * layer_cache * k as f64;
             }
             let roofline_ms = bytes / (copy_gbps * 1e9) * 1e3;
-            let mut comm = comm_seconds(&be, 1 + opts.moe_layers, b * s, b * s, opts.iters)?;
+            let hl = opts.host_logits;
+            let mut comm = comm_seconds(&be, 1 + opts.moe_layers, b * s, b * s, hl, opts.iters)?;
             if k > 0 {
-                comm += comm_seconds(&be, 1, b * s, b * s, opts.iters)?;
-                comm += (k - 1) as f64 * comm_seconds(&be, 1, b, b, opts.iters)?;
+                comm += comm_seconds(&be, 1, b * s, b * s, hl, opts.iters)?;
+                comm += (k - 1) as f64 * comm_seconds(&be, 1, b, b, hl, opts.iters)?;
             }
             rows.push(StepBenchRow {
                 batch: b,
@@ -316,7 +331,11 @@ fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchRepo
     Ok(StepBenchReport {
         gpu: be.gpu().name.clone(),
         copy_gbps,
-        layers: format!("1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16", opts.moe_layers),
+        layers: format!(
+            "1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16; {}",
+            opts.moe_layers,
+            if opts.host_logits { "every row's logits to the host" } else { "greedy: argmax rows on the device" }
+        ),
         context: opts.context,
         tp: opts.tp.max(1),
         rows,

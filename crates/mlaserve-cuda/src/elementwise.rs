@@ -135,6 +135,7 @@ impl SiluMul {
 pub struct Argmax {
     f32_: CudaFunction,
     bf16_: CudaFunction,
+    pair: CudaFunction,
 }
 
 impl Argmax {
@@ -142,7 +143,11 @@ impl Argmax {
 
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let m = gpu.load_module(kernels::ARGMAX)?;
-        Ok(Argmax { f32_: m.load_function("argmax_f32")?, bf16_: m.load_function("argmax_bf16")? })
+        Ok(Argmax {
+            f32_: m.load_function("argmax_f32")?,
+            bf16_: m.load_function("argmax_bf16")?,
+            pair: m.load_function("argmax_pair_f32")?,
+        })
     }
 
     /// `out[r]` = index of the largest of `logits[r][..vocab]` (first on ties, NaN ignored).
@@ -165,6 +170,34 @@ impl Argmax {
         vocab: usize,
     ) -> Result<()> {
         self.run(stream, &self.bf16_, logits, out, vocab)
+    }
+
+    /// The vocabulary-parallel form: `out[2r]` = the largest of `logits[r][..vocab]`,
+    /// `out[2r + 1]` = its index + `offset`, as f32 (an all-NaN row: NaN, `offset`).
+    pub fn argmax_pair_f32(
+        &self,
+        stream: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        vocab: usize,
+        offset: usize,
+    ) -> Result<()> {
+        let rows = rows_of("argmax_pair", logits.len(), vocab)?;
+        if out.len() != 2 * rows as usize {
+            return Err(CudaError::shape("argmax_pair", format!("out has {} entries for {rows} rows", out.len())));
+        }
+        if offset + vocab >= 1 << 24 {
+            return Err(CudaError::shape("argmax_pair", format!("ids up to {} are not exact in f32", offset + vocab)));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (v, o) = (vocab as i32, offset as i32);
+        let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (Self::THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: block r reads logits[r*vocab..][..vocab] (rows*vocab = logits.len()) and
+        // writes out[2r], out[2r+1] (out.len() = 2*rows, checked).
+        unsafe { stream.launch_builder(&self.pair).arg(logits).arg(out).arg(&v).arg(&o).launch(cfg) }?;
+        Ok(())
     }
 
     fn run<T>(

@@ -4,7 +4,9 @@
 //! sequence, both MTP layers), logits within 2e-2 of max|ref| (bf16 weights and cache).
 //! Runs with the default options (cuBLAS, decode kernel) and the batch-invariant ones, on
 //! one GPU and as tensor-parallel groups of 2 and 4 ranks (threads, one GPU each, NCCL
-//! on the backend's stream; every rank's outputs must agree bit for bit).
+//! on the backend's stream; every rank's outputs must agree bit for bit). Every call also
+//! asks for the argmax of its logit rows (`Batch::argmax_rows`, computed on the device):
+//! it must equal the argmax of the same call's logits exactly.
 //!
 //! Expert choice is discrete: a prefill token whose f32 routing lies within 5e-3 of a tie
 //! (found by a CPU replay, `common::near_ties`) may pick another expert on the GPU and
@@ -18,7 +20,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use mlaserve_core::{Backend, Batch, SeqChunk};
+use mlaserve_core::{Backend, Batch, ForwardOutput, SeqChunk};
 use mlaserve_cpu::CpuBackend;
 use mlaserve_cuda::{CudaBackend, CudaOptions};
 
@@ -51,6 +53,26 @@ fn toks(seed: u32, n: usize) -> Vec<u32> {
 
 fn all_rows(b: &mut Batch) {
     b.logit_rows = (0..b.num_tokens() as u32).collect();
+    b.argmax_rows = b.logit_rows.clone();
+}
+
+/// Asks for the argmax of every row whose logits are asked for (in reverse order).
+fn with_argmax(mut b: Batch) -> Batch {
+    b.argmax_rows = b.logit_rows.iter().rev().copied().collect();
+    b
+}
+
+/// The backend's `argmax_rows` answer must be the argmax of its own logits for those rows,
+/// exactly (`mlaserve_core::argmax`'s rule, on the device for the GPU).
+fn greedy_checked<H>(name: &str, b: &Batch, o: ForwardOutput<H>, vocab: usize) -> ForwardOutput<H> {
+    let rows: Vec<&[f32]> = o.logits.chunks(vocab).collect();
+    let want: Vec<u32> = b
+        .argmax_rows
+        .iter()
+        .map(|r| mlaserve_core::argmax(rows[b.logit_rows.iter().position(|x| x == r).expect("row")]))
+        .collect();
+    assert_eq!(o.argmax, want, "{name}: argmax_rows differ from the argmax of the same call's logits");
+    o
 }
 
 fn chunk(tokens: Vec<u32>, start_pos: usize, table: &[u32]) -> SeqChunk {
@@ -84,7 +106,11 @@ const TABLES: ([u32; 2], [u32; 2], [u32; 1]) = ([3, 7], [1, 9], [5]);
 
 fn prefill_batch() -> Batch {
     let (ta, tb, _) = TABLES;
-    let mut b = Batch { seqs: vec![chunk(toks(1, 70), 0, &ta), chunk(toks(2, 20), 0, &tb)], logit_rows: vec![] };
+    let mut b = Batch {
+        argmax_rows: vec![],
+        seqs: vec![chunk(toks(1, 70), 0, &ta), chunk(toks(2, 20), 0, &tb)],
+        logit_rows: vec![],
+    };
     all_rows(&mut b);
     b
 }
@@ -94,10 +120,11 @@ fn prefill_batch() -> Batch {
 /// check); `upload` turns it into the backend's hidden type.
 fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f32]) -> B::Hidden) -> Outputs {
     let (ta, tb, tc) = TABLES;
+    let v = be.config().vocab_size;
     let mut out = Outputs::new();
     // 1. Prefill: A 70 tokens (two blocks), B 20.
     let b1 = prefill_batch();
-    let o1 = be.forward(&b1).expect("prefill");
+    let o1 = greedy_checked("prefill", &b1, be.forward(&b1).expect("prefill"), v);
     out.push(("prefill logits (90 rows)", o1.logits));
     out.push(("prefill hidden", be.hidden_to_host(&o1.hidden).expect("hidden")));
     // MTP layer 0 over the prefill (tokens shifted by one), then layer 1 on the last rows.
@@ -107,24 +134,38 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
     }
     let ident: Vec<u32> = (0..90).collect();
     let h = upload(be, prefill_hidden);
-    let om0 = be.mtp_forward(0, &m0, &h, &ident).expect("mtp0");
+    let om0 = greedy_checked("mtp0", &m0, be.mtp_forward(0, &m0, &h, &ident).expect("mtp0"), v);
     out.push(("MTP layer 0 logits (90 rows, CPU hidden in)", om0.logits));
-    let m1 = Batch { seqs: vec![chunk(vec![11], 70, &ta), chunk(vec![12], 20, &tb)], logit_rows: vec![0, 1] };
-    out.push(("MTP layer 1 logits", be.mtp_forward(1, &m1, &om0.hidden, &[69, 89]).expect("mtp1").logits));
+    let m1 = with_argmax(Batch {
+        argmax_rows: vec![],
+        seqs: vec![chunk(vec![11], 70, &ta), chunk(vec![12], 20, &tb)],
+        logit_rows: vec![0, 1],
+    });
+    let om1 = be.mtp_forward(1, &m1, &om0.hidden, &[69, 89]).expect("mtp1");
+    out.push(("MTP layer 1 logits", greedy_checked("mtp1", &m1, om1, v).logits));
     // 2. Uniform decode windows of 4 (the decode kernel's path with default options).
-    let mut b2 = Batch { seqs: vec![chunk(toks(3, 4), 70, &ta), chunk(toks(4, 4), 20, &tb)], logit_rows: vec![] };
+    let mut b2 = Batch {
+        argmax_rows: vec![],
+        seqs: vec![chunk(toks(3, 4), 70, &ta), chunk(toks(4, 4), 20, &tb)],
+        logit_rows: vec![],
+    };
     all_rows(&mut b2);
-    out.push(("decode s=4 logits", be.forward(&b2).expect("decode").logits));
+    out.push(("decode s=4 logits", greedy_checked("decode", &b2, be.forward(&b2).expect("decode"), v).logits));
     // 3. One-token decode.
-    let mut b3 = Batch { seqs: vec![chunk(vec![40], 74, &ta), chunk(vec![41], 24, &tb)], logit_rows: vec![] };
+    let mut b3 = Batch {
+        argmax_rows: vec![],
+        seqs: vec![chunk(vec![40], 74, &ta), chunk(vec![41], 24, &tb)],
+        logit_rows: vec![],
+    };
     all_rows(&mut b3);
-    out.push(("decode s=1 logits", be.forward(&b3).expect("decode1").logits));
+    out.push(("decode s=1 logits", greedy_checked("decode1", &b3, be.forward(&b3).expect("decode1"), v).logits));
     // 4. Mixed: a 2-token window, a 30-token chunk over B's cached 25, a new sequence C.
-    let b4 = Batch {
+    let b4 = with_argmax(Batch {
+        argmax_rows: vec![],
         seqs: vec![chunk(toks(5, 2), 75, &ta), chunk(toks(6, 30), 25, &tb), chunk(toks(7, 5), 0, &tc)],
         logit_rows: vec![0, 1, 31, 36],
-    };
-    out.push(("mixed logits", be.forward(&b4).expect("mixed").logits));
+    });
+    out.push(("mixed logits", greedy_checked("mixed", &b4, be.forward(&b4).expect("mixed"), v).logits));
     out
 }
 

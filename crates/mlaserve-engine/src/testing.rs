@@ -125,7 +125,8 @@ impl Backend for SyntheticBackend {
         for &r in &batch.logit_rows {
             self.logits_for(row_ctx[r as usize], &mut logits);
         }
-        Ok(ForwardOutput { hidden, logits })
+        let argmax = batch.argmax_rows.iter().map(|&r| self.greedy(row_ctx[r as usize])).collect();
+        Ok(ForwardOutput { hidden, logits, argmax })
     }
 
     fn mtp_forward(
@@ -163,7 +164,9 @@ impl Backend for SyntheticBackend {
         for &r in &batch.logit_rows {
             self.one_hot(preds[r as usize], &mut logits);
         }
-        Ok(ForwardOutput { hidden, logits })
+        // The argmax of a one-hot row is its hot token.
+        let argmax = batch.argmax_rows.iter().map(|&r| preds[r as usize]).collect();
+        Ok(ForwardOutput { hidden, logits, argmax })
     }
 
     fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {

@@ -94,6 +94,7 @@ fn tiny_v3_next_token_distribution() {
     let prompt: Vec<u32> = (0..24).map(|i| (i * 53 + 7) % v as u32).collect();
     let table: Vec<u32> = (0..8).collect();
     let pre = Batch {
+        argmax_rows: vec![],
         seqs: vec![SeqChunk { tokens: prompt[..23].to_vec(), start_pos: 0, block_table: table.clone() }],
         logit_rows: vec![22],
     };
@@ -102,6 +103,7 @@ fn tiny_v3_next_token_distribution() {
     let row = |b: &mut CpuBackend, toks: Vec<u32>| {
         let n = toks.len() as u32;
         let probe = Batch {
+            argmax_rows: vec![],
             seqs: vec![SeqChunk { tokens: toks, start_pos: 23, block_table: table.clone() }],
             logit_rows: vec![n - 1],
         };
@@ -110,6 +112,7 @@ fn tiny_v3_next_token_distribution() {
     let d1 = row(&mut b, vec![prompt[23]]);
     let d2 = row(&mut b, vec![prompt[23], d1]);
     let window = Batch {
+        argmax_rows: vec![],
         seqs: vec![SeqChunk { tokens: vec![prompt[23], d1, d2], start_pos: 23, block_table: table }],
         logit_rows: vec![0, 1, 2],
     };

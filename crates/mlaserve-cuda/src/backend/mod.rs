@@ -34,7 +34,7 @@ use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, BLOCK_SIZ
 use mlaserve_model::{names, Weights};
 
 use crate::comm::{DeviceComm, TpInit};
-use crate::elementwise::SiluMul;
+use crate::elementwise::{Argmax, SiluMul};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::linear::{Gemm, GemmMode, Linear};
@@ -113,6 +113,7 @@ pub struct CudaBackend {
     ops: Ops,
     gemm: Gemm,
     silu: SiluMul,
+    argmax: Argmax,
     mla: MlaDecode,
     embed: Embed,
     blocks: Vec<Block>,
@@ -156,6 +157,8 @@ pub(crate) struct Step {
     /// an upload from pageable host memory synchronizes the stream, so none may follow a
     /// collective inside a step (a stalled peer would block it beyond any deadline).
     pub logit_rows: CudaSlice<i32>,
+    /// `Batch::argmax_rows`, uploaded with the rest (same reason).
+    pub argmax_rows: CudaSlice<i32>,
 }
 
 impl CudaBackend {
@@ -231,6 +234,7 @@ impl CudaBackend {
         let ops = Ops::new(&gpu)?;
         let gemm = Gemm::new(&gpu, opts.gemm)?;
         let silu = SiluMul::new(&gpu)?;
+        let argmax = Argmax::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
         gpu.sync()?;
@@ -240,6 +244,7 @@ impl CudaBackend {
             ops,
             gemm,
             silu,
+            argmax,
             mla,
             embed,
             blocks,
@@ -409,6 +414,7 @@ impl CudaBackend {
             meta: AttnMeta { n, seqs: batch.seqs.len(), bt_stride, max_pos, max_block },
             uniform,
             logit_rows: up(&batch.logit_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
+            argmax_rows: up(&batch.argmax_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
         })
     }
 
@@ -442,6 +448,48 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Vocabulary-parallel greedy choice over `rows` of `normed`: the head's logits stay
+    /// on the device; one id per row comes to the host (with TP: each rank's best value
+    /// and id, all-gathered, the best taken in rank order — lowest id on a tie, as
+    /// `mlaserve_core::argmax`).
+    fn head_argmax(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[u32]) -> Result<Vec<u32>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let (h, n) = (self.cfg.hidden_size, rows.len());
+        let mut sel = s.alloc_zeros::<half::bf16>(n * h)?;
+        self.ops.gather_f32_bf16(s, &mut sel, normed, &st.argmax_rows, rows, h)?;
+        let mut logits = s.alloc_zeros::<f32>(n * head.out)?;
+        self.gemm.forward(s, head, &sel, n, &mut logits)?;
+        let Some(comm) = &self.comm else {
+            let mut ids = s.alloc_zeros::<i32>(n)?;
+            self.argmax.argmax_f32(s, &logits, &mut ids, head.out)?;
+            let out = s.clone_dtoh(&ids)?;
+            self.gpu.sync()?;
+            return Ok(out.into_iter().map(|i| i as u32).collect());
+        };
+        let mut pair = s.alloc_zeros::<f32>(2 * n)?;
+        self.argmax.argmax_pair_f32(s, &logits, &mut pair, head.out, comm.rank * head.out)?;
+        let mut all = s.alloc_zeros::<f32>(2 * n * comm.world)?;
+        comm.all_gather(&pair, &mut all)?;
+        self.settle("head argmax all-gather")?;
+        let g = s.clone_dtoh(&all)?;
+        self.gpu.sync()?;
+        Ok((0..n)
+            .map(|r| {
+                let mut best: Option<(f32, u32)> = None;
+                for rk in 0..comm.world {
+                    let (v, i) = (g[(rk * n + r) * 2], g[(rk * n + r) * 2 + 1] as u32);
+                    if !v.is_nan() && best.is_none_or(|(bv, _)| v > bv) {
+                        best = Some((v, i));
+                    }
+                }
+                best.map_or(0, |b| b.1)
+            })
+            .collect())
+    }
+
     fn validate(&self, batch: &Batch) -> mlaserve_core::Result<()> {
         batch.validate(self.cfg.vocab_size, self.opts.num_blocks, self.cfg.max_position_embeddings)
     }
@@ -466,9 +514,11 @@ impl CudaBackend {
         self.mark("final norm")?;
         let logits = self.head_logits(&self.lm_head, &normed, &st, &batch.logit_rows)?;
         self.mark("head (logits to host)")?;
+        let argmax = self.head_argmax(&self.lm_head, &normed, &st, &batch.argmax_rows)?;
+        self.mark("head (argmax)")?;
         self.settle("forward")?;
         self.gpu.sync()?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits })
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits, argmax })
     }
 
     fn concat_impl(&self, parts: &[(&CudaHidden, &[u32])]) -> Result<CudaHidden> {
@@ -527,9 +577,11 @@ impl CudaBackend {
         self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &m.head_norm, n, eps)?;
         let logits = self.head_logits(&m.head, &normed, &st, &batch.logit_rows)?;
         self.mark("head (logits to host)")?;
+        let argmax = self.head_argmax(&m.head, &normed, &st, &batch.argmax_rows)?;
+        self.mark("head (argmax)")?;
         self.settle("MTP forward")?;
         self.gpu.sync()?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits })
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax })
     }
 }
 

@@ -46,6 +46,10 @@ struct StepArgs {
     /// Also time each phase of one step (target forward and the first MTP stage).
     #[arg(long)]
     profile: bool,
+    /// Copy every row's logits to the host (what sampled requests need) instead of only
+    /// each row's argmax, computed on the device (greedy verification and drafting).
+    #[arg(long)]
+    host_logits: bool,
     /// (Internal) this process is rank R of a `--tp` group started by rank 0.
     #[arg(long, hide = true, requires = "nccl_id")]
     rank: Option<usize>,
@@ -143,6 +147,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         moe_layers: a.moe_layers,
         context: a.context,
         profile: a.profile,
+        host_logits: a.host_logits,
         ..Default::default()
     };
     if a.tp == 1 || a.threads {
@@ -172,6 +177,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(["--moe-layers", &a.moe_layers.to_string(), "--context", &a.context.to_string()])
                 .args(["--rank", &r.to_string(), "--nccl-id", &hex])
                 .args(a.profile.then_some("--profile"))
+                .args(a.host_logits.then_some("--host-logits"))
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))
         })
