@@ -416,3 +416,73 @@ extern "C" __global__ void __launch_bounds__(256)
     linear_inv_bf16_obf16(bf16* y, const bf16* x, const bf16* w, int m, int n, int k) {
     linear_inv(y, x, w, m, n, k);
 }
+
+// The MoE experts as one launch: rows [off[g], off[g + 1]) of x (sorted by expert, `k`
+// wide) times the weight of expert experts[g] (w[experts[g]], `[n][k]` bf16) into the
+// same rows of y (`n` wide). grid = (ceil(n / 32), touched experts), 256 threads: each
+// warp owns 4 output columns of its expert and runs its rows 8 at a time, reading each
+// weight row once per 8 rows. A row's dot product is summed exactly as `linear_inv`
+// sums it (lane-strided 8-element chunks, then the warp tree), so the result for a token
+// does not depend on which or how many other rows its expert got. Needs k % 8 == 0.
+namespace gmoe {
+constexpr int ROWS = 8, COLS = 4;
+}
+template <typename T>
+__device__ void grouped_linear(T* __restrict__ y, const bf16* __restrict__ x, const bf16* const* __restrict__ w,
+                               const int* __restrict__ experts, const int* __restrict__ off, int n, int k) {
+    using namespace gmoe;
+    const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
+    const int col0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * COLS, lane = threadIdx.x & 31;
+    if (col0 >= n || r0 >= r1) return;
+    const bf16* we = w[experts[g]];
+    const int k8 = k / 8;
+    for (int base = r0; base < r1; base += ROWS) {
+        const int nr = min(ROWS, r1 - base);
+        float d[ROWS][COLS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) d[r][c] = 0.f;
+        for (int i = lane; i < k8; i += 32) {
+            uint4 wb[COLS];
+#pragma unroll
+            for (int c = 0; c < COLS; ++c)
+                wb[c] = col0 + c < n ? reinterpret_cast<const uint4*>(we + static_cast<size_t>(col0 + c) * k)[i]
+                                     : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= nr) break;
+                const uint4 a = reinterpret_cast<const uint4*>(x + static_cast<size_t>(base + r) * k)[i];
+                const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&wb[c]);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const float2 af = __bfloat1622float2(ah[q]), bf = __bfloat1622float2(bh[q]);
+                        d[r][c] += af.x * bf.x + af.y * bf.y;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r >= nr) break;
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                const float s = warp_sum(d[r][c]);
+                if (lane == 0 && col0 + c < n) bops::store(y + static_cast<size_t>(base + r) * n + col0 + c, s);
+            }
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(256)
+    moe_grouped_bf16_obf16(bf16* y, const bf16* x, const bf16* const* w, const int* experts, const int* off, int n,
+                           int k) {
+    grouped_linear(y, x, w, experts, off, n, k);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    moe_grouped_bf16_of32(float* y, const bf16* x, const bf16* const* w, const int* experts, const int* off, int n,
+                          int k) {
+    grouped_linear(y, x, w, experts, off, n, k);
+}

@@ -35,6 +35,29 @@ fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfi
     LaunchConfig { grid_dim: (heads as u32, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
 }
 
+/// The device addresses of one projection (gate_up or down) of every routed expert, for
+/// [`Ops::moe_grouped`]. The weights must outlive it (the owning `Moe` keeps both).
+#[derive(Debug)]
+pub struct ExpertWeights {
+    pub ptrs: CudaSlice<u64>,
+    pub count: usize,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl ExpertWeights {
+    /// The table of `weights` (all `[out][inp]`).
+    pub fn new(s: &Arc<CudaStream>, weights: &[&crate::linear::Linear]) -> Result<Self> {
+        let (out, inp) = weights.first().map_or((0, 0), |l| (l.out, l.inp));
+        if weights.iter().any(|l| l.out != out || l.inp != inp) {
+            return Err(CudaError::shape("moe_grouped", "experts of different shapes"));
+        }
+        let ptrs: Vec<u64> = weights.iter().map(|l| l.w.device_ptr(s).0).collect();
+        let ptrs = s.clone_htod(if ptrs.is_empty() { &[0u64][..] } else { &ptrs })?;
+        Ok(ExpertWeights { ptrs, count: weights.len(), out, inp })
+    }
+}
+
 /// Routing parameters of one MoE layer, as the kernel takes them.
 #[derive(Debug, Clone, Copy)]
 pub struct RouteParams {
@@ -59,6 +82,8 @@ pub struct Ops {
     add: CudaFunction,
     sum_ranks: CudaFunction,
     interleave: CudaFunction,
+    grouped_bf16: CudaFunction,
+    grouped_f32: CudaFunction,
     to_bf16: CudaFunction,
     gather_f32: CudaFunction,
     gather_f32_bf16: CudaFunction,
@@ -85,6 +110,8 @@ impl Ops {
             add: f("add_f32")?,
             sum_ranks: f("sum_ranks_f32")?,
             interleave: f("interleave_ranks_f32")?,
+            grouped_bf16: f("moe_grouped_bf16_obf16")?,
+            grouped_f32: f("moe_grouped_bf16_of32")?,
             to_bf16: f("to_bf16_f32")?,
             gather_f32: f("gather_rows_f32")?,
             gather_f32_bf16: f("gather_rows_f32_obf16")?,
@@ -272,6 +299,60 @@ impl Ops {
         // out[(r*world + rk)*part + c] < world*rows*part; both hold at least that many.
         unsafe {
             s.launch_builder(&self.interleave).arg(out).arg(parts).arg(&w).arg(&r).arg(&p).launch(self.grid_stride())
+        }?;
+        Ok(())
+    }
+
+    /// The MoE experts in one launch: for each group `g` (rows `off[g]..off[g + 1]` of `x`,
+    /// sorted by expert, `k` wide), `y[rows] = x[rows] · W_{experts[g]}ᵀ` where `weights`
+    /// holds each expert's `[n][k]` bf16 weight (its device address). `y` is bf16 or f32
+    /// (`out_f32`); the host copies `host_experts`/`host_off` are checked first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_grouped<T: cudarc::driver::DeviceRepr>(
+        &self,
+        s: &Arc<CudaStream>,
+        y: &mut CudaSlice<T>,
+        x: &CudaSlice<bf16>,
+        weights: &ExpertWeights,
+        experts: &CudaSlice<i32>,
+        off: &CudaSlice<i32>,
+        host_experts: &[i32],
+        host_off: &[i32],
+        out_f32: bool,
+    ) -> Result<()> {
+        const K: &str = "moe_grouped";
+        let (n, k) = (weights.out, weights.inp);
+        let groups = host_experts.len();
+        if k % 8 != 0 || host_off.len() != groups + 1 {
+            return Err(CudaError::shape(K, format!("k = {k} (needs a multiple of 8), {groups} groups")));
+        }
+        let rows = host_off.last().copied().unwrap_or(0).max(0) as usize;
+        if host_off.first() != Some(&0) || host_off.windows(2).any(|w| w[1] < w[0]) {
+            return Err(CudaError::shape(K, "group offsets must start at 0 and not decrease"));
+        }
+        if let Some(&e) = host_experts.iter().find(|&&e| e < 0 || e as usize >= weights.count) {
+            return Err(CudaError::shape(K, format!("expert {e} of {}", weights.count)));
+        }
+        need(K, "experts", experts.len(), groups)?;
+        need(K, "off", off.len(), groups + 1)?;
+        need(K, "x", x.len(), rows * k)?;
+        need(K, "y", y.len(), rows * n)?;
+        if groups == 0 || rows == 0 {
+            return Ok(());
+        }
+        let (ni, ki) = (i32_of(K, n)?, i32_of(K, k)?);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(32) as u32, groups as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = if out_f32 { &self.grouped_f32 } else { &self.grouped_bf16 };
+        // SAFETY: group g reads rows off[g]..off[g+1] <= rows of x (rows*k, checked) and
+        // writes the same rows of y (rows*n, checked); experts[g] < count indexes the
+        // address table, whose entries point at live [n][k] weights (ExpertWeights holds
+        // them); T is f32 when out_f32, else bf16 (the caller's buffers).
+        unsafe {
+            s.launch_builder(f).arg(y).arg(x).arg(&weights.ptrs).arg(experts).arg(off).arg(&ni).arg(&ki).launch(cfg)
         }?;
         Ok(())
     }

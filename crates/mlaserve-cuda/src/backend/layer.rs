@@ -188,22 +188,42 @@ impl CudaBackend {
         for (row, &sl) in slots.iter().enumerate() {
             inv[sl] = row as i32;
         }
-        let perm_d = s.clone_htod(&perm.iter().map(|&t| t as i32).collect::<Vec<_>>())?;
-        let inv_d = s.clone_htod(&inv)?;
-        let mut xs = s.alloc_zeros::<bf16>(n * k * h)?;
-        self.ops.gather_bf16(s, &mut xs, xn, &perm_d, &perm, h)?;
-        let mut ys = s.alloc_zeros::<f32>(n * k * h)?;
+        // The touched experts and where each one's rows start and end.
+        let (mut touched, mut off) = (Vec::new(), vec![0i32]);
         let mut start = 0;
         while start < slots.len() {
             let ex = ids_h[slots[start]];
-            let end = start + slots[start..].iter().take_while(|&&sl| ids_h[sl] == ex).count();
-            let expert = m
-                .experts
-                .get(ex as usize)
-                .ok_or_else(|| crate::CudaError::shape("moe_route_f32", format!("expert id {ex} out of range")))?;
-            let rows = end - start;
-            self.mlp_into(expert, &xs.slice(start * h..end * h), rows, &mut ys.slice_mut(start * h..end * h))?;
-            start = end;
+            start += slots[start..].iter().take_while(|&&sl| ids_h[sl] == ex).count();
+            touched.push(ex);
+            off.push(start as i32);
+        }
+        if let Some(&ex) = touched.iter().find(|&&e| e < 0 || e as usize >= m.experts.len()) {
+            return Err(crate::CudaError::shape("moe_route_f32", format!("expert id {ex} out of range")));
+        }
+        let perm_d = s.clone_htod(&perm.iter().map(|&t| t as i32).collect::<Vec<_>>())?;
+        let inv_d = s.clone_htod(&inv)?;
+        let touched_d = s.clone_htod(&touched)?;
+        let off_d = s.clone_htod(&off)?;
+        let mut xs = s.alloc_zeros::<bf16>(n * k * h)?;
+        self.ops.gather_bf16(s, &mut xs, xn, &perm_d, &perm, h)?;
+        let mut ys = s.alloc_zeros::<f32>(n * k * h)?;
+        match &m.grouped {
+            // Every touched expert in three launches (gate_up, SiLU-mul, down).
+            Some((gate_up, down)) => {
+                let (rows, i) = (n * k, gate_up.out / 2);
+                let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
+                self.ops.moe_grouped(s, &mut gu, &xs, gate_up, &touched_d, &off_d, &touched, &off, false)?;
+                let mut act = s.alloc_zeros::<bf16>(rows * i)?;
+                self.silu.launch(s, &mut act, &gu, i)?;
+                self.ops.moe_grouped(s, &mut ys, &act, down, &touched_d, &off_d, &touched, &off, true)?;
+            }
+            None => {
+                for (g, &ex) in touched.iter().enumerate() {
+                    let (a, b) = (off[g] as usize, off[g + 1] as usize);
+                    let expert = &m.experts[ex as usize];
+                    self.mlp_into(expert, &xs.slice(a * h..b * h), b - a, &mut ys.slice_mut(a * h..b * h))?;
+                }
+            }
         }
         self.mark("MoE routed experts")?;
         self.ops.combine(s, &mut out, &ys, &ids, &w, &inv_d, n, k, h)?;

@@ -53,23 +53,27 @@ impl Rand<'_> {
     fn block(&self, c: &ModelConfig, layer: usize) -> Result<Block> {
         let h = c.hidden_size;
         let ffn = match (&c.moe, c.is_moe_layer(layer)) {
-            (Some(m), true) => Ffn::Moe(Moe {
-                gate: self.vec(m.n_routed_experts * h, -1.0 / (h as f32).sqrt(), 1.0 / (h as f32).sqrt())?,
-                bias: if m.topk_method == TopkMethod::NoauxTc {
-                    Some(self.vec(m.n_routed_experts, 0.0, 0.1)?)
-                } else {
-                    None
-                },
-                experts: (0..m.n_routed_experts)
+            (Some(m), true) => {
+                let experts = (0..m.n_routed_experts)
                     .map(|_| self.mlp(h, m.moe_intermediate_size / self.world))
-                    .collect::<Result<Vec<_>>>()?,
-                shared: if m.n_shared_experts > 0 {
-                    Some(self.mlp(h, m.moe_intermediate_size * m.n_shared_experts / self.world)?)
-                } else {
-                    None
-                },
-                route: route_params(m, c.arch),
-            }),
+                    .collect::<Result<Vec<_>>>()?;
+                Ffn::Moe(Box::new(Moe {
+                    gate: self.vec(m.n_routed_experts * h, -1.0 / (h as f32).sqrt(), 1.0 / (h as f32).sqrt())?,
+                    bias: if m.topk_method == TopkMethod::NoauxTc {
+                        Some(self.vec(m.n_routed_experts, 0.0, 0.1)?)
+                    } else {
+                        None
+                    },
+                    grouped: Moe::tables(self.s, &experts)?,
+                    experts,
+                    shared: if m.n_shared_experts > 0 {
+                        Some(self.mlp(h, m.moe_intermediate_size * m.n_shared_experts / self.world)?)
+                    } else {
+                        None
+                    },
+                    route: route_params(m, c.arch),
+                }))
+            }
             _ => Ffn::Dense(self.mlp(h, c.intermediate_size / self.world)?),
         };
         let (nh, qk, lora) = (c.num_attention_heads / self.world, c.qk_head_dim(), c.kv_lora_rank);

@@ -12,7 +12,7 @@ use mlaserve_model::{names, Shard, Weights};
 
 use crate::error::Result;
 use crate::linear::Linear;
-use crate::ops::RouteParams;
+use crate::ops::{ExpertWeights, RouteParams};
 
 fn mlerr(e: mlaserve_core::Error) -> crate::CudaError {
     crate::CudaError::Shape { kernel: "load", msg: e.to_string() }
@@ -81,6 +81,22 @@ pub(crate) struct Moe {
     pub experts: Vec<Mlp>,
     pub shared: Option<Mlp>,
     pub route: RouteParams,
+    /// Every expert's gate_up and down addresses for the one-launch expert GEMMs
+    /// (`None` when a dimension is not a multiple of 8: the experts then run one by one).
+    pub grouped: Option<(ExpertWeights, ExpertWeights)>,
+}
+
+impl Moe {
+    /// The address tables of `experts` for [`crate::ops::Ops::moe_grouped`].
+    pub fn tables(s: &Arc<CudaStream>, experts: &[Mlp]) -> Result<Option<(ExpertWeights, ExpertWeights)>> {
+        let Some(first) = experts.first() else { return Ok(None) };
+        if first.gate_up.inp % 8 != 0 || first.down.inp % 8 != 0 {
+            return Ok(None);
+        }
+        let gu: Vec<&Linear> = experts.iter().map(|m| &m.gate_up).collect();
+        let dn: Vec<&Linear> = experts.iter().map(|m| &m.down).collect();
+        Ok(Some((ExpertWeights::new(s, &gu)?, ExpertWeights::new(s, &dn)?)))
+    }
 }
 
 impl Moe {
@@ -101,7 +117,8 @@ impl Moe {
             None
         };
         let route = route_params(c, arch);
-        Ok(Moe { gate, bias, experts, shared, route })
+        let grouped = Moe::tables(l.s, &experts)?;
+        Ok(Moe { gate, bias, experts, shared, route, grouped })
     }
 }
 
@@ -130,7 +147,7 @@ pub(crate) fn route_params(c: &MoeConfig, arch: Arch) -> RouteParams {
 #[derive(Debug)]
 pub(crate) enum Ffn {
     Dense(Mlp),
-    Moe(Moe),
+    Moe(Box<Moe>),
 }
 
 /// MLA weights of this rank's heads.
@@ -197,7 +214,7 @@ impl Block {
     pub fn load(l: &Loader, c: &ModelConfig, layer: usize) -> Result<Self> {
         let h = c.hidden_size;
         let ffn = match (&c.moe, c.is_moe_layer(layer)) {
-            (Some(m), true) => Ffn::Moe(Moe::load(l, m, c.arch, layer, h)?),
+            (Some(m), true) => Ffn::Moe(Box::new(Moe::load(l, m, c.arch, layer, h)?)),
             _ => Ffn::Dense(Mlp::load(l, &names::layer(layer, "mlp"), h, c.intermediate_size)?),
         };
         Ok(Block {
