@@ -418,7 +418,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // The MoE experts as one launch: rows [off[g], off[g + 1]) of x (sorted by expert, `k`
-// wide) times the weight of expert experts[g] (w[experts[g]], `[n][k]` bf16) into the
+// wide) times the weight of expert experts[g] (w[experts[g]], `[n][k]` bf16; expert g
+// when `experts` is null) into the
 // same rows of y (`n` wide). grid = (ceil(n / 32), touched experts), 256 threads: each
 // warp owns 4 output columns of its expert and runs its rows 8 at a time, reading each
 // weight row once per 8 rows. A row's dot product is summed exactly as `linear_inv`
@@ -434,7 +435,7 @@ __device__ void grouped_linear(T* __restrict__ y, const bf16* __restrict__ x, co
     const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
     const int col0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * COLS, lane = threadIdx.x & 31;
     if (col0 >= n || r0 >= r1) return;
-    const bf16* we = w[experts[g]];
+    const bf16* we = w[experts ? experts[g] : g];
     const int k8 = k / 8;
     for (int base = r0; base < r1; base += ROWS) {
         const int nr = min(ROWS, r1 - base);
@@ -485,4 +486,41 @@ extern "C" __global__ void __launch_bounds__(256)
     moe_grouped_bf16_of32(float* y, const bf16* x, const bf16* const* w, const int* experts, const int* off, int n,
                           int k) {
     grouped_linear(y, x, w, experts, off, n, k);
+}
+
+// The MoE slots (token t, choice j) = slot t*k + j sorted by expert on the device, so the
+// expert GEMMs need no host round trip: off[e] = first sorted row of expert e (off[E] =
+// slots), perm[row] = the row's token, inv[slot] = the slot's row. Within an expert the
+// order follows the atomics (not fixed), which changes no result: every row is computed
+// on its own and the combine finds each slot's row through inv. One block of 1024
+// threads; experts <= 1024; ids must be < experts (moe_route_f32 guarantees it; others
+// are counted as expert 0 to stay in bounds).
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_sort(const int* __restrict__ ids, int slots, int k, int experts, int* __restrict__ off, int* __restrict__ perm,
+             int* __restrict__ inv) {
+    __shared__ int cnt[1024];
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int sl = threadIdx.x; sl < slots; sl += blockDim.x) {
+        const int e = ids[sl];
+        atomicAdd(&cnt[(e >= 0 && e < experts) ? e : 0], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int e = 0; e < experts; ++e) {
+            const int c = cnt[e];
+            off[e] = run;
+            cnt[e] = run;  // now each expert's next free row
+            run += c;
+        }
+        off[experts] = run;
+    }
+    __syncthreads();
+    for (int sl = threadIdx.x; sl < slots; sl += blockDim.x) {
+        const int e = ids[sl];
+        const int row = atomicAdd(&cnt[(e >= 0 && e < experts) ? e : 0], 1);
+        perm[row] = sl / k;
+        inv[sl] = row;
+    }
 }

@@ -36,7 +36,7 @@ fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfi
 }
 
 /// The device addresses of one projection (gate_up or down) of every routed expert, for
-/// [`Ops::moe_grouped`]. The weights must outlive it (the owning `Moe` keeps both).
+/// [`Ops::moe_grouped_sorted`]. The weights must outlive it (the owning `Moe` keeps both).
 #[derive(Debug)]
 pub struct ExpertWeights {
     pub ptrs: CudaSlice<u64>,
@@ -84,6 +84,7 @@ pub struct Ops {
     interleave: CudaFunction,
     grouped_bf16: CudaFunction,
     grouped_f32: CudaFunction,
+    moe_sort: CudaFunction,
     to_bf16: CudaFunction,
     gather_f32: CudaFunction,
     gather_f32_bf16: CudaFunction,
@@ -112,6 +113,7 @@ impl Ops {
             interleave: f("interleave_ranks_f32")?,
             grouped_bf16: f("moe_grouped_bf16_obf16")?,
             grouped_f32: f("moe_grouped_bf16_of32")?,
+            moe_sort: f("moe_sort")?,
             to_bf16: f("to_bf16_f32")?,
             gather_f32: f("gather_rows_f32")?,
             gather_f32_bf16: f("gather_rows_f32_obf16")?,
@@ -303,57 +305,112 @@ impl Ops {
         Ok(())
     }
 
-    /// The MoE experts in one launch: for each group `g` (rows `off[g]..off[g + 1]` of `x`,
-    /// sorted by expert, `k` wide), `y[rows] = x[rows] · W_{experts[g]}ᵀ` where `weights`
-    /// holds each expert's `[n][k]` bf16 weight (its device address). `y` is bf16 or f32
-    /// (`out_f32`); the host copies `host_experts`/`host_off` are checked first.
+    /// Sorts the `tokens × k` routing slots (`ids`, expert per slot) by expert on the
+    /// device: `off` (`experts + 1`) each expert's first row, `perm` (`tokens × k`) each
+    /// row's token, `inv` (`tokens × k`) each slot's row.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_grouped<T: cudarc::driver::DeviceRepr>(
+    pub fn moe_sort(
+        &self,
+        s: &Arc<CudaStream>,
+        ids: &CudaSlice<i32>,
+        tokens: usize,
+        k: usize,
+        experts: usize,
+        off: &mut CudaSlice<i32>,
+        perm: &mut CudaSlice<i32>,
+        inv: &mut CudaSlice<i32>,
+    ) -> Result<()> {
+        const K: &str = "moe_sort";
+        let slots = tokens * k;
+        if experts == 0 || experts > 1024 || k == 0 {
+            return Err(CudaError::shape(K, format!("{experts} experts (1..=1024), k = {k}")));
+        }
+        need(K, "ids", ids.len(), slots)?;
+        need(K, "off", off.len(), experts + 1)?;
+        need(K, "perm", perm.len(), slots)?;
+        need(K, "inv", inv.len(), slots)?;
+        let (sl, ki, ei) = (i32_of(K, slots)?, i32_of(K, k)?, i32_of(K, experts)?);
+        // SAFETY: one block reads ids[..slots], writes off[..=experts] and perm/inv rows
+        // < slots (the per-expert counts sum to slots; out-of-range ids count as expert 0).
+        unsafe {
+            s.launch_builder(&self.moe_sort)
+                .arg(ids)
+                .arg(&sl)
+                .arg(&ki)
+                .arg(&ei)
+                .arg(off)
+                .arg(perm)
+                .arg(inv)
+                .launch(rows_cfg(1, 1024, 0))
+        }?;
+        Ok(())
+    }
+
+    /// The MoE experts in one launch: for each expert `g`, rows `off[g]..off[g + 1]` of `x`
+    /// (sorted by expert, `k` wide) times its `[n][k]` bf16 weight (`weights` holds the
+    /// addresses) into the same rows of `y` (bf16, or f32 when `out_f32`). `off`
+    /// (`experts + 1`) comes from [`Ops::moe_sort`] and is never read on the host; `rows`
+    /// sorted rows in all; experts without rows return at once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_grouped_sorted<T: cudarc::driver::DeviceRepr>(
         &self,
         s: &Arc<CudaStream>,
         y: &mut CudaSlice<T>,
         x: &CudaSlice<bf16>,
         weights: &ExpertWeights,
-        experts: &CudaSlice<i32>,
         off: &CudaSlice<i32>,
-        host_experts: &[i32],
-        host_off: &[i32],
+        rows: usize,
         out_f32: bool,
     ) -> Result<()> {
         const K: &str = "moe_grouped";
         let (n, k) = (weights.out, weights.inp);
-        let groups = host_experts.len();
-        if k % 8 != 0 || host_off.len() != groups + 1 {
-            return Err(CudaError::shape(K, format!("k = {k} (needs a multiple of 8), {groups} groups")));
+        if k % 8 != 0 {
+            return Err(CudaError::shape(K, format!("k = {k} is not a multiple of 8")));
         }
-        let rows = host_off.last().copied().unwrap_or(0).max(0) as usize;
-        if host_off.first() != Some(&0) || host_off.windows(2).any(|w| w[1] < w[0]) {
-            return Err(CudaError::shape(K, "group offsets must start at 0 and not decrease"));
-        }
-        if let Some(&e) = host_experts.iter().find(|&&e| e < 0 || e as usize >= weights.count) {
-            return Err(CudaError::shape(K, format!("expert {e} of {}", weights.count)));
-        }
-        need(K, "experts", experts.len(), groups)?;
-        need(K, "off", off.len(), groups + 1)?;
+        need(K, "off", off.len(), weights.count + 1)?;
         need(K, "x", x.len(), rows * k)?;
         need(K, "y", y.len(), rows * n)?;
-        if groups == 0 || rows == 0 {
+        if rows == 0 || weights.count == 0 {
             return Ok(());
         }
         let (ni, ki) = (i32_of(K, n)?, i32_of(K, k)?);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(32) as u32, groups as u32, 1),
+            grid_dim: (n.div_ceil(32) as u32, weights.count as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let f = if out_f32 { &self.grouped_f32 } else { &self.grouped_bf16 };
-        // SAFETY: group g reads rows off[g]..off[g+1] <= rows of x (rows*k, checked) and
-        // writes the same rows of y (rows*n, checked); experts[g] < count indexes the
-        // address table, whose entries point at live [n][k] weights (ExpertWeights holds
-        // them); T is f32 when out_f32, else bf16 (the caller's buffers).
+        let no_experts: u64 = 0; // null: group g is expert g
+                                 // SAFETY: `off` comes from moe_sort over `rows` slots: non-decreasing from 0 to
+                                 // rows, so group g reads rows < rows of x (rows*k, checked) and writes the same
+                                 // rows of y (rows*n, checked); g < count indexes the address table (live weights).
         unsafe {
-            s.launch_builder(f).arg(y).arg(x).arg(&weights.ptrs).arg(experts).arg(off).arg(&ni).arg(&ki).launch(cfg)
+            s.launch_builder(f).arg(y).arg(x).arg(&weights.ptrs).arg(&no_experts).arg(off).arg(&ni).arg(&ki).launch(cfg)
         }?;
+        Ok(())
+    }
+
+    /// `out[i] = x[rows[i]]` (bf16) for `n` rows whose indices were made on the device
+    /// ([`Ops::moe_sort`]'s `perm`, each < the tokens of `x`).
+    pub fn gather_bf16_sorted(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        x: &CudaSlice<bf16>,
+        rows: &CudaSlice<i32>,
+        n: usize,
+        h: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_rows";
+        need(K, "rows", rows.len(), n)?;
+        need(K, "out", out.len(), n * h)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let hi = i32_of(K, h)?;
+        // SAFETY: block i reads rows[i] (n entries) — a token index from moe_sort, < the
+        // tokens whose rows x holds — and x[rows[i]*h..][..h], writes out[i*h..][..h].
+        unsafe { s.launch_builder(&self.gather_bf16).arg(out).arg(x).arg(rows).arg(&hi).launch(rows_cfg(n, 256, 0)) }?;
         Ok(())
     }
 

@@ -102,63 +102,78 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
     assert!(fails.is_empty(), "failed: {fails:?}");
 }
 
-/// The one-launch expert GEMM (`Ops::moe_grouped`) against an f64 reference and, bit for
-/// bit, against the batch-invariant GEMM run expert by expert: groups of 0..=19 rows (more
-/// than one 8-row pass), untouched experts skipped, widths not multiples of 32; V3's
-/// expert shapes (2·2048 × 7168 and 7168 × 2048) and small ones; f32 and bf16 outputs.
+/// The MoE expert path without the host (`Ops::moe_sort`, `gather_bf16_sorted`,
+/// `moe_grouped_sorted`) against an f64 reference and, bit for bit, against the
+/// batch-invariant GEMM of the same token row and expert: random routing of `tokens × k`
+/// slots over `experts` (some untouched, some with more than one 8-row pass), widths not
+/// multiples of 32; V3's expert shapes (2·2048 × 7168 and 7168 × 2048) and small ones;
+/// f32 and bf16 outputs. Also checks the sort itself (offsets, perm, inv consistent).
 #[test]
-fn grouped_expert_gemm_matches_reference_and_invariant_gemm() {
+fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
     let Some(g) = gpu() else { return };
     let s = &g.stream;
     let ops = Ops::new(&g).expect("ops");
-    let inv = Gemm::new(&g, GemmMode::BatchInvariant).expect("gemm");
+    let inv_gemm = Gemm::new(&g, GemmMode::BatchInvariant).expect("gemm");
     let mut rng = Rng::new(29);
     let mut fails = Vec::new();
-    for (experts, n, k, sizes) in [
-        (6usize, 40usize, 64usize, vec![3usize, 0, 19, 1, 8, 9]),
-        (5, 4096, 7168, vec![2, 9, 0, 1, 4]),
-        (4, 7168, 2048, vec![8, 1, 0, 17]),
-        (3, 100, 24, vec![5, 2, 7]),
-    ] {
+    for (experts, n, k, tokens, topk) in
+        [(6usize, 40usize, 64usize, 13usize, 3usize), (6, 4096, 7168, 5, 4), (5, 7168, 2048, 9, 2), (3, 100, 24, 7, 2)]
+    {
         let ws: Vec<Vec<f32>> = (0..experts).map(|_| rounded(&rand(&mut rng, n * k, -0.05, 0.05))).collect();
         let lins: Vec<Linear> = ws.iter().map(|w| Linear::from_f32(s, w, n, k).expect("upload")).collect();
         let table = mlaserve_cuda::ops::ExpertWeights::new(s, &lins.iter().collect::<Vec<_>>()).expect("table");
-        // Touched experts in a shuffled order, as the sorted slots list them.
-        let (mut touched, mut off) = (Vec::new(), vec![0i32]);
-        for (e, &c) in sizes.iter().enumerate().rev() {
-            if c > 0 {
-                touched.push(e as i32);
-                off.push(off.last().unwrap() + c as i32);
-            }
-        }
-        let rows = *off.last().unwrap() as usize;
-        let x = rounded(&rand(&mut rng, rows * k, -1.0, 1.0));
+        // Expert 1 stays untouched; the rest drawn at random (repeats allowed).
+        let ids: Vec<i32> = (0..tokens * topk)
+            .map(|_| {
+                let e = (rng.uniform(0.0, experts as f32 - 1.0) as usize).min(experts - 2);
+                (if e >= 1 { e + 1 } else { e }) as i32
+            })
+            .collect();
+        let slots = tokens * topk;
+        let x = rounded(&rand(&mut rng, tokens * k, -1.0, 1.0));
         let xd = s.clone_htod(&to_bf(&x)).expect("x");
-        let (td, od) = (s.clone_htod(&touched).expect("t"), s.clone_htod(&off).expect("o"));
-        let mut y = s.alloc_zeros::<f32>(rows * n).expect("y");
-        ops.moe_grouped(s, &mut y, &xd, &table, &td, &od, &touched, &off, true).expect("grouped");
-        let mut yb = s.alloc_zeros::<bf16>(rows * n).expect("y");
-        ops.moe_grouped(s, &mut yb, &xd, &table, &td, &od, &touched, &off, false).expect("grouped");
-        let mut want = vec![0f32; rows * n];
-        let mut same = true;
-        for (gi, &e) in touched.iter().enumerate() {
-            let (a, b) = (off[gi] as usize, off[gi + 1] as usize);
-            let w = &ws[e as usize];
-            for r in a..b {
-                for c in 0..n {
-                    want[r * n + c] = (0..k).map(|j| x[r * k + j] as f64 * w[c * k + j] as f64).sum::<f64>() as f32;
-                }
-            }
-            let mut yi = s.alloc_zeros::<f32>((b - a) * n).expect("yi");
-            inv.forward(s, &lins[e as usize], &xd.slice(a * k..b * k), b - a, &mut yi).expect("inv");
-            let (gy, iy) = (s.clone_dtoh(&y).expect("y"), s.clone_dtoh(&yi).expect("yi"));
-            same &= gy[a * n..b * n].iter().zip(&iy).all(|(p, q)| p.to_bits() == q.to_bits());
+        let idd = s.clone_htod(&ids).expect("ids");
+        let (mut off, mut perm, mut inv) = (
+            s.alloc_zeros::<i32>(experts + 1).expect("off"),
+            s.alloc_zeros::<i32>(slots).expect("perm"),
+            s.alloc_zeros::<i32>(slots).expect("inv"),
+        );
+        ops.moe_sort(s, &idd, tokens, topk, experts, &mut off, &mut perm, &mut inv).expect("sort");
+        let mut xs = s.alloc_zeros::<bf16>(slots * k).expect("xs");
+        ops.gather_bf16_sorted(s, &mut xs, &xd, &perm, slots, k).expect("gather");
+        let mut y = s.alloc_zeros::<f32>(slots * n).expect("y");
+        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, true).expect("grouped");
+        let mut yb = s.alloc_zeros::<bf16>(slots * n).expect("y");
+        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, false).expect("grouped");
+        let (offh, permh, invh) =
+            (s.clone_dtoh(&off).expect("o"), s.clone_dtoh(&perm).expect("p"), s.clone_dtoh(&inv).expect("i"));
+        let (got, gotb) = (s.clone_dtoh(&y).expect("y"), s.clone_dtoh(&yb).expect("y"));
+        // The sort: each slot's row lies in its expert's range and maps back to its token.
+        for (sl, &e) in ids.iter().enumerate() {
+            let row = invh[sl] as usize;
+            let (a, b) = (offh[e as usize] as usize, offh[e as usize + 1] as usize);
+            assert!(a <= row && row < b, "slot {sl} (expert {e}) sorted to row {row} outside {a}..{b}");
+            assert_eq!(permh[row] as usize, sl / topk, "row {row} names the wrong token");
         }
-        let got = s.clone_dtoh(&y).expect("dtoh");
-        let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("dtoh").iter().map(|v| v.to_f32()).collect();
-        check(&format!("grouped experts {experts}×[{n}×{k}] rows {sizes:?} f32 out"), &got, &want, 2e-3, &mut fails);
-        check(&format!("grouped experts {experts}×[{n}×{k}] bf16 out"), &gotb, &want, 1e-2, &mut fails);
-        println!("grouped experts [{n}×{k}]: bit-identical to the invariant GEMM per expert: {same}");
+        assert_eq!(offh[experts] as usize, slots);
+        // Per slot: the reference, and the invariant GEMM of the token row alone.
+        let (mut want, mut same) = (Vec::new(), true);
+        let (mut gf, mut gb) = (Vec::new(), Vec::new());
+        for (sl, &e) in ids.iter().enumerate() {
+            let (t, row) = (sl / topk, invh[sl] as usize);
+            let w = &ws[e as usize];
+            want.extend((0..n).map(|c| (0..k).map(|j| x[t * k + j] as f64 * w[c * k + j] as f64).sum::<f64>() as f32));
+            gf.extend_from_slice(&got[row * n..(row + 1) * n]);
+            gb.extend(gotb[row * n..(row + 1) * n].iter().map(|v| v.to_f32()));
+            let mut one = s.alloc_zeros::<f32>(n).expect("one");
+            inv_gemm.forward(s, &lins[e as usize], &xd.slice(t * k..(t + 1) * k), 1, &mut one).expect("inv");
+            let one = s.clone_dtoh(&one).expect("one");
+            same &= got[row * n..(row + 1) * n].iter().zip(&one).all(|(p, q)| p.to_bits() == q.to_bits());
+        }
+        let name = format!("sorted grouped experts {experts}×[{n}×{k}], {tokens} tokens × top-{topk}");
+        check(&format!("{name} f32 out"), &gf, &want, 2e-3, &mut fails);
+        check(&format!("{name} bf16 out"), &gb, &want, 1e-2, &mut fails);
+        println!("{name}: bit-identical to the invariant GEMM per row: {same}");
         if !same {
             fails.push(format!("grouped [{n}x{k}] differs from the invariant GEMM"));
         }

@@ -157,10 +157,10 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// DeepSeekMoE: routing on the device (f32 logits from `xf`); the chosen (token, expert) pairs sorted by
-    /// expert on the host (one small copy: the ids), each expert's rows gathered and run
-    /// through its MLP, then summed per token in ascending expert order, plus the shared
-    /// experts.
+    /// DeepSeekMoE: routing on the device (f32 logits from `xf`); the chosen (token, expert)
+    /// pairs sorted by expert (on the device; on the host when the grouped kernel does not
+    /// take the dimensions), each expert's rows gathered and run through its MLP, then
+    /// summed per token in ascending expert order, plus the shared experts.
     fn moe(&self, m: &Moe, xn: &CudaSlice<bf16>, xf: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
         let s = &self.gpu.stream;
         let h = self.cfg.hidden_size;
@@ -176,55 +176,62 @@ impl CudaBackend {
             None => s.alloc_zeros::<f32>(n * h)?,
         };
         self.mark("MoE shared experts")?;
-        self.settle("MoE routing")?;
-        let ids_h = s.clone_dtoh(&ids)?;
-        s.synchronize()?;
-        // Slots (t, j) sorted by (expert, token): `perm` gives each sorted row's token,
-        // `inv` each slot's sorted row.
-        let mut slots: Vec<usize> = (0..n * k).collect();
-        slots.sort_by_key(|&sl| (ids_h[sl], sl));
-        let perm: Vec<u32> = slots.iter().map(|&sl| (sl / k) as u32).collect();
-        let mut inv = vec![0i32; n * k];
-        for (row, &sl) in slots.iter().enumerate() {
-            inv[sl] = row as i32;
-        }
-        // The touched experts and where each one's rows start and end.
-        let (mut touched, mut off) = (Vec::new(), vec![0i32]);
-        let mut start = 0;
-        while start < slots.len() {
-            let ex = ids_h[slots[start]];
-            start += slots[start..].iter().take_while(|&&sl| ids_h[sl] == ex).count();
-            touched.push(ex);
-            off.push(start as i32);
-        }
-        if let Some(&ex) = touched.iter().find(|&&e| e < 0 || e as usize >= m.experts.len()) {
-            return Err(crate::CudaError::shape("moe_route_f32", format!("expert id {ex} out of range")));
-        }
-        let perm_d = s.clone_htod(&perm.iter().map(|&t| t as i32).collect::<Vec<_>>())?;
-        let inv_d = s.clone_htod(&inv)?;
-        let touched_d = s.clone_htod(&touched)?;
-        let off_d = s.clone_htod(&off)?;
-        let mut xs = s.alloc_zeros::<bf16>(n * k * h)?;
-        self.ops.gather_bf16(s, &mut xs, xn, &perm_d, &perm, h)?;
-        let mut ys = s.alloc_zeros::<f32>(n * k * h)?;
-        match &m.grouped {
-            // Every touched expert in three launches (gate_up, SiLU-mul, down).
-            Some((gate_up, down)) => {
-                let (rows, i) = (n * k, gate_up.out / 2);
+        let rows = n * k;
+        let mut ys = s.alloc_zeros::<f32>(rows * h)?;
+        let inv_d = match &m.grouped {
+            // Sorted and run on the device: no host round trip, three expert launches.
+            Some((gate_up, down)) if e <= 1024 => {
+                let mut off = s.alloc_zeros::<i32>(e + 1)?;
+                let mut perm = s.alloc_zeros::<i32>(rows)?;
+                let mut inv = s.alloc_zeros::<i32>(rows)?;
+                self.ops.moe_sort(s, &ids, n, k, e, &mut off, &mut perm, &mut inv)?;
+                let mut xs = s.alloc_zeros::<bf16>(rows * h)?;
+                self.ops.gather_bf16_sorted(s, &mut xs, xn, &perm, rows, h)?;
+                let i = gate_up.out / 2;
                 let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
-                self.ops.moe_grouped(s, &mut gu, &xs, gate_up, &touched_d, &off_d, &touched, &off, false)?;
+                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false)?;
                 let mut act = s.alloc_zeros::<bf16>(rows * i)?;
                 self.silu.launch(s, &mut act, &gu, i)?;
-                self.ops.moe_grouped(s, &mut ys, &act, down, &touched_d, &off_d, &touched, &off, true)?;
+                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true)?;
+                inv
             }
-            None => {
-                for (g, &ex) in touched.iter().enumerate() {
-                    let (a, b) = (off[g] as usize, off[g + 1] as usize);
-                    let expert = &m.experts[ex as usize];
-                    self.mlp_into(expert, &xs.slice(a * h..b * h), b - a, &mut ys.slice_mut(a * h..b * h))?;
+            // Dimensions the grouped kernel does not take: sorted on the host, each touched
+            // expert through the GEMM on its contiguous rows.
+            _ => {
+                self.settle("MoE routing")?;
+                let ids_h = s.clone_dtoh(&ids)?;
+                s.synchronize()?;
+                // Slots (t, j) sorted by (expert, token): `perm` gives each sorted row's
+                // token, `inv` each slot's sorted row.
+                let mut slots: Vec<usize> = (0..rows).collect();
+                slots.sort_by_key(|&sl| (ids_h[sl], sl));
+                let perm: Vec<u32> = slots.iter().map(|&sl| (sl / k) as u32).collect();
+                let mut inv = vec![0i32; rows];
+                for (row, &sl) in slots.iter().enumerate() {
+                    inv[sl] = row as i32;
                 }
+                let perm_d = s.clone_htod(&perm.iter().map(|&t| t as i32).collect::<Vec<_>>())?;
+                let inv_d = s.clone_htod(&inv)?;
+                let mut xs = s.alloc_zeros::<bf16>(rows * h)?;
+                self.ops.gather_bf16(s, &mut xs, xn, &perm_d, &perm, h)?;
+                let mut start = 0;
+                while start < slots.len() {
+                    let ex = ids_h[slots[start]];
+                    let end = start + slots[start..].iter().take_while(|&&sl| ids_h[sl] == ex).count();
+                    let expert = m.experts.get(ex as usize).ok_or_else(|| {
+                        crate::CudaError::shape("moe_route_f32", format!("expert id {ex} out of range"))
+                    })?;
+                    self.mlp_into(
+                        expert,
+                        &xs.slice(start * h..end * h),
+                        end - start,
+                        &mut ys.slice_mut(start * h..end * h),
+                    )?;
+                    start = end;
+                }
+                inv_d
             }
-        }
+        };
         self.mark("MoE routed experts")?;
         self.ops.combine(s, &mut out, &ys, &ids, &w, &inv_d, n, k, h)?;
         self.mark("MoE combine")?;

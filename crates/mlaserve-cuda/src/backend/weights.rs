@@ -87,7 +87,7 @@ pub(crate) struct Moe {
 }
 
 impl Moe {
-    /// The address tables of `experts` for [`crate::ops::Ops::moe_grouped`].
+    /// The address tables of `experts` for [`crate::ops::Ops::moe_grouped_sorted`].
     pub fn tables(s: &Arc<CudaStream>, experts: &[Mlp]) -> Result<Option<(ExpertWeights, ExpertWeights)>> {
         let Some(first) = experts.first() else { return Ok(None) };
         if first.gate_up.inp % 8 != 0 || first.down.inp % 8 != 0 {
