@@ -94,6 +94,7 @@ if [[ "$mode" == tp ]]; then
         "$gpu_dir/tests/tp_group" nccl:: --test-threads=1 --nocapture
     # The CLI: a worker group of N ranks on the CUDA backend, a router, a generation, then
     # the last rank killed; the leader must turn the group failed within 30 s.
+    alive() { [[ -e /proc/$1 ]] && ! grep -qE '^[0-9]+ \(.*\) Z' "/proc/$1/stat" 2>/dev/null; }
     cli_group() {
         # Rank logs go to a scratch folder and into cli.log at the end ($OUT returns at most
         # 8 files).
@@ -121,10 +122,24 @@ if [[ "$mode" == tp ]]; then
         for _ in $(seq 600); do grep -q "group failed" "$logs/rank0.log" && break; sleep 0.1; done
         echo "TP=$tp_n CLI: leader reported the group failed $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t0 }") s after rank $victim was killed"
         grep -h "group failed\|aborted" "$logs/rank0.log" | head -3
+        # The surviving followers must exit with an error within 30 s of the kill.
+        local ok=1
+        for ((r = 1; r < tp_n; r++)); do
+            ((r == victim)) && continue
+            while alive "${pids[r]}" && [[ $(awk "BEGIN { print ($(date +%s.%N) - $t0 < 30) }") == 1 ]]; do
+                sleep 0.2
+            done
+            if alive "${pids[r]}"; then
+                echo "TP=$tp_n CLI: rank $r still running 30 s after the kill"
+                ok=0
+            else
+                echo "TP=$tp_n CLI: rank $r exited by $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t0 }") s: $(grep -h -m1 "collective:" "$logs/rank$r.log" | sed 's/^ *//')"
+            fi
+        done
         kill "$router" "${pids[@]}" 2>/dev/null
         wait 2>/dev/null
         tail -n 15 "$logs"/*.log
-        grep -q "group failed" "$logs/rank0.log"
+        grep -q "group failed" "$logs/rank0.log" && ((ok))
     }
     step "CLI worker group TP $tp_n (cuda) + kill" "$out/cli.log" cli_group
     for ((n = 1; n <= tp_n; n *= 2)); do
@@ -138,7 +153,7 @@ if [[ "$mode" == tp ]]; then
         echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
         printf '%s\n' "${summary[@]}"
         echo "---- measured"
-        grep -hE " rel |differ|tokens in|failed .* after|panicked" "$out/tests.log" "$out/tp-group.log" "$out/cli.log" | head -60
+        grep -hE " rel |differ|tokens in|failed .* after|exited by|still running|panicked" "$out/tests.log" "$out/tp-group.log" "$out/cli.log" | head -60
         grep -hE "^bench step|^ceiling|^ +[0-9]+ +[0-9] |^\(" "$out/bench-step.log"
         grep -hE "ceiling|heads" "$out/bench-mla.log" | head -40
     } | tee "$out/summary.txt"
