@@ -54,6 +54,9 @@ impl BlockManager {
     /// changes nothing) when the pool does not have enough free blocks.
     pub fn ensure(&mut self, table: &mut Vec<u32>, positions: usize) -> bool {
         let need = blocks_for(positions).saturating_sub(table.len());
+        if need == 0 {
+            return true;
+        }
         if need > self.free.len() {
             return false;
         }

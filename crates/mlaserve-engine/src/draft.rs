@@ -20,6 +20,7 @@
 //! "MTP Eagle"): one token per request at the next free position, so the reused layer's
 //! own entries are not overwritten. Batch shapes never depend on `a`.
 
+use crate::api::MAX_SPECULATIVE_TOKENS;
 use crate::sampling::argmax;
 use crate::sequence::Sequence;
 use mlaserve_core::{Backend, Batch, SeqChunk};
@@ -46,11 +47,13 @@ pub(crate) struct MtpMemory<H> {
     pub step: u64,
     /// The previous step's outputs of stages `0..n_full − 1`.
     pub prev: Vec<H>,
+    /// An empty list whose buffer the next step fills with its stage outputs.
+    spare: Vec<H>,
 }
 
 impl<H> Default for MtpMemory<H> {
     fn default() -> Self {
-        MtpMemory { step: 0, prev: Vec::new() }
+        MtpMemory { step: 0, prev: Vec::new(), spare: Vec::new() }
     }
 }
 
@@ -62,10 +65,11 @@ pub(crate) struct MtpTail {
     /// The request's first position in the next step.
     pub next_start: usize,
     /// Row in `prev[e]` of position `next_start − e − 1`.
-    pub rows: [u32; 4],
+    pub rows: [u32; MAX_SPECULATIVE_TOKENS],
 }
 
-/// One scheduled chunk of the step, as the drafter sees it.
+/// One scheduled chunk of the step, as the drafter sees it. Everything the stage loops
+/// need about the request except its tokens, so they touch the sequence once.
 #[derive(Debug, Clone, Copy)]
 struct ChunkInfo {
     /// Index into the running list.
@@ -74,33 +78,90 @@ struct ChunkInfo {
     len: usize,
     /// The request drafted in the previous step and starts where it said it would.
     cont: bool,
+    /// The request goes on after this step (it has a drafting job).
+    going_on: bool,
     draft_off: Option<usize>,
+    /// Index into the chain (and the drafts) when the request drafts in this step.
+    chain: Option<usize>,
+    /// The request's kept rows (its [`MtpTail::rows`]), valid when `cont`.
+    kept: [u32; MAX_SPECULATIVE_TOKENS],
     /// Positions redone before `start`, per stage.
-    ext: [usize; 4],
+    ext: [usize; MAX_SPECULATIVE_TOKENS],
+    /// The request's token count and last token after this step's verification.
+    n_tok: usize,
+    last_tok: u32,
+    /// Where its tokens from sequence index `start + 1` on are in
+    /// [`DraftScratch::next_tokens`].
+    tok_off: usize,
+}
+
+/// A request that drafts in this step.
+#[derive(Debug, Clone, Copy)]
+struct ChainEntry {
+    /// Index of its chunk in the step's batch.
+    chunk: usize,
+    /// Position of its stage-0 draft row.
+    pos0: usize,
 }
 
 /// Buffers reused by every step's drafting (no per-chunk allocation in steady state).
 #[derive(Debug, Default)]
 pub(crate) struct DraftScratch {
-    /// The single-token batch of stages 1..k-1.
+    /// The single-token batch of the reused-layer stages.
     batch: Batch,
     hidden_rows: Vec<u32>,
-    /// (sequence, position of the stage-0 draft row)
-    chain: Vec<(usize, usize)>,
+    chain: Vec<ChainEntry>,
     /// `chain.len() × k` drafts, row-major.
     drafts: Vec<u32>,
     chunks: Vec<ChunkInfo>,
     /// Kept rows (of the previous step's stage d − 1) joined into stage d's input.
     kept: Vec<u32>,
-    /// Running index → index into `chunks`.
-    chunk_of: Vec<Option<usize>>,
-    /// Running index → the request goes on after this step.
-    going_on: Vec<bool>,
-    /// Running index → index into `chain` (requests that draft this step).
-    chain_of: Vec<Option<usize>>,
-    /// The stage-0 rows that give each chain request's drafts.
-    draft_rows: Vec<u32>,
-    all_rows: Vec<u32>,
+    /// Per chunk, the tokens after its first position that stages 1.. read (copied
+    /// once, while stage 0 has them in cache; the stages then read one flat buffer).
+    next_tokens: Vec<u32>,
+    /// `0, 1, 2, …`: row lists that select every row, as slices of one buffer.
+    identity: Vec<u32>,
+}
+
+/// The rows `0..n`, from `buf` (grown as needed).
+fn identity(buf: &mut Vec<u32>, n: usize) -> &[u32] {
+    if buf.len() < n {
+        let from = buf.len() as u32;
+        buf.extend(from..n as u32);
+    }
+    &buf[..n]
+}
+
+/// Sets `out` to `n` tokens: `tokens`, then `drafts`, then `pad` repeated (written in
+/// place: no per-token `push`).
+fn fill_tokens(out: &mut Vec<u32>, n: usize, tokens: &[u32], drafts: &[u32], pad: u32) {
+    out.resize(n, pad);
+    let (head, rest) = out.split_at_mut(tokens.len());
+    head.copy_from_slice(tokens);
+    let (mid, tail) = rest.split_at_mut(drafts.len());
+    mid.copy_from_slice(drafts);
+    tail.fill(pad);
+}
+
+/// Sets `out` to the `n` tokens of `ch`'s chunk whose row i reads sequence index
+/// `first + i` of `tokens ++ drafts`, clamped at its end: some tokens (from the
+/// chunk's `next_tokens`, which start at sequence index start + 1), then drafts, then
+/// the last one again.
+fn fill_shifted(out: &mut Vec<u32>, ch: &ChunkInfo, first: usize, n: usize, next: &[u32], drafts: &[u32], last: u32) {
+    let from_tokens = ch.n_tok.saturating_sub(first).min(n);
+    let from = ch.tok_off + first - ch.start - 1;
+    let first_draft = (first + from_tokens).saturating_sub(ch.n_tok).min(drafts.len());
+    let from_drafts = (n - from_tokens).min(drafts.len() - first_draft);
+    let tokens = if from_tokens > 0 { &next[from..from + from_tokens] } else { &[] };
+    fill_tokens(out, n, tokens, &drafts[first_draft..first_draft + from_drafts], last);
+}
+
+/// Row i of `n`: sequence index `first + i` of `tokens ++ drafts`, clamped at its end
+/// (what [`fill_shifted`] and the in-place updates produce, checked in debug builds).
+fn shifted(tokens: &[u32], drafts: &[u32], first: usize, n: usize) -> Vec<u32> {
+    let end = tokens.len() + drafts.len() - 1;
+    let at = |j: usize| tokens.get(j).copied().unwrap_or_else(|| drafts[j - tokens.len()]);
+    (first..first + n).map(|j| at(j.min(end))).collect()
 }
 
 /// The `n`-th chunk of `seqs`, emptied, reusing its buffers.
@@ -116,10 +177,13 @@ pub(crate) fn chunk_at(seqs: &mut Vec<SeqChunk>, n: usize) -> &mut SeqChunk {
 
 /// Runs the MTP stages and stores k drafts in each sequence of `jobs` that has a
 /// draft row. `batch` is the step's target batch (chunk `i` belongs to the `i`-th
-/// scheduled sequence of `running`); stage 0 reuses it in place, tokens shifted, so
-/// the block tables are not copied again. Sequences that finished in this step ride
-/// along in stage 0 (their rows are padding) and get no drafts. Returns the
-/// microseconds spent inside the backend.
+/// scheduled sequence of `running`, and holds its block table, lent by
+/// `Engine::build_batch`); stage 0 reuses it in place, tokens shifted, so the block
+/// tables are not copied again. On success the tables are back in their sequences; on
+/// an error they are still in `batch`. `jobs` are in running order, one per scheduled
+/// sequence that goes on. Sequences that finished in this step ride along in stage 0
+/// (their rows are padding) and get no drafts. Returns the microseconds spent inside
+/// the backend.
 pub(crate) fn draft<B: Backend>(
     backend: &mut B,
     running: &mut [Sequence],
@@ -137,43 +201,70 @@ pub(crate) fn draft<B: Backend>(
     // Stages that run over full rows with their own MTP layer.
     let n_full = n_mtp.min(k);
     sc.chunks.clear();
-    sc.chain_of.clear();
-    sc.chain_of.resize(running.len(), None);
-    sc.chunk_of.clear();
-    sc.chunk_of.resize(running.len(), None);
-    sc.going_on.clear();
-    sc.going_on.resize(running.len(), false);
-    for job in jobs {
-        sc.going_on[job.seq] = true;
-    }
-    let scheduled = running.iter().enumerate().filter(|(_, s)| s.sched.is_some());
-    for (c, (idx, s)) in batch.seqs.iter_mut().zip(scheduled) {
-        let cont = matches!(s.mtp_tail, Some(t) if t.step + 1 == step && t.next_start == c.start_pos);
-        sc.chunk_of[idx] = Some(sc.chunks.len());
-        sc.chunks.push(ChunkInfo { idx, start: c.start_pos, len: c.tokens.len(), cont, draft_off: None, ext: [0; 4] });
-        // Embedding input of position p: the token after it (DESIGN §5, padded).
-        let last = s.tokens.len() - 1;
-        for (i, t) in c.tokens.iter_mut().enumerate() {
-            *t = s.tokens[(c.start_pos + i + 1).min(last)];
-        }
-    }
-    batch.logit_rows.clear();
     sc.chain.clear();
-    for job in jobs {
-        if let Some(off) = job.draft_off {
-            sc.chain_of[job.seq] = Some(sc.chain.len());
-            batch.logit_rows.push((job.target_row + off) as u32);
-            sc.chain.push((job.seq, job.start + off));
-            if let Some(ch) = sc.chunk_of[job.seq].and_then(|ci| sc.chunks.get_mut(ci)) {
-                ch.draft_off = Some(off);
+    sc.next_tokens.clear();
+    batch.logit_rows.clear();
+    // Jobs and chunks are both in running order: walk them together.
+    let mut next_job = jobs.iter().peekable();
+    let mut rows = 0usize;
+    let scheduled = running.iter().enumerate().filter(|(_, s)| s.sched.is_some());
+    for (ci, (c, (idx, s))) in batch.seqs.iter_mut().zip(scheduled).enumerate() {
+        let job = next_job.next_if(|j| j.seq == idx);
+        let draft_off = job.and_then(|j| j.draft_off);
+        let chain = match (job, draft_off) {
+            (Some(job), Some(off)) => {
+                batch.logit_rows.push((job.target_row + off) as u32);
+                sc.chain.push(ChainEntry { chunk: ci, pos0: job.start + off });
+                Some(sc.chain.len() - 1)
+            }
+            _ => None,
+        };
+        let tail = s.mtp_tail.filter(|t| t.step + 1 == step && t.next_start == c.start_pos);
+        let n_tok = s.tokens.len();
+        let tok_off = sc.next_tokens.len();
+        // A drafting request that redoes its positions at every stage builds each
+        // stage's tokens from the previous stage's (below); the others read these.
+        let in_place = chain.is_some() && tail.is_some() && mem.prev.len() + 1 >= n_full;
+        if n_full > 1 && !in_place {
+            // Stage d reads sequence indices start + 1 ..= start + len + d.
+            let end = (c.start_pos + c.tokens.len() + n_full).min(n_tok);
+            sc.next_tokens.extend_from_slice(&s.tokens[c.start_pos + 1..end]);
+        }
+        sc.chunks.push(ChunkInfo {
+            idx,
+            start: c.start_pos,
+            len: c.tokens.len(),
+            cont: tail.is_some(),
+            going_on: job.is_some(),
+            draft_off,
+            chain,
+            kept: tail.map_or([0; MAX_SPECULATIVE_TOKENS], |t| t.rows),
+            ext: [0; MAX_SPECULATIVE_TOKENS],
+            n_tok,
+            last_tok: s.last_token,
+            tok_off,
+        });
+        // Embedding input of position p: the token after it (DESIGN §5, padded), i.e.
+        // `tokens[min(p + 1, len − 1)]`.
+        let len = c.tokens.len();
+        match draft_off {
+            // The chunk's tokens up to the draft row were verified (accepted drafts, or
+            // the prompt), the sampled token follows them: shift, then pad with it.
+            Some(off) => {
+                c.tokens.copy_within(1..=off, 0);
+                c.tokens[off..].fill(s.last_token);
+            }
+            None => {
+                let after = &s.tokens[c.start_pos + 1..(c.start_pos + 1 + len).min(n_tok)];
+                fill_tokens(&mut c.tokens, len, after, &[], s.last_token);
             }
         }
+        debug_assert_eq!(c.tokens, shifted(&s.tokens, &[], c.start_pos + 1, len), "stage 0");
+        rows += len;
     }
-    sc.draft_rows.clone_from(&batch.logit_rows);
-    sc.hidden_rows.clear();
-    sc.hidden_rows.extend(0..batch.num_tokens() as u32);
+    debug_assert!(next_job.next().is_none(), "every job has a scheduled chunk, in running order");
     let t = Instant::now();
-    let out = backend.mtp_forward(0, batch, target_hidden, &sc.hidden_rows)?;
+    let out = backend.mtp_forward(0, batch, target_hidden, identity(&mut sc.identity, rows))?;
     let mut backend_us = t.elapsed().as_micros() as u64;
     let m = sc.chain.len();
     sc.drafts.clear();
@@ -181,71 +272,87 @@ pub(crate) fn draft<B: Backend>(
     for i in 0..m {
         sc.drafts[i * k] = argmax(&out.logits[i * vocab..(i + 1) * vocab]);
     }
-    let mut outs: Vec<B::Hidden> = vec![out.hidden];
+    let mut outs = std::mem::take(&mut mem.spare);
+    outs.clear();
+    outs.push(out.hidden);
     for d in 1..n_full {
         // Full rows at the same positions, tokens d + 1 ahead (this step's drafts past
         // the verified ones). A request that drafted in the previous step also redoes
         // its last d positions, whose entries were computed from drafts then: their
-        // hidden input is the row kept from the previous step's stage d − 1.
+        // hidden input is the row kept from the previous step's stage d − 1, which
+        // lands after all of stage d − 1's rows in the joined hidden state.
         let prev_kept = mem.prev.get(d - 1);
-        // First pass: which chunks redo positions, and where the kept rows will land
-        // (after all of stage d − 1's rows in the joined hidden state).
-        let mut n_a = 0u32;
-        sc.kept.clear();
-        for ch in sc.chunks.iter_mut() {
-            let cont = ch.cont && prev_kept.is_some() && ch.ext[d - 1] == d - 1;
-            ch.ext[d] = if cont { d } else { 0 };
-            n_a += (ch.len + ch.ext[d - 1]) as u32;
-            if cont {
-                sc.kept.push(running[ch.idx].mtp_tail.map(|t| t.rows[d - 1]).unwrap_or(0));
-            }
-        }
-        sc.hidden_rows.clear();
+        let n_a = rows as u32;
+        let DraftScratch { hidden_rows, kept, next_tokens, chunks, drafts, .. } = &mut *sc;
+        // Written in place: at most one kept row per chunk, one logit row per draft.
+        hidden_rows.clear();
+        hidden_rows.resize(rows + chunks.len(), 0);
+        kept.clear();
+        kept.resize(chunks.len(), 0);
         batch.logit_rows.clear();
-        let (mut off_prev, mut row, mut kept_i) = (0u32, 0u32, 0u32);
-        for (c, ch) in batch.seqs.iter_mut().zip(&sc.chunks) {
-            let s = &running[ch.idx];
-            let ext = ch.ext[d];
-            let prev_len = (ch.len + ch.ext[d - 1]) as u32;
+        batch.logit_rows.resize(m, 0);
+        let (mut n_hidden, mut n_kept, mut n_logits) = (0usize, 0usize, 0usize);
+        let (mut off_prev, mut row) = (0u32, 0u32);
+        for (c, ch) in batch.seqs.iter_mut().zip(chunks.iter_mut()) {
+            let ext = if ch.cont && prev_kept.is_some() && ch.ext[d - 1] == d - 1 { d } else { 0 };
+            ch.ext[d] = ext;
             if ext > 0 {
-                sc.hidden_rows.push(n_a + kept_i);
-                kept_i += 1;
+                hidden_rows[n_hidden] = n_a + n_kept as u32;
+                kept[n_kept] = ch.kept[d - 1];
+                n_hidden += 1;
+                n_kept += 1;
             }
-            sc.hidden_rows.extend(off_prev..off_prev + prev_len);
-            off_prev += prev_len;
+            let prev_len = ch.len + ch.ext[d - 1];
+            for (h, r) in hidden_rows[n_hidden..n_hidden + prev_len].iter_mut().zip(off_prev..) {
+                *h = r;
+            }
+            n_hidden += prev_len;
+            off_prev += prev_len as u32;
             c.start_pos = ch.start - ext;
-            c.tokens.resize(ch.len + ext, 0);
-            let drafts: &[u32] = match sc.chain_of[ch.idx] {
-                Some(ci) => &sc.drafts[ci * k..ci * k + d],
+            let drafts: &[u32] = match ch.chain {
+                Some(ci) => &drafts[ci * k..ci * k + d],
                 None => &[],
             };
             // Row i reads sequence index start_pos + i + d + 1 of `tokens ++ drafts`,
-            // clamped at its end: a bulk copy, then the drafts, then the last one repeated.
-            let first = c.start_pos + d + 1;
-            let n = s.tokens.len() + drafts.len();
-            let from_tokens = s.tokens.len().saturating_sub(first).min(c.tokens.len());
-            if from_tokens > 0 {
-                c.tokens[..from_tokens].copy_from_slice(&s.tokens[first..first + from_tokens]);
+            // clamped at its end.
+            let n = ch.len + ext;
+            let last = drafts.last().copied().unwrap_or(ch.last_tok);
+            if ext == d {
+                // Row i reads index start + 1 + i at every stage that redid its
+                // positions (stage 0 included): stage d − 1's rows, except that
+                // `tokens ++ drafts` grew by this step's draft d, and one row more.
+                let n_next = ch.n_tok - ch.start - 1;
+                if drafts.is_empty() {
+                    let i = n - 1;
+                    c.tokens.push(if i < n_next { next_tokens[ch.tok_off + i] } else { last });
+                } else {
+                    debug_assert!(n_next <= ch.len, "a drafting chunk ends at the last token");
+                    c.tokens.truncate(n_next + d - 1);
+                    c.tokens.resize(n, last);
+                }
+            } else {
+                fill_shifted(&mut c.tokens, ch, c.start_pos + d + 1, n, next_tokens, drafts, last);
             }
-            let last = if n == s.tokens.len() { s.tokens[n - 1] } else { drafts[drafts.len() - 1] };
-            for (i, t) in c.tokens.iter_mut().enumerate().skip(from_tokens) {
-                let j = first + i;
-                *t = if j < n { drafts[j - s.tokens.len()] } else { last };
-            }
+            debug_assert_eq!(c.tokens, shifted(&running[ch.idx].tokens, drafts, c.start_pos + d + 1, n), "stage {d}");
             if let Some(off) = ch.draft_off {
-                batch.logit_rows.push(row + (ext + off) as u32);
+                batch.logit_rows[n_logits] = row + (ext + off) as u32;
+                n_logits += 1;
             }
-            row += c.tokens.len() as u32;
+            row += n as u32;
         }
+        debug_assert_eq!((n_hidden, n_logits), (row as usize, m), "one hidden row per token, one logit row per draft");
+        hidden_rows.truncate(n_hidden);
+        kept.truncate(n_kept);
+        batch.logit_rows.truncate(n_logits);
+        rows = row as usize;
         let input;
         let prev: &B::Hidden = if sc.kept.is_empty() {
             &outs[d - 1]
         } else {
-            sc.all_rows.clear();
-            sc.all_rows.extend(0..n_a);
             let kept_h = prev_kept.ok_or_else(|| mlaserve_core::Error::Batch("no kept MTP rows".into()))?;
             let t = Instant::now();
-            input = backend.concat_hidden(&[(&outs[d - 1], &sc.all_rows), (kept_h, &sc.kept)])?;
+            let all = identity(&mut sc.identity, n_a as usize);
+            input = backend.concat_hidden(&[(&outs[d - 1], all), (kept_h, &sc.kept)])?;
             backend_us += t.elapsed().as_micros() as u64;
             &input
         };
@@ -256,19 +363,38 @@ pub(crate) fn draft<B: Backend>(
             sc.drafts[i * k + d] = argmax(&out.logits[i * vocab..(i + 1) * vocab]);
         }
         outs.push(out.hidden);
-        sc.draft_rows.clone_from(&batch.logit_rows);
     }
-    // Keep, for every request that goes on, the row of each stage e < n_full − 1 at
-    // position `next_start − e − 1`: the input the next step's stage e + 1 needs to redo
-    // its stale entries.
     let last_out = outs.pop().ok_or_else(|| mlaserve_core::Error::Batch("no MTP stage ran".into()))?;
-    if n_full > 1 {
-        let mut offs = vec![0usize; n_full - 1];
-        for ch in &sc.chunks {
-            let s = &mut running[ch.idx];
-            let mut tail = MtpTail { step, next_start: s.num_cached, rows: [0; 4] };
-            let mut ok = sc.going_on[ch.idx];
-            for (e, off) in offs.iter_mut().enumerate() {
+    if n_full < k && m > 0 {
+        // The reused last layer runs on its own batch of the drafting requests, which
+        // borrows their block tables from `batch` and gives them back, error or not.
+        for (i, e) in sc.chain.iter().enumerate() {
+            let c = chunk_at(&mut sc.batch.seqs, i);
+            c.tokens.push(0);
+            std::mem::swap(&mut c.block_table, &mut batch.seqs[e.chunk].block_table);
+        }
+        sc.batch.seqs.truncate(m);
+        let r = chain_stages(backend, sc, &batch.logit_rows, last_out, k, n_mtp);
+        for (c, e) in sc.batch.seqs.iter_mut().zip(&sc.chain) {
+            std::mem::swap(&mut c.block_table, &mut batch.seqs[e.chunk].block_table);
+        }
+        backend_us += r?;
+    }
+    // One pass over the requests: their block tables back, their drafts, and (with
+    // several full stages) the rows kept for the next step: for a request that goes on,
+    // the row of each stage e < n_full − 1 at position `next_start − e − 1`, the input
+    // the next step's stage e + 1 needs to redo its stale entries.
+    let mut offs = [0usize; MAX_SPECULATIVE_TOKENS];
+    for (ch, c) in sc.chunks.iter().zip(&mut batch.seqs) {
+        let s = &mut running[ch.idx];
+        std::mem::swap(&mut c.block_table, &mut s.block_table);
+        if let Some(ci) = ch.chain {
+            s.drafts.set(&sc.drafts[ci * k..(ci + 1) * k]);
+        }
+        if n_full > 1 {
+            let mut tail = MtpTail { step, next_start: s.num_cached, rows: [0; MAX_SPECULATIVE_TOKENS] };
+            let mut ok = ch.going_on;
+            for (e, off) in offs[..n_full - 1].iter_mut().enumerate() {
                 let lo = ch.start - ch.ext[e];
                 let p = s.num_cached as isize - e as isize - 1;
                 if p < lo as isize || p >= (ch.start + ch.len) as isize {
@@ -280,32 +406,41 @@ pub(crate) fn draft<B: Backend>(
             }
             s.mtp_tail = if ok { Some(tail) } else { None };
         }
-        mem.prev = outs;
     }
-    let mut prev_hidden = last_out;
-    let mut prev_full = true;
-    sc.all_rows.clear();
-    sc.all_rows.extend(0..m as u32);
-    sc.batch.logit_rows.clone_from(&sc.all_rows);
-    for d in n_full..k {
-        if m == 0 {
-            break;
-        }
-        if d == n_full {
-            for (i, &(seq, _)) in sc.chain.iter().enumerate() {
-                let c = chunk_at(&mut sc.batch.seqs, i);
-                c.tokens.push(0);
-                c.block_table.extend_from_slice(&running[seq].block_table);
-            }
-            sc.batch.seqs.truncate(m);
-        }
-        // The reused last layer: one token per request at the next free position.
+    if n_full > 1 {
+        std::mem::swap(&mut mem.prev, &mut outs);
+    }
+    outs.clear();
+    mem.spare = outs;
+    Ok(backend_us)
+}
+
+/// Stages `n_full..k` with the last MTP layer reused (vLLM, TensorRT-LLM "MTP Eagle"):
+/// one token per drafting request — the previous draft — at the next free position,
+/// so the reused layer's own entries at the window positions are not overwritten.
+/// `sc.batch` holds one chunk per chain entry; `draft_rows` are the last full stage's
+/// rows of the chain (its logit rows), `prev_hidden` that stage's output. Returns the
+/// microseconds spent inside the backend.
+fn chain_stages<B: Backend>(
+    backend: &mut B,
+    sc: &mut DraftScratch,
+    draft_rows: &[u32],
+    mut prev_hidden: B::Hidden,
+    k: usize,
+    n_mtp: usize,
+) -> Result<u64, mlaserve_core::Error> {
+    let vocab = backend.config().vocab_size;
+    let m = sc.chain.len();
+    let mut backend_us = 0;
+    sc.batch.logit_rows.clear();
+    sc.batch.logit_rows.extend_from_slice(identity(&mut sc.identity, m));
+    for d in n_mtp.min(k)..k {
         let shift = d + 1 - n_mtp;
-        for (i, (c, &(_, pos0))) in sc.batch.seqs.iter_mut().zip(&sc.chain).enumerate() {
+        for (i, (c, e)) in sc.batch.seqs.iter_mut().zip(&sc.chain).enumerate() {
             c.tokens[0] = sc.drafts[i * k + d - 1];
-            c.start_pos = pos0 + shift;
+            c.start_pos = e.pos0 + shift;
         }
-        let rows = if prev_full { &sc.draft_rows } else { &sc.all_rows };
+        let rows = if d == n_mtp.min(k) { draft_rows } else { &sc.identity[..m] };
         let t = Instant::now();
         let out = backend.mtp_forward(n_mtp - 1, &sc.batch, &prev_hidden, rows)?;
         backend_us += t.elapsed().as_micros() as u64;
@@ -313,12 +448,6 @@ pub(crate) fn draft<B: Backend>(
             sc.drafts[i * k + d] = argmax(&out.logits[i * vocab..(i + 1) * vocab]);
         }
         prev_hidden = out.hidden;
-        prev_full = false;
-    }
-    for (i, &(seq, _)) in sc.chain.iter().enumerate() {
-        let s = &mut running[seq];
-        s.drafts.clear();
-        s.drafts.extend_from_slice(&sc.drafts[i * k..(i + 1) * k]);
     }
     Ok(backend_us)
 }

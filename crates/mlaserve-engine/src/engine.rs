@@ -9,12 +9,22 @@ use crate::block::{blocks_for, BlockManager};
 use crate::draft::{chunk_at, draft, DraftJob, DraftScratch, MtpMemory};
 use crate::error::{EngineError, Result};
 use crate::rng::mix64;
-use crate::sampling::{choose_token, verify_window};
+use crate::sampling::{choose_token, verify_window_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
 use mlaserve_core::{Backend, Batch};
 use std::collections::VecDeque;
 use std::time::Instant;
+
+/// Appends a `Tokens` event for `id` and returns its (empty) token list, which the step
+/// fills in place: the event, 128 bytes, is not moved after it is built.
+fn tokens_event(events: &mut Vec<(RequestId, Event)>, id: RequestId, capacity: usize) -> &mut Vec<u32> {
+    events.push((id, Event::Tokens(Vec::with_capacity(capacity))));
+    match events.last_mut() {
+        Some((_, Event::Tokens(tokens))) => tokens,
+        _ => unreachable!("a Tokens event was just pushed"),
+    }
+}
 
 /// Continuous-batching engine over one backend.
 pub struct Engine<B: Backend> {
@@ -218,9 +228,10 @@ impl<B: Backend> Engine<B> {
     /// Frees a finished sequence and returns its final event.
     fn retire(&mut self, mut seq: Sequence, reason: FinishReason) -> (RequestId, Event) {
         self.blocks.release(&mut seq.block_table);
-        self.finished_totals.accumulate(&seq.usage);
+        let usage = seq.usage();
+        self.finished_totals.accumulate(&usage);
         self.finished_requests += 1;
-        (seq.id, Event::Finished { reason, usage: seq.usage })
+        (seq.id, Event::Finished { reason, usage })
     }
 
     /// Runs one step and returns the events it produced (plus those of aborts since
@@ -246,6 +257,7 @@ impl<B: Backend> Engine<B> {
         let out = match fwd {
             Ok(out) => out,
             Err(e) => {
+                self.return_tables();
                 self.fail_scheduled(&e, &mut events);
                 return events;
             }
@@ -261,10 +273,14 @@ impl<B: Backend> Engine<B> {
         if !jobs.is_empty() {
             let (k, n_mtp) = (self.lim.k, self.n_mtp);
             let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
+            // Drafting gives the block tables back in its last pass, unless it fails.
             match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc, mem) {
                 Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
                 Err(e) => draft_err = Some(e),
             }
+        }
+        if jobs.is_empty() || draft_err.is_some() {
+            self.return_tables();
         }
         let t4 = Instant::now();
         self.times.draft_us += (t4 - t3).as_micros() as u64;
@@ -284,37 +300,56 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Fills `self.batch` with the scheduled sequences' chunks, in running order.
+    ///
+    /// Each chunk borrows its sequence's block table (a swap, not a copy) until
+    /// [`Engine::return_tables`]; in between, the tables live in the batch and the
+    /// sequences hold empty ones, so nothing may allocate or free blocks.
     fn build_batch(&mut self) {
         let b = &mut self.batch;
         let mut n = 0;
         let mut row = 0u32;
+        // Decode windows want logits at every row: runs of them are added as one range.
+        let mut run_start = 0u32;
         b.logit_rows.clear();
-        for s in self.running.iter().filter(|s| s.sched.is_some()) {
+        for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
             let c = chunk_at(&mut b.seqs, n);
             n += 1;
-            c.block_table.extend_from_slice(&s.block_table);
+            std::mem::swap(&mut c.block_table, &mut s.block_table);
             c.start_pos = s.num_cached;
             match s.sched {
                 Some(Sched::Decode) => {
-                    c.tokens.push(s.tokens[s.num_cached]);
-                    c.tokens.extend_from_slice(&s.drafts);
-                    b.logit_rows.extend(row..row + c.tokens.len() as u32);
+                    debug_assert_eq!(s.num_cached + 1, s.tokens.len(), "a decode window starts at the last token");
+                    c.tokens.push(s.last_token);
+                    c.tokens.extend_from_slice(s.drafts.as_slice());
                 }
                 Some(Sched::Prefill { len, last }) => {
+                    b.logit_rows.extend(run_start..row);
                     c.tokens.extend_from_slice(&s.tokens[s.num_cached..s.num_cached + len]);
                     if last {
                         b.logit_rows.push(row + len as u32 - 1);
                     }
+                    run_start = row + len as u32;
                 }
                 None => {}
             }
             row += c.tokens.len() as u32;
         }
+        b.logit_rows.extend(run_start..row);
         b.seqs.truncate(n);
     }
 
+    /// Gives the block tables lent by [`Engine::build_batch`] back to their sequences
+    /// (the scheduled ones, in running order, as the batch's chunks are).
+    fn return_tables(&mut self) {
+        let scheduled = self.running.iter_mut().filter(|s| s.sched.is_some());
+        for (c, s) in self.batch.seqs.iter_mut().zip(scheduled) {
+            std::mem::swap(&mut c.block_table, &mut s.block_table);
+        }
+    }
+
     /// Verifies decode windows, samples after last prefill chunks, applies stop
-    /// conditions, and collects the drafting jobs of the sequences that go on.
+    /// conditions, and collects the `Tokens` events and the drafting jobs of the
+    /// sequences that go on.
     fn verify(
         &mut self,
         logits: &[f32],
@@ -328,31 +363,36 @@ impl<B: Backend> Engine<B> {
         for (idx, s) in self.running.iter_mut().enumerate() {
             let Some(sched) = s.sched else { continue };
             let start = s.num_cached;
-            let mut emitted = Vec::with_capacity(k + 1);
             let mut fin = None;
             let (rows, draft_off) = match sched {
                 Sched::Decode => {
                     let w = &logits[lrow * v..(lrow + 1 + k) * v];
                     lrow += 1 + k;
-                    let ver = verify_window(w, v, &s.drafts, &s.params, s.seed, (start + 1) as u64);
-                    s.usage.draft_tokens += k as u64;
-                    s.usage.decode_steps += 1;
-                    for v in &mut s.usage.verified_per_position[..ver.accepted] {
-                        *v += 1;
-                    }
-                    for (j, &tok) in ver.tokens.iter().enumerate() {
-                        emitted.push(tok);
-                        if j < ver.accepted {
-                            s.usage.accepted_tokens += 1;
-                            s.usage.accepted_per_position[j] += 1;
-                        }
+                    let emitted = tokens_event(events, s.id, 1 + k);
+                    let accepted =
+                        verify_window_into(w, v, s.drafts.as_slice(), &s.params, s.seed, (start + 1) as u64, emitted);
+                    // A stop condition cuts the run: nothing after the matching token.
+                    let mut kept = emitted.len();
+                    for (j, &tok) in emitted.iter().enumerate() {
                         fin = s.push_token(tok, &self.eos, self.max_model_len);
                         if fin.is_some() {
+                            kept = j + 1;
                             break;
                         }
                     }
-                    s.num_cached = start + 1 + ver.accepted;
-                    (1 + k, Some(ver.accepted))
+                    emitted.truncate(kept);
+                    // Drafts accepted, and of those the ones emitted; counted without
+                    // loops whose length depends on the outcome (mispredicted branches).
+                    let emitted_drafts = accepted.min(kept);
+                    s.usage.draft_tokens += k as u64;
+                    s.usage.decode_steps += 1;
+                    s.usage.accepted_tokens += emitted_drafts as u64;
+                    for (j, (v, a)) in s.verified_at.iter_mut().zip(&mut s.accepted_at).enumerate() {
+                        *v += (j < accepted) as u64;
+                        *a += (j < emitted_drafts) as u64;
+                    }
+                    s.num_cached = start + 1 + accepted;
+                    (1 + k, Some(accepted))
                 }
                 Sched::Prefill { len, last } => {
                     s.num_cached = start + len;
@@ -360,7 +400,7 @@ impl<B: Backend> Engine<B> {
                         let row = &logits[lrow * v..(lrow + 1) * v];
                         lrow += 1;
                         let tok = choose_token(row, &s.params, s.seed, s.tokens.len() as u64);
-                        emitted.push(tok);
+                        tokens_event(events, s.id, 1).push(tok);
                         fin = s.push_token(tok, &self.eos, self.max_model_len);
                         s.decoding = true;
                         (len, Some(len - 1))
@@ -369,9 +409,6 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             };
-            if !emitted.is_empty() {
-                events.push((s.id, Event::Tokens(emitted)));
-            }
             match fin {
                 Some(reason) => finished.push((idx, reason)),
                 None if k > 0 => jobs.push(DraftJob { seq: idx, start, target_row: trow, draft_off }),
@@ -440,7 +477,7 @@ impl<B: Backend> Engine<B> {
     pub fn stats(&self) -> EngineStats {
         let mut totals = self.finished_totals.clone();
         for s in self.running.iter().chain(self.waiting.iter()) {
-            totals.accumulate(&s.usage);
+            s.add_usage_to(&mut totals);
         }
         EngineStats {
             load: self.load(),

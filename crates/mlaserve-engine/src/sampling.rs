@@ -159,15 +159,32 @@ pub fn verify_window(
     first_position: u64,
 ) -> Verified {
     let mut tokens = Vec::with_capacity(drafts.len() + 1);
-    for j in 0..=drafts.len() {
+    let accepted = verify_window_into(logits, vocab, drafts, params, seed, first_position, &mut tokens);
+    Verified { accepted, tokens }
+}
+
+/// [`verify_window`] without an allocation of its own: appends the `a + 1` emitted
+/// tokens to `out` and returns `a`. The engine passes the `Vec` that becomes the
+/// request's `Tokens` event.
+pub fn verify_window_into(
+    logits: &[f32],
+    vocab: usize,
+    drafts: &[u32],
+    params: &SamplingParams,
+    seed: u64,
+    first_position: u64,
+    out: &mut Vec<u32>,
+) -> usize {
+    let mut j = 0;
+    loop {
         let row = &logits[j * vocab..(j + 1) * vocab];
         let x = choose_token(row, params, seed, first_position + j as u64);
-        tokens.push(x);
+        out.push(x);
         if j == drafts.len() || drafts[j] != x {
-            return Verified { accepted: j, tokens };
+            return j;
         }
+        j += 1;
     }
-    unreachable!("the loop returns at j == drafts.len()")
 }
 
 #[cfg(test)]

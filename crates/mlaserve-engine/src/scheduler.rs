@@ -90,8 +90,10 @@ pub(crate) fn schedule(
 
     // 1. Decodes, oldest first.
     let mut i = 0;
+    let mut prefilling = false;
     while i < running.len() {
         if !running[i].decoding || budget < window {
+            prefilling |= !running[i].decoding;
             i += 1;
             continue;
         }
@@ -115,9 +117,9 @@ pub(crate) fn schedule(
         }
     }
 
-    // 2. Running prefills, oldest first.
+    // 2. Running prefills, oldest first (preempting in 1 only removes requests).
     let mut i = 0;
-    while i < running.len() && budget > 0 {
+    while prefilling && i < running.len() && budget > 0 {
         if running[i].decoding || running[i].sched.is_some() {
             i += 1;
             continue;

@@ -1,7 +1,7 @@
 //! Per-request state: tokens (prompt + emitted), how much of it the cache holds, the
 //! pending drafts, the block table, usage, and the stop conditions.
 
-use crate::api::{FinishReason, RequestId, SamplingParams, StopMatch, Usage};
+use crate::api::{FinishReason, RequestId, SamplingParams, StopMatch, Usage, MAX_SPECULATIVE_TOKENS};
 
 /// What a sequence does in the step being built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,52 +13,118 @@ pub(crate) enum Sched {
     Prefill { len: usize, last: bool },
 }
 
+/// The drafts of a request's next verify window, kept inline: every step reads and
+/// writes them for every running request, and a heap buffer would cost a cache miss
+/// each time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Drafts {
+    buf: [u32; MAX_SPECULATIVE_TOKENS],
+    len: usize,
+}
+
+impl Drafts {
+    pub fn as_slice(&self) -> &[u32] {
+        &self.buf[..self.len]
+    }
+
+    /// Replaces the drafts (at most [`MAX_SPECULATIVE_TOKENS`]).
+    pub fn set(&mut self, drafts: &[u32]) {
+        self.buf[..drafts.len()].copy_from_slice(drafts);
+        self.len = drafts.len();
+    }
+
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
 /// One request inside the engine.
+///
+/// `repr(C)` keeps the declared order: the fields that every step reads or writes for
+/// every running request come first, so each pass over the requests (several per step,
+/// each after a backend call has left the caches cold) touches few cache lines.
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct Sequence {
-    pub id: RequestId,
-    /// Submission order; lower is older (FCFS admission, newest-first preemption).
-    pub arrival: u64,
-    pub params: SamplingParams,
-    pub seed: u64,
-    pub prompt_len: usize,
-    /// Prompt followed by every emitted token.
-    pub tokens: Vec<u32>,
+    pub sched: Option<Sched>,
     /// Positions `0..num_cached` of `tokens` are in the target cache. While decoding,
     /// `num_cached == tokens.len() - 1` (the last emitted token is not cached yet).
     pub num_cached: usize,
+    pub drafts: Drafts,
+    /// The last of `tokens`, inline: a decode window starts with it, and reading it
+    /// through `tokens` costs a cache miss per request per step.
+    pub last_token: u32,
     /// True once the prefill of `tokens` finished and `drafts` holds k drafts.
     pub decoding: bool,
-    pub drafts: Vec<u32>,
+    pub seed: u64,
+    /// Prompt followed by every emitted token (appended only by `push_token`).
+    pub tokens: Vec<u32>,
     pub block_table: Vec<u32>,
-    pub usage: Usage,
-    pub sched: Option<Sched>,
+    pub id: RequestId,
+    pub prompt_len: usize,
+    /// `Usage::accepted_per_position`, inline.
+    pub accepted_at: [u64; MAX_SPECULATIVE_TOKENS],
+    /// `Usage::verified_per_position`, inline.
+    pub verified_at: [u64; MAX_SPECULATIVE_TOKENS],
     /// Rows the drafter kept for this request from its last step.
     pub mtp_tail: Option<crate::draft::MtpTail>,
+    /// Counters of the request's [`Usage`] but the per-position ones, which live in
+    /// `accepted_at` and `verified_at` (inline, for the verify loop's sake) until
+    /// [`Sequence::usage`] puts them together.
+    pub usage: Usage,
+    pub params: SamplingParams,
+    /// Submission order; lower is older (FCFS admission, newest-first preemption).
+    pub arrival: u64,
+    /// k: the length of the per-position counts.
+    positions: usize,
 }
 
 impl Sequence {
     pub fn new(id: RequestId, arrival: u64, prompt: Vec<u32>, params: SamplingParams, seed: u64, k: usize) -> Self {
-        let usage = Usage {
-            prompt_tokens: prompt.len() as u64,
-            accepted_per_position: vec![0; k],
-            verified_per_position: vec![0; k],
-            ..Default::default()
-        };
+        let usage = Usage { prompt_tokens: prompt.len() as u64, ..Default::default() };
         Sequence {
             id,
             arrival,
             params,
             seed,
             prompt_len: prompt.len(),
+            last_token: prompt.last().copied().unwrap_or(0),
             tokens: prompt,
             num_cached: 0,
             decoding: false,
-            drafts: Vec::new(),
+            drafts: Drafts::default(),
             block_table: Vec::new(),
             usage,
+            accepted_at: [0; MAX_SPECULATIVE_TOKENS],
+            verified_at: [0; MAX_SPECULATIVE_TOKENS],
+            positions: k,
             sched: None,
             mtp_tail: None,
+        }
+    }
+
+    /// The request's usage so far.
+    pub fn usage(&self) -> Usage {
+        Usage {
+            accepted_per_position: self.accepted_at[..self.positions].to_vec(),
+            verified_per_position: self.verified_at[..self.positions].to_vec(),
+            ..self.usage.clone()
+        }
+    }
+
+    /// Adds the request's usage so far to `totals` (without building a [`Usage`]).
+    pub fn add_usage_to(&self, totals: &mut Usage) {
+        totals.accumulate(&self.usage);
+        for (per_position, mine) in [
+            (&mut totals.accepted_per_position, &self.accepted_at),
+            (&mut totals.verified_per_position, &self.verified_at),
+        ] {
+            if per_position.len() < self.positions {
+                per_position.resize(self.positions, 0);
+            }
+            for (t, n) in per_position.iter_mut().zip(&mine[..self.positions]) {
+                *t += n;
+            }
         }
     }
 
@@ -86,6 +152,7 @@ impl Sequence {
     /// Appends an emitted token and checks the stop conditions in order.
     pub fn push_token(&mut self, tok: u32, eos: &[u32], max_model_len: usize) -> Option<FinishReason> {
         self.tokens.push(tok);
+        self.last_token = tok;
         self.usage.generated_tokens += 1;
         if !self.params.ignore_eos && eos.contains(&tok) {
             return Some(FinishReason::Stop(StopMatch::Eos(tok)));
