@@ -21,7 +21,6 @@
 //! own entries are not overwritten. Batch shapes never depend on `a`.
 
 use crate::api::MAX_SPECULATIVE_TOKENS;
-use crate::sampling::argmax;
 use crate::sequence::Sequence;
 use mlaserve_core::{Backend, Batch, SeqChunk};
 use std::time::Instant;
@@ -195,7 +194,6 @@ pub(crate) fn draft<B: Backend>(
     sc: &mut DraftScratch,
     mem: &mut MtpMemory<B::Hidden>,
 ) -> Result<u64, mlaserve_core::Error> {
-    let vocab = backend.config().vocab_size;
     mem.step += 1;
     let step = mem.step;
     // Stages that run over full rows with their own MTP layer.
@@ -203,7 +201,9 @@ pub(crate) fn draft<B: Backend>(
     sc.chunks.clear();
     sc.chain.clear();
     sc.next_tokens.clear();
+    // Drafts are argmaxes: the backend returns those ids, never the logits.
     batch.logit_rows.clear();
+    batch.argmax_rows.clear();
     // Jobs and chunks are both in running order: walk them together.
     let mut next_job = jobs.iter().peekable();
     let mut rows = 0usize;
@@ -213,7 +213,7 @@ pub(crate) fn draft<B: Backend>(
         let draft_off = job.and_then(|j| j.draft_off);
         let chain = match (job, draft_off) {
             (Some(job), Some(off)) => {
-                batch.logit_rows.push((job.target_row + off) as u32);
+                batch.argmax_rows.push((job.target_row + off) as u32);
                 sc.chain.push(ChainEntry { chunk: ci, pos0: job.start + off });
                 Some(sc.chain.len() - 1)
             }
@@ -270,7 +270,7 @@ pub(crate) fn draft<B: Backend>(
     sc.drafts.clear();
     sc.drafts.resize(m * k, 0);
     for i in 0..m {
-        sc.drafts[i * k] = argmax(&out.logits[i * vocab..(i + 1) * vocab]);
+        sc.drafts[i * k] = out.argmax[i];
     }
     let mut outs = std::mem::take(&mut mem.spare);
     outs.clear();
@@ -289,8 +289,8 @@ pub(crate) fn draft<B: Backend>(
         hidden_rows.resize(rows + chunks.len(), 0);
         kept.clear();
         kept.resize(chunks.len(), 0);
-        batch.logit_rows.clear();
-        batch.logit_rows.resize(m, 0);
+        batch.argmax_rows.clear();
+        batch.argmax_rows.resize(m, 0);
         let (mut n_hidden, mut n_kept, mut n_logits) = (0usize, 0usize, 0usize);
         let (mut off_prev, mut row) = (0u32, 0u32);
         for (c, ch) in batch.seqs.iter_mut().zip(chunks.iter_mut()) {
@@ -335,7 +335,7 @@ pub(crate) fn draft<B: Backend>(
             }
             debug_assert_eq!(c.tokens, shifted(&running[ch.idx].tokens, drafts, c.start_pos + d + 1, n), "stage {d}");
             if let Some(off) = ch.draft_off {
-                batch.logit_rows[n_logits] = row + (ext + off) as u32;
+                batch.argmax_rows[n_logits] = row + (ext + off) as u32;
                 n_logits += 1;
             }
             row += n as u32;
@@ -343,7 +343,7 @@ pub(crate) fn draft<B: Backend>(
         debug_assert_eq!((n_hidden, n_logits), (row as usize, m), "one hidden row per token, one logit row per draft");
         hidden_rows.truncate(n_hidden);
         kept.truncate(n_kept);
-        batch.logit_rows.truncate(n_logits);
+        batch.argmax_rows.truncate(n_logits);
         rows = row as usize;
         let input;
         let prev: &B::Hidden = if sc.kept.is_empty() {
@@ -360,7 +360,7 @@ pub(crate) fn draft<B: Backend>(
         let out = backend.mtp_forward(d, batch, prev, &sc.hidden_rows)?;
         backend_us += t.elapsed().as_micros() as u64;
         for i in 0..m {
-            sc.drafts[i * k + d] = argmax(&out.logits[i * vocab..(i + 1) * vocab]);
+            sc.drafts[i * k + d] = out.argmax[i];
         }
         outs.push(out.hidden);
     }
@@ -374,7 +374,7 @@ pub(crate) fn draft<B: Backend>(
             std::mem::swap(&mut c.block_table, &mut batch.seqs[e.chunk].block_table);
         }
         sc.batch.seqs.truncate(m);
-        let r = chain_stages(backend, sc, &batch.logit_rows, last_out, k, n_mtp);
+        let r = chain_stages(backend, sc, &batch.argmax_rows, last_out, k, n_mtp);
         for (c, e) in sc.batch.seqs.iter_mut().zip(&sc.chain) {
             std::mem::swap(&mut c.block_table, &mut batch.seqs[e.chunk].block_table);
         }
@@ -429,11 +429,11 @@ fn chain_stages<B: Backend>(
     k: usize,
     n_mtp: usize,
 ) -> Result<u64, mlaserve_core::Error> {
-    let vocab = backend.config().vocab_size;
     let m = sc.chain.len();
     let mut backend_us = 0;
     sc.batch.logit_rows.clear();
-    sc.batch.logit_rows.extend_from_slice(identity(&mut sc.identity, m));
+    sc.batch.argmax_rows.clear();
+    sc.batch.argmax_rows.extend_from_slice(identity(&mut sc.identity, m));
     for d in n_mtp.min(k)..k {
         let shift = d + 1 - n_mtp;
         for (i, (c, e)) in sc.batch.seqs.iter_mut().zip(&sc.chain).enumerate() {
@@ -445,7 +445,7 @@ fn chain_stages<B: Backend>(
         let out = backend.mtp_forward(n_mtp - 1, &sc.batch, &prev_hidden, rows)?;
         backend_us += t.elapsed().as_micros() as u64;
         for i in 0..m {
-            sc.drafts[i * k + d] = argmax(&out.logits[i * vocab..(i + 1) * vocab]);
+            sc.drafts[i * k + d] = out.argmax[i];
         }
         prev_hidden = out.hidden;
     }

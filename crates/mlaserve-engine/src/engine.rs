@@ -9,7 +9,7 @@ use crate::block::{blocks_for, BlockManager};
 use crate::draft::{chunk_at, draft, DraftJob, DraftScratch, MtpMemory};
 use crate::error::{EngineError, Result};
 use crate::rng::mix64;
-use crate::sampling::{choose_token, verify_window_into};
+use crate::sampling::{choose_token, verify_greedy_into, verify_window_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
 use mlaserve_core::{Backend, Batch};
@@ -266,7 +266,7 @@ impl<B: Backend> Engine<B> {
         events.reserve(self.batch.seqs.len());
         let mut jobs = std::mem::take(&mut self.jobs);
         jobs.clear();
-        self.verify(&out.logits, &mut events, &mut finished, &mut jobs);
+        self.verify(&out.logits, &out.argmax, &mut events, &mut finished, &mut jobs);
         let t3 = Instant::now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
         let mut draft_err = None;
@@ -308,10 +308,12 @@ impl<B: Backend> Engine<B> {
         let b = &mut self.batch;
         let mut n = 0;
         let mut row = 0u32;
-        // Decode windows want logits at every row: runs of them are added as one range.
-        let mut run_start = 0u32;
+        // Greedy requests need only the argmax of their rows (computed by the backend,
+        // on the device for the GPU); sampled ones need the logits.
         b.logit_rows.clear();
+        b.argmax_rows.clear();
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
+            let rows = if s.params.is_greedy() { &mut b.argmax_rows } else { &mut b.logit_rows };
             let c = chunk_at(&mut b.seqs, n);
             n += 1;
             std::mem::swap(&mut c.block_table, &mut s.block_table);
@@ -321,20 +323,18 @@ impl<B: Backend> Engine<B> {
                     debug_assert_eq!(s.num_cached + 1, s.tokens.len(), "a decode window starts at the last token");
                     c.tokens.push(s.last_token);
                     c.tokens.extend_from_slice(s.drafts.as_slice());
+                    rows.extend(row..row + c.tokens.len() as u32);
                 }
                 Some(Sched::Prefill { len, last }) => {
-                    b.logit_rows.extend(run_start..row);
                     c.tokens.extend_from_slice(&s.tokens[s.num_cached..s.num_cached + len]);
                     if last {
-                        b.logit_rows.push(row + len as u32 - 1);
+                        rows.push(row + len as u32 - 1);
                     }
-                    run_start = row + len as u32;
                 }
                 None => {}
             }
             row += c.tokens.len() as u32;
         }
-        b.logit_rows.extend(run_start..row);
         b.seqs.truncate(n);
     }
 
@@ -353,12 +353,14 @@ impl<B: Backend> Engine<B> {
     fn verify(
         &mut self,
         logits: &[f32],
+        argmax: &[u32],
         events: &mut Vec<(RequestId, Event)>,
         finished: &mut Vec<(usize, FinishReason)>,
         jobs: &mut Vec<DraftJob>,
     ) {
         let (k, v) = (self.lim.k, self.vocab);
-        let mut lrow = 0usize;
+        // Cursors into the logits rows (sampled requests) and the argmax ids (greedy ones).
+        let (mut lrow, mut arow) = (0usize, 0usize);
         let mut trow = 0usize;
         for (idx, s) in self.running.iter_mut().enumerate() {
             let Some(sched) = s.sched else { continue };
@@ -366,11 +368,15 @@ impl<B: Backend> Engine<B> {
             let mut fin = None;
             let (rows, draft_off) = match sched {
                 Sched::Decode => {
-                    let w = &logits[lrow * v..(lrow + 1 + k) * v];
-                    lrow += 1 + k;
                     let emitted = tokens_event(events, s.id, 1 + k);
-                    let accepted =
-                        verify_window_into(w, v, s.drafts.as_slice(), &s.params, s.seed, (start + 1) as u64, emitted);
+                    let accepted = if s.params.is_greedy() {
+                        arow += 1 + k;
+                        verify_greedy_into(&argmax[arow - 1 - k..arow], s.drafts.as_slice(), emitted)
+                    } else {
+                        let w = &logits[lrow * v..(lrow + 1 + k) * v];
+                        lrow += 1 + k;
+                        verify_window_into(w, v, s.drafts.as_slice(), &s.params, s.seed, (start + 1) as u64, emitted)
+                    };
                     // A stop condition cuts the run: nothing after the matching token.
                     let mut kept = emitted.len();
                     for (j, &tok) in emitted.iter().enumerate() {
@@ -397,9 +403,13 @@ impl<B: Backend> Engine<B> {
                 Sched::Prefill { len, last } => {
                     s.num_cached = start + len;
                     if last {
-                        let row = &logits[lrow * v..(lrow + 1) * v];
-                        lrow += 1;
-                        let tok = choose_token(row, &s.params, s.seed, s.tokens.len() as u64);
+                        let tok = if s.params.is_greedy() {
+                            arow += 1;
+                            argmax[arow - 1]
+                        } else {
+                            lrow += 1;
+                            choose_token(&logits[(lrow - 1) * v..lrow * v], &s.params, s.seed, s.tokens.len() as u64)
+                        };
                         tokens_event(events, s.id, 1).push(tok);
                         fin = s.push_token(tok, &self.eos, self.max_model_len);
                         s.decoding = true;

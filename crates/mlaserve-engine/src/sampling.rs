@@ -27,45 +27,9 @@ pub struct TargetDist {
     pub probs: Vec<f64>,
 }
 
-/// Index of the largest logit; ties go to the lowest id, NaN never wins.
-pub fn argmax(logits: &[f32]) -> u32 {
-    if logits.len() <= 64 {
-        // Short rows: one branch-free pass (selects, no mispredicted jumps).
-        let (mut best, mut best_v) = (0usize, f32::NEG_INFINITY);
-        for (i, &v) in logits.iter().enumerate() {
-            let gt = v > best_v;
-            best = if gt { i } else { best };
-            best_v = if gt { v } else { best_v };
-        }
-        if best_v == f32::NEG_INFINITY {
-            return logits.iter().position(|v| !v.is_nan()).unwrap_or(0) as u32;
-        }
-        return best as u32;
-    }
-    // Pass 1: the maximum, lane-wise so that it vectorises (`v > m` is false for NaN).
-    const LANES: usize = 16;
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = logits.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..LANES {
-            lanes[i] = if c[i] > lanes[i] { c[i] } else { lanes[i] };
-        }
-    }
-    let mut max = f32::NEG_INFINITY;
-    for &v in lanes.iter().chain(rest) {
-        if v > max {
-            max = v;
-        }
-    }
-    // Pass 2: the first index holding it (all -inf or NaN: the first non-NaN entry).
-    let pos = if max == f32::NEG_INFINITY {
-        logits.iter().position(|v| !v.is_nan())
-    } else {
-        logits.iter().position(|&v| v == max)
-    };
-    pos.unwrap_or(0) as u32
-}
+/// Index of the largest logit; ties go to the lowest id, NaN never wins (the one rule
+/// every backend's `argmax_rows` follows too).
+pub use mlaserve_core::argmax;
 
 /// The distribution a non-greedy request samples from: softmax(logits / temperature)
 /// restricted to the top-k logits and then to the smallest nucleus of mass `top_p`.
@@ -181,6 +145,21 @@ pub fn verify_window_into(
         let x = choose_token(row, params, seed, first_position + j as u64);
         out.push(x);
         if j == drafts.len() || drafts[j] != x {
+            return j;
+        }
+        j += 1;
+    }
+}
+
+/// Greedy verification of `drafts` against the target's argmax tokens of the window
+/// (`ids`, `drafts.len() + 1` of them, computed by the backend): pushes the emitted tokens
+/// to `out` and returns the number of accepted drafts — what [`verify_window_into`] does
+/// for a greedy request, without the logits.
+pub fn verify_greedy_into(ids: &[u32], drafts: &[u32], out: &mut Vec<u32>) -> usize {
+    let mut j = 0;
+    loop {
+        out.push(ids[j]);
+        if j == drafts.len() || drafts[j] != ids[j] {
             return j;
         }
         j += 1;

@@ -111,9 +111,16 @@ fn seeded_request_alone_equals_in_batch() {
             o.req.sampling.top_k = 50;
         }
     }
+    let greedy: Vec<Arrival> = others.iter().skip(1).step_by(2).cloned().collect();
     others.push(Arrival { at: 3, req: seeded.clone() });
     let out = run_all(&mut engine(3, 256, 160), &others);
     assert_eq!(out[32].tokens, a3.tokens, "same tokens inside a batch of 32");
+    // The greedy requests (their rows return only an argmax) read the same tokens with
+    // sampled requests (whose rows return logits) between them as among themselves.
+    let alone = run_all(&mut engine(3, 256, 160), &greedy);
+    for (i, g) in alone.iter().enumerate() {
+        assert_eq!(out[2 * i + 1].tokens, g.tokens, "greedy request {} beside sampled ones", 2 * i + 1);
+    }
 }
 
 #[test]
