@@ -10,7 +10,7 @@
 # MLASERVE_CHECK_BUDGET_S (default 270) caps the whole run; MLASERVE_CHECK_ONLY (a regex
 # over step names) runs a subset.
 #
-# `--tp N`: tensor parallelism on N GPUs (N = 2 or 4; run on a kind with N GPUs): the
+# `--tp N`: tensor parallelism on N GPUs (N = 2, 4 or 8; run on a kind with N GPUs): the
 # CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0, a
 # stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
 # rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
@@ -82,8 +82,8 @@ step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seco
 # TP mode (see the header).
 if [[ "$mode" == tp ]]; then
     export MLASERVE_REQUIRE_GPUS="$tp_n"
-    worlds="2"; ((tp_n >= 4)) && worlds="2,4"
-    for spec in gpu_backend:tiny_v3_tp2_and_tp4_match_cpu gpu_engine:tp_groups_greedy_k3_equals_k0_batch_invariant \
+    worlds="2"; ((tp_n >= 4)) && worlds="2,4"; ((tp_n >= 8)) && worlds="2,4,8"
+    for spec in gpu_backend:tiny_v3_tp2_tp4_tp8_match_cpu gpu_engine:tp_groups_greedy_k3_equals_k0_batch_invariant \
         gpu_engine:a_stalled_rank_fails_the_step_within_the_timeout; do
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
             --nocapture --test-threads=1

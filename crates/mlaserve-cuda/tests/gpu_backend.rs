@@ -294,8 +294,8 @@ fn tiny_v3_matches_cpu_batch_invariant() {
 }
 
 #[test]
-fn tiny_v3_tp2_and_tp4_match_cpu() {
-    for world in [2, 4] {
+fn tiny_v3_tp2_tp4_tp8_match_cpu() {
+    for world in [2, 4, 8] {
         if !require_gpus(world) {
             return;
         }

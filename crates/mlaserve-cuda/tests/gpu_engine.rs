@@ -164,7 +164,7 @@ fn tp_groups_greedy_k3_equals_k0_batch_invariant() {
     let t = model();
     let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
     let mut tp1 = None;
-    for world in [2, 4] {
+    for world in [2, 4, 8] {
         if !require_gpus(world) {
             return;
         }
