@@ -17,6 +17,7 @@
 
 mod common;
 
+use common::{require_gpu, require_gpus};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -26,17 +27,6 @@ use mlaserve_cuda::{CudaBackend, CudaOptions};
 
 const BLOCKS: usize = 32;
 const TOL: f64 = 2e-2;
-
-fn require_gpu() -> bool {
-    match mlaserve_cuda::Gpu::new(0) {
-        Ok(_) => true,
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            false
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
 
 fn rel(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len(), "shape");
@@ -259,22 +249,6 @@ fn run_with(opts: CudaOptions, world: usize, label: &str) {
         }
     }
     assert!(bad.is_empty(), "{label}: {bad:?}");
-}
-
-/// GPUs for a `world`-rank test, or `None` (skip) when the machine has fewer and
-/// `MLASERVE_REQUIRE_GPUS` does not ask for at least that many.
-fn require_gpus(world: usize) -> bool {
-    if !require_gpu() {
-        return false;
-    }
-    let have = mlaserve_cuda::Gpu::count().unwrap_or(0);
-    let want: usize = std::env::var("MLASERVE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    if have >= world {
-        return true;
-    }
-    assert!(want < world, "MLASERVE_REQUIRE_GPUS={want} but only {have} GPUs");
-    eprintln!("skipping TP={world} test: {have} GPU(s)");
-    false
 }
 
 #[test]

@@ -13,6 +13,9 @@
 //! batch-invariant options (ordered all-reduce included) k = 3 must equal k = 0.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{require_gpu, require_gpus};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
@@ -24,17 +27,6 @@ use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
 use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
 
 const BLOCKS: usize = 512;
-
-fn require_gpu() -> bool {
-    match mlaserve_cuda::Gpu::new(0) {
-        Ok(_) => true,
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            false
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
 
 fn workload() -> Vec<Request> {
     let mut s = 987654321u64;
@@ -108,22 +100,6 @@ fn greedy_k3_equals_k0_batch_invariant() {
         differing(&k0, &cpu)
     );
     assert_eq!(k3, k0, "greedy k = 3 differs from k = 0 on the GPU (batch-invariant options)");
-}
-
-/// GPUs 0..world present, or skip (fail instead when `MLASERVE_REQUIRE_GPUS` asks for
-/// at least `world`).
-fn require_gpus(world: usize) -> bool {
-    if !require_gpu() {
-        return false;
-    }
-    let have = mlaserve_cuda::Gpu::count().unwrap_or(0);
-    let want: usize = std::env::var("MLASERVE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    if have >= world {
-        return true;
-    }
-    assert!(want < world, "MLASERVE_REQUIRE_GPUS={want} but only {have} GPUs");
-    eprintln!("skipping TP={world} test: {have} GPU(s)");
-    false
 }
 
 /// The workload on a group of `world` ranks (GPU r for rank r).

@@ -139,10 +139,18 @@ pub fn verify_window_into(
     first_position: u64,
     out: &mut Vec<u32>,
 ) -> usize {
+    verify_with(drafts, out, |j| {
+        choose_token(&logits[j * vocab..(j + 1) * vocab], params, seed, first_position + j as u64)
+    })
+}
+
+/// The accept loop both verifiers share: window position `j`'s target token is
+/// `target(j)`; it is emitted, and the run stops at the first draft that differs (or
+/// after the bonus token). Returns the number of accepted drafts.
+fn verify_with(drafts: &[u32], out: &mut Vec<u32>, mut target: impl FnMut(usize) -> u32) -> usize {
     let mut j = 0;
     loop {
-        let row = &logits[j * vocab..(j + 1) * vocab];
-        let x = choose_token(row, params, seed, first_position + j as u64);
+        let x = target(j);
         out.push(x);
         if j == drafts.len() || drafts[j] != x {
             return j;
@@ -156,14 +164,7 @@ pub fn verify_window_into(
 /// to `out` and returns the number of accepted drafts — what [`verify_window_into`] does
 /// for a greedy request, without the logits.
 pub fn verify_greedy_into(ids: &[u32], drafts: &[u32], out: &mut Vec<u32>) -> usize {
-    let mut j = 0;
-    loop {
-        out.push(ids[j]);
-        if j == drafts.len() || drafts[j] != ids[j] {
-            return j;
-        }
-        j += 1;
-    }
+    verify_with(drafts, out, |j| ids[j])
 }
 
 #[cfg(test)]

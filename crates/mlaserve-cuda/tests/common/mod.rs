@@ -90,3 +90,34 @@ pub fn near_ties(dir: &std::path::Path, seqs: &[(Vec<u32>, Vec<u32>)], thr: f32)
     }
     out
 }
+
+#[cfg(feature = "cuda")]
+/// Whether a GPU is present; without one the test is skipped (it fails instead when
+/// `MLASERVE_REQUIRE_GPU` is set).
+pub fn require_gpu() -> bool {
+    match mlaserve_cuda::Gpu::new(0) {
+        Ok(_) => true,
+        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
+            eprintln!("skipping GPU test: {e}");
+            false
+        }
+        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+/// GPUs 0..world present, or skip (fail instead when `MLASERVE_REQUIRE_GPUS` asks for
+/// at least `world`).
+pub fn require_gpus(world: usize) -> bool {
+    if !require_gpu() {
+        return false;
+    }
+    let have = mlaserve_cuda::Gpu::count().unwrap_or(0);
+    let want: usize = std::env::var("MLASERVE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    if have >= world {
+        return true;
+    }
+    assert!(want < world, "MLASERVE_REQUIRE_GPUS={want} but only {have} GPUs");
+    eprintln!("skipping TP={world} test: {have} GPU(s)");
+    false
+}
