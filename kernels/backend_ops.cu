@@ -419,22 +419,30 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The MoE experts as one launch: rows [off[g], off[g + 1]) of x (sorted by expert, `k`
 // wide) times the weight of expert experts[g] (w[experts[g]], `[n][k]` bf16; expert g
-// when `experts` is null) into the
-// same rows of y (`n` wide). grid = (ceil(n / 32), touched experts), 256 threads: each
-// warp owns 4 output columns of its expert and runs its rows 8 at a time, reading each
-// weight row once per 8 rows. A row's dot product is summed exactly as `linear_inv`
-// sums it (lane-strided 8-element chunks, then the warp tree), so the result for a token
-// does not depend on which or how many other rows its expert got. Needs k % 8 == 0.
+// when `experts` is null) into the same rows of y (`n` wide). grid = (ceil(n / 32),
+// experts), 256 threads: each warp owns 4 output columns of its expert and runs its rows
+// 8 at a time, reading each weight row once per 8 rows (the `staged` entry points put the
+// 8 rows of x in shared memory for the block). A row's dot product is summed exactly as
+// `linear_inv` sums it (lane-strided 8-element chunks, then the warp tree), so the result
+// for a token does not depend on which or how many other rows its expert got, nor on the
+// entry point. Needs k % 8 == 0.
 namespace gmoe {
 constexpr int ROWS = 8, COLS = 4;
 }
-template <typename T>
+template <typename T, bool STAGE>
 __device__ void grouped_linear(T* __restrict__ y, const bf16* __restrict__ x, const bf16* const* __restrict__ w,
                                const int* __restrict__ experts, const int* __restrict__ off, int n, int k) {
     using namespace gmoe;
+    // STAGE: the block's 8 rows × 32 chunks of 8 elements of x go through shared memory,
+    // read once for the block's 8 warps (each would otherwise read every row of x for its
+    // own 4 columns); it pays when experts have several rows, costs barriers when few.
+    __shared__ uint4 xs[STAGE ? ROWS : 1][32];
     const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
-    const int col0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * COLS, lane = threadIdx.x & 31;
-    if (col0 >= n || r0 >= r1) return;
+    if (r0 >= r1) return;  // the whole block: no row for this expert
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int col0 = (blockIdx.x * 8 + warp) * COLS;
+    const bool active = col0 < n;  // with STAGE, inactive warps still stage x and meet the barriers
+    if (!STAGE && !active) return;
     const bf16* we = w[experts ? experts[g] : g];
     const int k8 = k / 8;
     for (int base = r0; base < r1; base += ROWS) {
@@ -444,28 +452,39 @@ __device__ void grouped_linear(T* __restrict__ y, const bf16* __restrict__ x, co
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int c = 0; c < COLS; ++c) d[r][c] = 0.f;
-        for (int i = lane; i < k8; i += 32) {
-            uint4 wb[COLS];
+        for (int t = 0; t < k8; t += 32) {
+            if (STAGE) {
+                if (warp < nr && t + lane < k8)
+                    xs[warp][lane] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(base + warp) * k)[t + lane];
+                __syncthreads();
+            }
+            const int i = t + lane;  // each lane's chunks in the same order as linear_inv's
+            if (active && i < k8) {
+                uint4 wb[COLS];
 #pragma unroll
-            for (int c = 0; c < COLS; ++c)
-                wb[c] = col0 + c < n ? reinterpret_cast<const uint4*>(we + static_cast<size_t>(col0 + c) * k)[i]
-                                     : make_uint4(0, 0, 0, 0);
+                for (int c = 0; c < COLS; ++c)
+                    wb[c] = col0 + c < n ? reinterpret_cast<const uint4*>(we + static_cast<size_t>(col0 + c) * k)[i]
+                                         : make_uint4(0, 0, 0, 0);
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r >= nr) break;
-                const uint4 a = reinterpret_cast<const uint4*>(x + static_cast<size_t>(base + r) * k)[i];
-                const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r >= nr) break;
+                    const uint4 a = STAGE ? xs[r][lane]
+                                          : reinterpret_cast<const uint4*>(x + static_cast<size_t>(base + r) * k)[i];
+                    const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
 #pragma unroll
-                for (int c = 0; c < COLS; ++c) {
-                    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&wb[c]);
+                    for (int c = 0; c < COLS; ++c) {
+                        const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&wb[c]);
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const float2 af = __bfloat1622float2(ah[q]), bf = __bfloat1622float2(bh[q]);
-                        d[r][c] += af.x * bf.x + af.y * bf.y;
+                        for (int q = 0; q < 4; ++q) {
+                            const float2 af = __bfloat1622float2(ah[q]), bf = __bfloat1622float2(bh[q]);
+                            d[r][c] += af.x * bf.x + af.y * bf.y;
+                        }
                     }
                 }
             }
+            if (STAGE) __syncthreads();
         }
+        if (!active) continue;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             if (r >= nr) break;
@@ -477,16 +496,15 @@ __device__ void grouped_linear(T* __restrict__ y, const bf16* __restrict__ x, co
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(256)
-    moe_grouped_bf16_obf16(bf16* y, const bf16* x, const bf16* const* w, const int* experts, const int* off, int n,
-                           int k) {
-    grouped_linear(y, x, w, experts, off, n, k);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    moe_grouped_bf16_of32(float* y, const bf16* x, const bf16* const* w, const int* experts, const int* off, int n,
-                          int k) {
-    grouped_linear(y, x, w, experts, off, n, k);
-}
+#define MOE_GROUPED(NAME, T, STAGE)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(T* y, const bf16* x, const bf16* const* w,             \
+                                                           const int* experts, const int* off, int n, int k) { \
+        grouped_linear<T, STAGE>(y, x, w, experts, off, n, k);                                                 \
+    }
+MOE_GROUPED(moe_grouped_bf16_obf16, bf16, false)
+MOE_GROUPED(moe_grouped_bf16_of32, float, false)
+MOE_GROUPED(moe_grouped_staged_bf16_obf16, bf16, true)
+MOE_GROUPED(moe_grouped_staged_bf16_of32, float, true)
 
 // The MoE slots (token t, choice j) = slot t*k + j sorted by expert on the device, so the
 // expert GEMMs need no host round trip: off[e] = first sorted row of expert e (off[E] =

@@ -7,11 +7,12 @@
 //! Without a GPU the tests print why and pass (`MLASERVE_REQUIRE_GPU=1` makes it fail).
 #![cfg(feature = "cuda")]
 
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use mlaserve_core::config::Arch;
 use mlaserve_core::{MoeConfig, ScoringFunc, TopkMethod};
 use mlaserve_cuda::linear::{Gemm, GemmMode, Linear};
-use mlaserve_cuda::ops::{AttnMeta, Ops, RopeTables, RouteParams};
+use mlaserve_cuda::ops::{AttnMeta, GroupedVariant, Ops, RopeTables, RouteParams};
 use mlaserve_cuda::reference::{self, DecodeDims};
 use mlaserve_cuda::rng::Rng;
 use mlaserve_cuda::Gpu;
@@ -142,9 +143,28 @@ fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
         let mut xs = s.alloc_zeros::<bf16>(slots * k).expect("xs");
         ops.gather_bf16_sorted(s, &mut xs, &xd, &perm, slots, k).expect("gather");
         let mut y = s.alloc_zeros::<f32>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, true).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, true, GroupedVariant::Direct).expect("grouped");
         let mut yb = s.alloc_zeros::<bf16>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, false).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, false, GroupedVariant::Direct).expect("grouped");
+        // The staged entry points: the same bits.
+        let mut ys = s.alloc_zeros::<f32>(slots * n).expect("y");
+        ops.moe_grouped_sorted(s, &mut ys, &xs, &table, &off, slots, true, GroupedVariant::Staged).expect("grouped");
+        let mut ysb = s.alloc_zeros::<bf16>(slots * n).expect("y");
+        ops.moe_grouped_sorted(s, &mut ysb, &xs, &table, &off, slots, false, GroupedVariant::Staged).expect("grouped");
+        let bits = |a: &CudaSlice<f32>, b: &CudaSlice<f32>| {
+            s.clone_dtoh(a)
+                .expect("a")
+                .iter()
+                .zip(&s.clone_dtoh(b).expect("b"))
+                .all(|(p, q)| p.to_bits() == q.to_bits())
+        };
+        let bits16 =
+            |a: &CudaSlice<bf16>, b: &CudaSlice<bf16>| s.clone_dtoh(a).expect("a") == s.clone_dtoh(b).expect("b");
+        let staged_same = bits(&y, &ys) && bits16(&yb, &ysb);
+        println!("staged == direct, bit for bit: {staged_same}");
+        if !staged_same {
+            fails.push(format!("staged grouped [{n}x{k}] differs from direct"));
+        }
         let (offh, permh, invh) =
             (s.clone_dtoh(&off).expect("o"), s.clone_dtoh(&perm).expect("p"), s.clone_dtoh(&inv).expect("i"));
         let (got, gotb) = (s.clone_dtoh(&y).expect("y"), s.clone_dtoh(&yb).expect("y"));

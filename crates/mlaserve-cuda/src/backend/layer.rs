@@ -7,6 +7,7 @@ use half::bf16;
 use super::weights::{Attn, Ffn, Mlp, Moe};
 use super::{BlockRef, CudaBackend, Step};
 use crate::error::Result;
+use crate::ops::GroupedVariant;
 use crate::reference::DecodeDims;
 use crate::MlaDecodeShape;
 
@@ -189,10 +190,10 @@ impl CudaBackend {
                 self.ops.gather_bf16_sorted(s, &mut xs, xn, &perm, rows, h)?;
                 let i = gate_up.out / 2;
                 let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
-                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false)?;
+                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false, GroupedVariant::Auto)?;
                 let mut act = s.alloc_zeros::<bf16>(rows * i)?;
                 self.silu.launch(s, &mut act, &gu, i)?;
-                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true)?;
+                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true, GroupedVariant::Auto)?;
                 inv
             }
             // Dimensions the grouped kernel does not take: sorted on the host, each touched
