@@ -117,6 +117,9 @@ pub struct MlaDecodeBenchOpts {
     pub iters: usize,
     /// Tensor-core kernels to compare; `None` = the production choice, [`MlaKernel::Auto`].
     pub kernels: Option<Vec<MlaKernel>>,
+    /// Split-KV counts to time each configuration with (tuning the planner); `None` =
+    /// the planner's choice.
+    pub splits: Option<Vec<usize>>,
 }
 
 impl Default for MlaDecodeBenchOpts {
@@ -131,6 +134,7 @@ impl Default for MlaDecodeBenchOpts {
             warmup: 3,
             iters: 30,
             kernels: None,
+            splits: None,
         }
     }
 }
@@ -198,27 +202,38 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
                         let sl = s.clone_htod(&vec![seq_len as i32; batch])?;
                         let mut out = s.alloc_zeros::<bf16>(batch * rows * dlat)?;
                         let mut lse = s.alloc_zeros::<f32>(batch * rows)?;
-                        let splits = mla.num_splits(&dims, seq_len);
-                        let mut ws = mla.workspace(s, &dims, splits)?;
-                        let shape =
-                            MlaDecodeShape { dims, num_blocks, num_splits: splits, scale: 1.0 / (192f32).sqrt() };
-                        let t = time_calls(gpu, opts.warmup, opts.iters, || {
-                            mla.launch(s, &shape, &q, &cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
-                        })?;
-                        let med = median(&t);
-                        let lens = vec![seq_len; batch];
-                        rows_out.push(MlaDecodeBenchRow {
-                            kernel,
-                            batch,
-                            seq_len,
-                            heads,
-                            q_len,
-                            num_splits: splits,
-                            median_us: med * 1e3,
-                            min_us: t[0] * 1e3,
-                            gbps: plan::min_bytes(rows, &lens, dqk, dlat, 2) / (med * 1e-3) / 1e9,
-                            tflops: plan::flops(rows, &lens, dqk, dlat) / (med * 1e-3) / 1e12,
-                        });
+                        let planned = mla.num_splits(&dims, seq_len);
+                        let chunks = seq_len.div_ceil(plan::CHUNK_TOKENS).clamp(1, plan::MAX_SPLITS);
+                        let mut tries: Vec<usize> = match &opts.splits {
+                            // The fast kernels split; the others run one split only.
+                            Some(v) if planned > 1 || mla.num_splits(&dims, 1 << 20) > 1 => {
+                                v.iter().map(|&x| x.clamp(1, chunks)).collect()
+                            }
+                            _ => vec![planned],
+                        };
+                        tries.dedup();
+                        for splits in tries {
+                            let mut ws = mla.workspace(s, &dims, splits)?;
+                            let shape =
+                                MlaDecodeShape { dims, num_blocks, num_splits: splits, scale: 1.0 / (192f32).sqrt() };
+                            let t = time_calls(gpu, opts.warmup, opts.iters, || {
+                                mla.launch(s, &shape, &q, &cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
+                            })?;
+                            let med = median(&t);
+                            let lens = vec![seq_len; batch];
+                            rows_out.push(MlaDecodeBenchRow {
+                                kernel,
+                                batch,
+                                seq_len,
+                                heads,
+                                q_len,
+                                num_splits: splits,
+                                median_us: med * 1e3,
+                                min_us: t[0] * 1e3,
+                                gbps: plan::min_bytes(rows, &lens, dqk, dlat, 2) / (med * 1e-3) / 1e9,
+                                tflops: plan::flops(rows, &lens, dqk, dlat) / (med * 1e-3) / 1e12,
+                            });
+                        }
                     }
                 }
             }

@@ -20,7 +20,7 @@ enum What {
     Serve(super::bench_serve::Args),
     /// The padded MLA decode kernel against the copy bandwidth and the cuBLAS GEMM rate
     /// measured in the same run (needs `--features cuda` and a GPU).
-    MlaDecode(GpuArgs),
+    MlaDecode(MlaArgs),
     /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline,
     /// on one GPU or a tensor-parallel group (needs `--features cuda` and the GPUs).
     Step(StepArgs),
@@ -59,10 +59,20 @@ struct StepArgs {
 }
 
 #[derive(Debug, clap::Args)]
-struct GpuArgs {
+struct MlaArgs {
     /// CUDA device.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Only these head counts (comma-separated; default 16,32,64,128).
+    #[arg(long, value_delimiter = ',')]
+    heads: Vec<usize>,
+    /// Only these query lengths (comma-separated; default 1,2,4).
+    #[arg(long, value_delimiter = ',')]
+    q_len: Vec<usize>,
+    /// Time every configuration with each of these split-KV counts instead of the
+    /// planner's choice (tuning the planner).
+    #[arg(long, value_delimiter = ',')]
+    splits: Vec<usize>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -130,8 +140,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-fn mla_decode_bench(g: GpuArgs) -> anyhow::Result<()> {
-    let opts = mlaserve_cuda::bench::MlaDecodeBenchOpts::default();
+fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
+    let mut opts = mlaserve_cuda::bench::MlaDecodeBenchOpts::default();
+    if !g.heads.is_empty() {
+        opts.heads = g.heads;
+    }
+    if !g.q_len.is_empty() {
+        anyhow::ensure!(g.q_len.iter().all(|&q| (1..=4).contains(&q)), "--q-len: each must be 1..=4");
+        opts.q_lens = g.q_len;
+    }
+    if !g.splits.is_empty() {
+        anyhow::ensure!(g.splits.iter().all(|&x| x >= 1), "--splits: each must be at least 1");
+        opts.splits = Some(g.splits);
+    }
     println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
     Ok(())
 }
@@ -201,7 +222,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
 const NO_CUDA: &str = "GPU benchmarks need a build with CUDA: `cargo build --release -p mlaserve --features cuda`";
 
 #[cfg(not(feature = "cuda"))]
-fn mla_decode_bench(g: GpuArgs) -> anyhow::Result<()> {
+fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
     anyhow::bail!("bench mla-decode --device {}: {NO_CUDA}", g.device)
 }
 
