@@ -175,7 +175,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Runs the sweep (see the module docs).
 pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
     if opts.tp <= 1 {
-        return bench_rank(opts, None);
+        return bench_step_rank(opts, None);
     }
     let id = TpInit::new_id()?;
     let mut results = std::thread::scope(|s| {
@@ -183,7 +183,7 @@ pub fn bench_step(opts: &StepBenchOpts) -> Result<StepBenchReport> {
             .map(|rank| {
                 let init =
                     TpInit { rank, world: opts.tp, id: id.clone(), timeout: std::time::Duration::from_secs(120) };
-                s.spawn(move || bench_rank(opts, Some(&init)))
+                s.spawn(move || bench_step_rank(opts, Some(&init)))
             })
             .collect();
         ranks
@@ -239,10 +239,6 @@ fn comm_seconds(
 /// it with the same options and its own `tp.rank`, on GPU `opts.ordinal + tp.rank`;
 /// rank 0's report is the group's.
 pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchReport> {
-    bench_rank(opts, tp)
-}
-
-fn bench_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchReport> {
     let cfg = v3_config(opts.moe_layers)?;
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let per_seq = (opts.context + 8).div_ceil(BLOCK_SIZE);

@@ -1,8 +1,8 @@
 //! The NCCL [`Collective`]: one communicator per rank, one GPU per rank.
 //!
-//! Host buffers are staged through the rank's GPU (the CPU backend runs its TP
-//! collectives this way on the GPU machines; the CUDA backend will call NCCL on its own
-//! device buffers through the same communicator). Every operation is enqueued, then its
+//! Host buffers are staged through the rank's GPU: the step-plan channel of a group and
+//! the CPU backend's TP collectives run this way on the GPU machines (the CUDA backend
+//! has its own communicator on its stream, `mlaserve_cuda::DeviceComm`). Every operation is enqueued, then its
 //! completion is polled against a deadline: a peer that died or stalls makes the wait
 //! time out, the communicator is aborted (which also releases NCCL's spinning kernels),
 //! and this and every later call fail with an error naming the operation — a group never

@@ -418,6 +418,24 @@ impl CudaBackend {
         })
     }
 
+    /// This rank's slice of the head's logits for `rows` of `normed` (`[n][h]` f32), on the
+    /// device: `[rows][head.out]` f32 (`idx_d` is `rows` uploaded with the step).
+    fn head_rows(
+        &self,
+        head: &Linear,
+        normed: &CudaSlice<f32>,
+        idx_d: &CudaSlice<i32>,
+        rows: &[u32],
+    ) -> Result<CudaSlice<f32>> {
+        let s = &self.gpu.stream;
+        let h = self.cfg.hidden_size;
+        let mut sel = s.alloc_zeros::<half::bf16>(rows.len() * h)?;
+        self.ops.gather_f32_bf16(s, &mut sel, normed, idx_d, rows, h)?;
+        let mut logits = s.alloc_zeros::<f32>(rows.len() * head.out)?;
+        self.gemm.forward(s, head, &sel, rows.len(), &mut logits)?;
+        Ok(logits)
+    }
+
     /// Vocabulary-parallel head over `rows` of `normed` (`[n][h]` f32): logits on the host
     /// (every rank's slice, all-gathered and put in vocabulary order).
     fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[u32]) -> Result<Vec<f32>> {
@@ -425,12 +443,7 @@ impl CudaBackend {
             return Ok(Vec::new());
         }
         let s = &self.gpu.stream;
-        let h = self.cfg.hidden_size;
-        let idx_d = &st.logit_rows;
-        let mut sel = s.alloc_zeros::<half::bf16>(rows.len() * h)?;
-        self.ops.gather_f32_bf16(s, &mut sel, normed, idx_d, rows, h)?;
-        let mut logits = s.alloc_zeros::<f32>(rows.len() * head.out)?;
-        self.gemm.forward(s, head, &sel, rows.len(), &mut logits)?;
+        let logits = self.head_rows(head, normed, &st.logit_rows, rows)?;
         let Some(comm) = &self.comm else {
             let out = s.clone_dtoh(&logits)?;
             self.gpu.sync()?;
@@ -457,11 +470,8 @@ impl CudaBackend {
             return Ok(Vec::new());
         }
         let s = &self.gpu.stream;
-        let (h, n) = (self.cfg.hidden_size, rows.len());
-        let mut sel = s.alloc_zeros::<half::bf16>(n * h)?;
-        self.ops.gather_f32_bf16(s, &mut sel, normed, &st.argmax_rows, rows, h)?;
-        let mut logits = s.alloc_zeros::<f32>(n * head.out)?;
-        self.gemm.forward(s, head, &sel, n, &mut logits)?;
+        let n = rows.len();
+        let logits = self.head_rows(head, normed, &st.argmax_rows, rows)?;
         let Some(comm) = &self.comm else {
             let mut ids = s.alloc_zeros::<i32>(n)?;
             self.argmax.argmax_f32(s, &logits, &mut ids, head.out)?;
