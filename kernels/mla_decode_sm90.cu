@@ -17,7 +17,9 @@
 // (the c_kv rows of the same shared copy, read N-major) is 2 wgmma m64n256k16 per chunk.
 // Shared tiles use the canonical 128-byte-swizzle layout: [64-dim block][row][128 B],
 // chunk ^ (row % 8), each block 1024-byte aligned; one copy serves as K (K-major) and
-// as V (N-major). Loads: cp.async into a 3-stage ring of 32-token chunks.
+// as V (N-major). Loads: TMA (or cp.async) into a 4-5 stage ring of 32-token chunks.
+// Software pipeline: the S of chunk i + 1 is issued before chunk i's exchange and
+// softmax, so the tensor cores work while the ALUs do (see the loop).
 #include <cuda.h>  // CUtensorMap
 
 #include "common.cuh"
@@ -78,7 +80,9 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 
     const int tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31;
-    const int wg = tid >> 7;          // warpgroup: output columns / dims half
+    // Warpgroup: output columns / dims half. Read through a shuffle so the compiler knows
+    // it is warp-uniform and keeps the wgmma descriptors in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int wtid = tid & 127;       // thread within the warpgroup
     const int rg = (tid >> 5) & 3;    // warp within the warpgroup: rows 16*rg..+15
     const int rows = heads * q_len;
@@ -145,19 +149,21 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float m[2] = {-MLAS_INF, -MLAS_INF};
+    float m[2] = {-MLAS_INF, -MLAS_INF};  // reference max per row, times scale_log2
     float l[2] = {0.f, 0.f};
     float* x_mine = sX + wg * (128 * 8);
     const float* x_peer = sX + (wg ^ 1) * (128 * 8);
 
-    for (int it = 0; it < n_iter; ++it) {
-        const uint32_t sK = sKV + (it % STAGES) * KV_BYTES;
+    // Chunk `it` ready for wgmma in this thread's view (all threads call it; a barrier
+    // must follow before any warp reads the chunk).
+    auto wait_chunk = [&](int it) {
         if constexpr (TMA) {
             mbar_wait(sBar + 8 * (it % STAGES), (it / STAGES) & 1);
             // The last chunk's slots past seq_len hold whatever the cache holds (NaN
             // included): zero them, or 0 * NaN in P V would poison every row.
             const int valid_tok = seq_len - (c_begin + it) * BN;
             if (valid_tok < BN) {
+                const uint32_t sK = sKV + (it % STAGES) * KV_BYTES;
                 const int n16 = (BN - valid_tok) * 8;  // 16-byte words per 64-dim block
                 for (int i = tid; i < (DQK / 64) * n16; i += NTHREADS) {
                     const int kb = i / n16, w = i % n16;
@@ -166,33 +172,67 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
                 }
                 fence_proxy_async_smem();
             }
-            __syncthreads();  // zero-fill visible; every warp is done with chunk it-1
-            if (it + STAGES - 1 < n_iter) load_chunk(it + STAGES - 1, (it + STAGES - 1) % STAGES);
         } else {
-            cp_async_wait<STAGES - 2>();
+            // Groups committed so far: the prologue's STAGES - 1 (chunks 0..STAGES-2) and
+            // one per finished iteration; chunk `it` is group `it`, waited for in
+            // iteration it - 1 (or the prologue for chunk 0).
+            if (it == 0) {
+                cp_async_wait<STAGES - 2>();
+            } else {
+                cp_async_wait<STAGES - 3>();
+            }
             fence_proxy_async_smem();  // cp.async writes -> wgmma (async proxy) reads
-            __syncthreads();
-            if (it + STAGES - 1 < n_iter) load_chunk(it + STAGES - 1, (it + STAGES - 1) % STAGES);
-            cp_async_commit();
         }
-
-        // Partial S over this warpgroup's dims.
-        float s[16];
+    };
+    // Partial S of chunk `it` over this warpgroup's dims, issued and committed (not waited).
+    // Descriptors: computed once, stepped by constants (gmma_desc_add). This warpgroup's
+    // S dims are c_kv[256 wg, +256) (64-dim blocks 4 wg .. 4 wg + 3) and k_pe[32 wg, +32)
+    // (inside block 8); its V columns are the same c_kv blocks, read N-major.
+    const uint64_t dq_nope = gmma_desc_sw128(sQ + wg * 4 * G::Q_KB_STRIDE, 16, 1024);
+    const uint64_t dq_rope = gmma_desc_sw128(sQ + 8 * G::Q_KB_STRIDE + wg * 64, 16, 1024);
+    const uint64_t dk_nope = gmma_desc_sw128(sKV + wg * 4 * KV_KB_STRIDE, 16, 1024);
+    const uint64_t dk_rope = gmma_desc_sw128(sKV + 8 * KV_KB_STRIDE + wg * 64, 16, 1024);
+    const uint64_t dv0 = gmma_desc_sw128(sKV + 4 * wg * KV_KB_STRIDE, KV_KB_STRIDE, 1024);
+    // Partial S of chunk `it` over this warpgroup's dims, issued and committed (not waited).
+    auto issue_s = [&](int it, float (&acc)[16]) {
+        const uint32_t st = (it % STAGES) * KV_BYTES;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) s[i] = 0.f;
-        fence_operands(s);
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_operands(acc);
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < 18; ++ks) {
-            const int d0 = ks < 16 ? wg * 256 + ks * 16 : DLAT + wg * 32 + (ks - 16) * 16;
-            const uint32_t koff = (d0 >> 6), inner = (d0 & 63) * 2;
-            const uint64_t da = gmma_desc_sw128(sQ + koff * G::Q_KB_STRIDE + inner, 16, 1024);
-            const uint64_t db = gmma_desc_sw128(sK + koff * KV_KB_STRIDE + inner, 16, 1024);
-            wgmma_m64n32k16_ss(s, da, db);
+        for (int ks = 0; ks < 16; ++ks) {
+            const uint64_t da = gmma_desc_add(dq_nope, (ks >> 2) * G::Q_KB_STRIDE + (ks & 3) * 32);
+            const uint64_t db = gmma_desc_add(dk_nope, st + (ks >> 2) * KV_KB_STRIDE + (ks & 3) * 32);
+            wgmma_m64n32k16_ss(acc, da, db);
         }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            wgmma_m64n32k16_ss(acc, gmma_desc_add(dq_rope, j * 32), gmma_desc_add(dk_rope, st + j * 32));
         wgmma_commit();
+    };
+
+    // Software pipeline, one chunk of 32 tokens per iteration: S of chunk it + 1 runs on
+    // the tensor cores while this chunk's S exchange, mask and softmax run on the ALUs;
+    // then P V of chunk it. Chunks it and it + 1 stay resident during iteration it, so a
+    // slot is refilled STAGES - 2 iterations before its S.
+    float s[16], s_next[16];
+    if (n_iter > 0) {
+        wait_chunk(0);
+        __syncthreads();
+        issue_s(0, s);
         wgmma_wait<0>();
         fence_operands(s);
+    }
+    for (int it = 0; it < n_iter; ++it) {
+        const bool more = it + 1 < n_iter;
+        if (more) wait_chunk(it + 1);
+        // Chunk it + 1 visible to every warp; every warp is done with chunk it - 1 (its
+        // P V was waited for at the end of iteration it - 1), so that slot is free.
+        __syncthreads();
+        if (it + STAGES - 1 < n_iter) load_chunk(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+        if constexpr (!TMA) cp_async_commit();
+        if (more) issue_s(it + 1, s_next);
 
         // Swap partials with the other warpgroup (same thread index = same positions),
         // in two halves to fit the 4-5 stage ring; the middle barrier keeps the second
@@ -206,6 +246,8 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 #pragma unroll
             for (int i = 0; i < 8; ++i) s[8 * h + i] += x_peer[i * 128 + wtid];
         }
+        // (The next iteration's first exchange write comes after its __syncthreads, so
+        // behind the peer's reads of this one.)
 
         // Mask + online softmax; s[4j + e]: n-tile j (tokens 8j..), e as in mma C fragments.
         const int tok0 = (c_begin + it) * BN;
@@ -225,7 +267,7 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
                     if (tok >= limit[e >> 1]) s[4 * j + e] = -MLAS_INF;
                 }
         }
-        float mx[2] = {m[0], m[1]};
+        float mx[2] = {-MLAS_INF, -MLAS_INF};
 #pragma unroll
         for (int i = 0; i < 16; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
         float ms[2], alpha[2];
@@ -233,9 +275,15 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         for (int i = 0; i < 2; ++i) {
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            ms[i] = mx[i] == -MLAS_INF ? 0.f : mx[i] * scale_log2;
-            alpha[i] = fast_exp2(m[i] * scale_log2 - ms[i]);
-            m[i] = mx[i];
+            // Lazy rescaling: the reference max m (scaled, log2 units) moves only when this
+            // chunk's max exceeds it by more than 8, so P <= 2^8 (well inside bf16) and O
+            // is rescaled a few times per row instead of whenever the max grows. The
+            // result does not depend on the reference: O / l and m + log2(l) are exact.
+            const float cand = mx[i] == -MLAS_INF ? -MLAS_INF : mx[i] * scale_log2;
+            const float ref = cand > m[i] + 8.f ? cand : m[i];
+            ms[i] = ref == -MLAS_INF ? 0.f : ref;
+            alpha[i] = fast_exp2(m[i] - ms[i]);
+            m[i] = ref;
         }
         uint32_t pa[2][4];
         float rs[2] = {0.f, 0.f};
@@ -263,12 +311,15 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-            const uint64_t dv = gmma_desc_sw128(sK + (4 * wg) * KV_KB_STRIDE + kk * 16 * 128, KV_KB_STRIDE, 1024);
+            const uint64_t dv = gmma_desc_add(dv0, (it % STAGES) * KV_BYTES + kk * 16 * 128);
             wgmma_m64n256k16_rs_tb(o, pa[kk], dv);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // this P V and the next chunk's S (committed first)
         fence_operands(o);
+        fence_operands(s_next);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s[i] = s_next[i];
     }
     cp_async_wait<0>();
 
@@ -283,7 +334,7 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         if (lr >= valid_rows) continue;
         const int row = row0 + lr;
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        const float row_lse = l[i] > 0.f ? (m[i] * scale_log2 + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
+        const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
         const int d0 = wg * 256 + 2 * (lane & 3);
         if (num_splits == 1) {
             OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DLAT + d0;

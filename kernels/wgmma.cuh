@@ -21,6 +21,13 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_addr, uint32_t
     return d;
 }
 
+// The descriptor of the matrix `bytes` further on: the start address field (bits 0-13,
+// address >> 4) cannot carry into the next field for shared addresses below 256 KB, so a
+// plain add works. Precompute a base descriptor once and step it with constants: built
+// per wgmma from the address, the masks cost ~13 dependent instructions each, enough to
+// starve the tensor cores between instructions.
+__device__ __forceinline__ uint64_t gmma_desc_add(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

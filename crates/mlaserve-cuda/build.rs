@@ -12,7 +12,7 @@
 //! it), `PATH`, `/usr/local/cuda`, and last the pip toolkit that
 //! `tools/ci/install-nvcc.sh` installs into `<workspace>/.venv-nvcc`.
 //! `MLASERVE_CUDA_GENCODE` (comma-separated nvcc `-gencode` values) overrides the
-//! targets, e.g. `arch=compute_90a,code=sm_90a` for a faster development build.
+//! targets, `;` inside one value, e.g. `arch=compute_90a;code=sm_90a` for a faster development build.
 //! `MLASERVE_PTXAS_REPORT=1` repeats ptxas's register/spill report as build warnings.
 
 use std::env;
