@@ -56,8 +56,8 @@ __device__ __forceinline__ uint32_t sw128(int r, int c) {
     return static_cast<uint32_t>((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-// TMA = true: KV chunks arrive by bulk tensor copy (thread 0 issues 9 boxes of 32 tokens
-// x 64 dims per chunk, completion on a per-stage mbarrier). Those writes belong to the
+// TMA = true: KV chunks arrive by bulk tensor copy (thread 0 issues one 3-D box per
+// chunk: 9 blocks of 64 dims x 32 tokens; completion on a per-stage mbarrier). Those writes belong to the
 // async proxy, like wgmma's reads, so no proxy fence is needed per chunk. With cp.async
 // (TMA = false) every chunk needs fence.proxy.async before wgmma may read it.
 template <int QROWS, bool TMA, typename OutT>
@@ -112,10 +112,9 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
             if (tid == 0) {
                 const uint32_t bar = sBar + 8 * stage;
                 mbar_arrive_expect_tx(bar, KV_BYTES);
-                const int row = page * PAGE + (tok0 % PAGE);  // row of the [tokens][576] view
-#pragma unroll
-                for (int kb = 0; kb < DQK / 64; ++kb)
-                    tma_load_2d(sKV + stage * KV_BYTES + kb * KV_KB_STRIDE, tmap, kb * 64, row, bar);
+                const int row = page * PAGE + (tok0 % PAGE);  // token row of the cache
+                // One box: [9 dim blocks][32 tokens][64 dims], the ring's layout.
+                tma_load_3d(sKV + stage * KV_BYTES, tmap, 0, row, 0, bar);
             }
             return;
         }
@@ -363,8 +362,8 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 // Only sm_90a has wgmma; other targets of this fatbin get a trap (the host never
 // launches these there). Suffix: _q16/_q32/_q64 = stored query rows (the host picks
 // the smallest that holds q_len * heads; 64 for multi-tile batches). The _tma_ kernels
-// take the KV cache's tensor map ([num_blocks*64 tokens][576] bf16, box 64 x 32,
-// 128-byte swizzle) as their first argument.
+// take the KV cache's tensor map (3-D: 64 dims, num_blocks*64 tokens at 1152 bytes, 9
+// dim blocks at 128 bytes; box 64 x 32 x 9; 128-byte swizzle) as their first argument.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLA90_BODY(QR, TMA, OUT, TM) mla90::body<QR, TMA, OUT> MLA90_CALL(TM);
 #else

@@ -52,22 +52,25 @@ struct TensorMapArg(sys::CUtensorMap);
 // parameter space, which is what the kernels declare.
 unsafe impl DeviceRepr for TensorMapArg {}
 
-/// Tensor map of the latent cache viewed as `[num_blocks * 64 tokens][576]` bf16, boxes
-/// of 32 tokens x 64 dims with the 128-byte swizzle the wgmma layout expects.
+/// Tensor map of the latent cache, 3-D so that one box brings a whole 32-token chunk in
+/// the ring's layout: dim 0 = 64 dims (128 bytes, the swizzle span), dim 1 = tokens
+/// (stride 1152 bytes), dim 2 = the 9 blocks of 64 dims (stride 128 bytes); box 64 x 32
+/// x 9 lands as `[block][token][128 B]` with the 128-byte swizzle the wgmma layout expects.
 fn kv_tensor_map(cache_ptr: sys::CUdeviceptr, num_blocks: usize, dqk: usize) -> Result<TensorMapArg> {
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    let dims: [u64; 2] = [dqk as u64, (num_blocks * PAGE) as u64];
-    let strides: [u64; 1] = [(dqk * 2) as u64];
-    let boxes: [u32; 2] = [64, 32];
-    let elem_strides: [u32; 2] = [1, 1];
-    // SAFETY: every pointer refers to a live local array of the rank (2) the call is
+    let dims: [u64; 3] = [64, (num_blocks * PAGE) as u64, (dqk / 64) as u64];
+    let strides: [u64; 2] = [(dqk * 2) as u64, 128];
+    let boxes: [u32; 3] = [64, 32, (dqk / 64) as u32];
+    let elem_strides: [u32; 3] = [1, 1, 1];
+    // SAFETY: every pointer refers to a live local array of the rank (3) the call is
     // given; the global address is a device allocation of num_blocks*64*dqk bf16
-    // (256-byte aligned), its row stride a multiple of 16; the map is written in place.
+    // (256-byte aligned), both strides multiples of 16 and every element addressed
+    // inside it; the map is written in place.
     unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
+            3,
             cache_ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
