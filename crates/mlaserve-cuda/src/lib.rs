@@ -45,7 +45,7 @@ mod mla_decode;
 pub mod ops;
 
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, CudaHidden, CudaOptions, WeightBytes};
+pub use backend::{CudaBackend, CudaHidden, CudaOptions, PrefillPath, WeightBytes, ABSORBED_MAX_ROWS};
 #[cfg(feature = "cuda")]
 pub use comm::{DeviceComm, TpInit};
 #[cfg(feature = "cuda")]
