@@ -12,7 +12,7 @@
 //! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`ops`] and
 //! [`linear`] the forward pass's kernels and projections, [`CudaBackend`] the
 //! `mlaserve_core::Backend` on one GPU, [`check`] the
-//! kernel-vs-reference checks and [`bench`] the roofline benchmarks.
+//! kernel-vs-reference checks and [`bench`] / [`bench_prefill`] the roofline benchmarks.
 
 pub mod plan;
 pub mod prefill;
@@ -23,6 +23,8 @@ pub mod rng;
 mod backend;
 #[cfg(feature = "cuda")]
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_prefill;
 #[cfg(feature = "cuda")]
 pub mod bench_step;
 #[cfg(feature = "cuda")]
