@@ -4,9 +4,9 @@
 //! the toolkit knows the target, and compute_90 PTX for GPUs newer than both; the driver
 //! picks the best image at load time. `OUT_DIR/kernels.rs` embeds every fatbin with
 //! `include_bytes!`. The build fails on any compile error, and on any spill that ptxas
-//! reports for the decode kernels (`mla_decode_splitkv*`, `mla_decode_wgmma*`,
-//! `mla_decode_combine*`): a
-//! spill there means the O accumulator left registers, a silent several-fold slowdown.
+//! reports for the attention kernels (`mla_decode_splitkv*`, `mla_decode_wgmma*`,
+//! `mla_decode_combine*`, `mla_prefill_fwd*`): a spill there means the O accumulator
+//! left registers, a silent several-fold slowdown.
 //!
 //! nvcc is found through `NVCC` (the binary), `CUDA_HOME`/`CUDA_PATH` (`bin/nvcc` below
 //! it), `PATH`, `/usr/local/cuda`, and last the pip toolkit that
@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernels whose ptxas report must show no spill.
-const NO_SPILL_PREFIXES: &[&str] = &["mla_decode_splitkv", "mla_decode_wgmma", "mla_decode_combine"];
+const NO_SPILL_PREFIXES: &[&str] = &["mla_decode_splitkv", "mla_decode_wgmma", "mla_decode_combine", "mla_prefill_fwd"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -177,7 +177,7 @@ fn compile(nvcc: &Path, gencodes: &[String], src: &Path, out: &Path, include: &P
     }
     if !spills.is_empty() {
         return Err(format!(
-            "{}: ptxas reports local memory in a decode kernel:\n{}",
+            "{}: ptxas reports local memory in an attention kernel:\n{}",
             src.display(),
             spills.join("\n")
         ));

@@ -4,16 +4,18 @@
 //! binary), one typed launch wrapper per kernel on cudarc's safe API, and the GPU checks
 //! and benchmarks. Without the `cuda` feature the crate needs no CUDA at all and exposes
 //! only what runs on the CPU: the f32 reference of every kernel ([`reference`]) and the
-//! launch planning ([`plan`]), so both are unit-tested in CI.
+//! launch planning ([`plan`], the host half of [`prefill`]), so both are unit-tested in CI.
 //!
 //! With `cuda`: [`Gpu`] is one device's context and stream plus the loaded modules,
 //! [`MlaDecode`] the FlashMLA-style padded decode attention (DESIGN.md §4),
+//! [`prefill::MlaPrefill`] the expanded-form prefill attention,
 //! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`ops`] and
 //! [`linear`] the forward pass's kernels and projections, [`CudaBackend`] the
 //! `mlaserve_core::Backend` on one GPU, [`check`] the
-//! kernel-vs-reference checks and [`bench`] the roofline benchmarks.
+//! kernel-vs-reference checks and [`bench`] / [`bench_prefill`] the roofline benchmarks.
 
 pub mod plan;
+pub mod prefill;
 pub mod reference;
 pub mod rng;
 
@@ -21,6 +23,8 @@ pub mod rng;
 mod backend;
 #[cfg(feature = "cuda")]
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_prefill;
 #[cfg(feature = "cuda")]
 pub mod bench_step;
 #[cfg(feature = "cuda")]
@@ -43,7 +47,7 @@ mod mla_decode;
 pub mod ops;
 
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, CudaHidden, CudaOptions, WeightBytes};
+pub use backend::{CudaBackend, CudaHidden, CudaOptions, PrefillPath, WeightBytes, ABSORBED_MAX_ROWS};
 #[cfg(feature = "cuda")]
 pub use comm::{DeviceComm, TpInit};
 #[cfg(feature = "cuda")]

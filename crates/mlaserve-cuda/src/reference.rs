@@ -1,11 +1,12 @@
 //! Straightforward CPU references of the kernels, the oracle of the GPU checks: MLA
-//! decode attention, RMSNorm (plain and fused with the residual add), SiLU-mul, argmax.
+//! decode attention, the expanded-form prefill attention, RMSNorm (plain and fused with the residual add), SiLU-mul, argmax.
 //!
 //! Inputs are f32 holding the exact values the GPU sees (bf16-rounded where the kernel
 //! reads bf16); accumulation is in f64, so the reference is well below the kernels'
 //! own error and a comparison measures the kernel alone.
 
 use crate::plan::PAGE;
+use crate::prefill::{PrefillDims, PrefillSeq};
 
 /// Shape of one decode attention call (DESIGN.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +97,129 @@ pub fn mla_decode(
         }
     });
     (out, lse)
+}
+
+/// Expanded-form causal MLA attention, the reference of `kernels/mla_prefill.cu`.
+///
+/// `q`: `[rows][heads][nope + rope]`, RoPE already applied to the rope part and rounded as
+/// the kernel rounds ([`rope_query`]); `kn`: `[keys][heads][nope]`; `kpe`: `[keys][rope]`,
+/// shared by every head; `v`: `[keys][heads][vdim]`. Sequence j's keys are the rows
+/// `Σ_{j' < j} k_len ..` of the key buffers, in position order; its query `i` (row
+/// `q_row0 + i`) sits at position `k_len − q_len + i` and sees keys `0..=` that position.
+/// Returns `o [rows][heads][vdim]` (`rows` = one past the last query row): the query rows
+/// of the heads in `only` (every head when `None`) filled, everything else NaN.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_prefill(
+    d: &PrefillDims,
+    seqs: &[PrefillSeq],
+    q: &[f32],
+    kn: &[f32],
+    kpe: &[f32],
+    v: &[f32],
+    scale: f32,
+    only: Option<&[usize]>,
+) -> Vec<f32> {
+    let (h, qk, nope, vd) = (d.heads, d.qk(), d.nope, d.vdim);
+    let rows = seqs.iter().map(|s| s.q_row0 + s.q_len).max().unwrap_or(0);
+    let keys: usize = seqs.iter().map(|s| s.k_len).sum();
+    assert!(q.len() >= rows * h * qk, "q shape");
+    assert!(kn.len() >= keys * h * nope && kpe.len() >= keys * d.rope && v.len() >= keys * h * vd, "key shapes");
+    let heads: Vec<usize> = only.map_or_else(|| (0..h).collect(), <[usize]>::to_vec);
+    let mut k_off = Vec::with_capacity(seqs.len());
+    let mut at = 0;
+    for s in seqs {
+        k_off.push(at);
+        at += s.k_len;
+    }
+    // Work items (sequence, head), spread over the machine's threads.
+    let items: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|j| heads.iter().map(move |&hd| (j, hd))).collect();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(items.len().max(1));
+    let results: Vec<Vec<(usize, usize, Vec<f32>)>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..threads)
+            .map(|th| {
+                let (items, k_off) = (&items, &k_off);
+                sc.spawn(move || {
+                    let mut out = Vec::new();
+                    for &(j, hd) in items.iter().skip(th).step_by(threads) {
+                        let s = seqs[j];
+                        let key_row = |t: usize| k_off[j] + t;
+                        let mut o = vec![0f32; s.q_len * vd];
+                        let mut scores = Vec::with_capacity(s.k_len);
+                        for i in 0..s.q_len {
+                            let qr = &q[((s.q_row0 + i) * h + hd) * qk..][..qk];
+                            let visible = s.k_len - s.q_len + i + 1;
+                            scores.clear();
+                            scores.extend((0..visible).map(|t| {
+                                let kr = key_row(t);
+                                let knr = &kn[(kr * h + hd) * nope..][..nope];
+                                let kpr = &kpe[kr * d.rope..][..d.rope];
+                                let dot: f64 =
+                                    qr[..nope].iter().zip(knr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                                        + qr[nope..].iter().zip(kpr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
+                                scale as f64 * dot
+                            }));
+                            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let mut sum = 0f64;
+                            let mut acc = vec![0f64; vd];
+                            for (t, &sc) in scores.iter().enumerate() {
+                                let w = (sc - m).exp();
+                                sum += w;
+                                let vr = &v[(key_row(t) * h + hd) * vd..][..vd];
+                                for (a, &x) in acc.iter_mut().zip(vr) {
+                                    *a += w * x as f64;
+                                }
+                            }
+                            for (dst, a) in o[i * vd..][..vd].iter_mut().zip(&acc) {
+                                *dst = (a / sum) as f32;
+                            }
+                        }
+                        out.push((j, hd, o));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|t| t.join().expect("reference thread")).collect()
+    });
+    let mut o = vec![f32::NAN; rows * h * vd];
+    for (j, hd, part) in results.into_iter().flatten() {
+        let s = seqs[j];
+        for i in 0..s.q_len {
+            o[((s.q_row0 + i) * h + hd) * vd..][..vd].copy_from_slice(&part[i * vd..][..vd]);
+        }
+    }
+    o
+}
+
+/// The query the prefill kernel attends with: per row r and head, `q_nope` and
+/// `RoPE(q_pe, pos[r])` (interleaved pairs, f32 as the kernels compute it, with the tables
+/// of [`rope_tables`]), each value rounded to bf16. `q`: `[rows][heads][nope + rope]`.
+pub fn rope_query(
+    q: &[f32],
+    pos: &[usize],
+    heads: usize,
+    nope: usize,
+    cos: &[f32],
+    sin: &[f32],
+    rope: usize,
+) -> Vec<f32> {
+    let qk = nope + rope;
+    let half = rope / 2;
+    let bf = |x: f32| half::bf16::from_f32(x).to_f32();
+    let mut out = q.to_vec();
+    for (r, row) in out.chunks_mut(heads * qk).enumerate() {
+        for hq in row.chunks_mut(qk) {
+            let p = pos[r] * half;
+            for i in 0..half {
+                let (a, b) = (hq[nope + 2 * i], hq[nope + 2 * i + 1]);
+                let (c, s) = (cos[p + i], sin[p + i]);
+                hq[nope + 2 * i] = a * c - b * s;
+                hq[nope + 2 * i + 1] = a * s + b * c;
+            }
+            hq.iter_mut().for_each(|x| *x = bf(*x));
+        }
+    }
+    out
 }
 
 /// RMSNorm of each `h`-wide row: `x / sqrt(mean(x²) + eps) * w`.
@@ -262,6 +386,110 @@ mod tests {
         assert!((out[0] - 34.5).abs() < 1e-4, "{}", out[0]);
         assert!((out[1] - 1.0).abs() < 1e-6);
         assert!((lse[0] - (70f32).ln()).abs() < 1e-5);
+    }
+
+    /// One key: the output is that key's value, whatever the scores.
+    #[test]
+    fn prefill_single_key_returns_its_value() {
+        let d = PrefillDims { heads: 2, nope: 4, rope: 2, vdim: 3 };
+        let seqs = [PrefillSeq { q_row0: 1, q_len: 1, k_len: 1, table_row: 0 }];
+        let mut rng = Rng::new(5);
+        let mut r = |n: usize| (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<f32>>();
+        let (q, kn, kpe, v) = (r(2 * 2 * 6), r(2 * 4), r(2), r(2 * 3));
+        let o = mla_prefill(&d, &seqs, &q, &kn, &kpe, &v, 0.7, None);
+        assert!(o[..6].iter().all(|x| x.is_nan()), "row 0 is no query row");
+        assert_eq!(&o[6..], &v[..]);
+        let o1 = mla_prefill(&d, &seqs, &q, &kn, &kpe, &v, 0.7, Some(&[1]));
+        assert!(o1[6..9].iter().all(|x| x.is_nan()));
+        assert_eq!(&o1[9..], &v[3..]);
+    }
+
+    /// The expanded form (K_nope = c·W_UKᵀ, V = c·W_UVᵀ, attend, per head) equals the
+    /// absorbed form (q_lat = W_UKᵀ q_nope over the latent cache, then W_UV): the same
+    /// function (DESIGN §3), here through the two references, with a cached prefix that
+    /// crosses a page and two sequences.
+    #[test]
+    fn prefill_expanded_equals_absorbed() {
+        let (heads, nope, rope, vdim, lora) = (3, 8, 4, 6, 10);
+        let d = PrefillDims { heads, nope, rope, vdim };
+        let (q_len, lens) = (3, [70usize, 5]);
+        let mut rng = Rng::new(17);
+        let mut r = |n: usize| (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<f32>>();
+        let keys: usize = lens.iter().sum();
+        let (c, kpe) = (r(keys * lora), r(keys * rope));
+        let (wuk, wuv) = (r(heads * nope * lora), r(heads * vdim * lora));
+        let q = r(2 * q_len * heads * (nope + rope));
+        // Expanded.
+        let up = |w: &[f32], width: usize| -> Vec<f32> {
+            (0..keys * heads * width)
+                .map(|i| {
+                    let (t, hw) = (i / (heads * width), i % (heads * width));
+                    (0..lora).map(|x| c[t * lora + x] as f64 * w[hw * lora + x] as f64).sum::<f64>() as f32
+                })
+                .collect()
+        };
+        let (kn, v) = (up(&wuk, nope), up(&wuv, vdim));
+        let seqs = [
+            PrefillSeq { q_row0: 0, q_len, k_len: lens[0], table_row: 0 },
+            PrefillSeq { q_row0: q_len, q_len, k_len: lens[1], table_row: 1 },
+        ];
+        let exp = mla_prefill(&d, &seqs, &q, &kn, &kpe, &v, 0.3, None);
+        // Absorbed: the latent cache in pages (sequence 0 on pages 2, 0; sequence 1 on 1).
+        let dqk = lora + rope;
+        let tables = [2, 0, 1, 0];
+        let mut cache = vec![0f32; 3 * PAGE * dqk];
+        let mut t0 = 0;
+        for (b, &len) in lens.iter().enumerate() {
+            for p in 0..len {
+                let slot = tables[b * 2 + p / PAGE] as usize * PAGE + p % PAGE;
+                cache[slot * dqk..][..lora].copy_from_slice(&c[(t0 + p) * lora..][..lora]);
+                cache[slot * dqk + lora..][..rope].copy_from_slice(&kpe[(t0 + p) * rope..][..rope]);
+            }
+            t0 += len;
+        }
+        let dd = DecodeDims { batch: 2, heads, q_len, dlat: lora, drope: rope, bt_stride: 2 };
+        let mut qa = vec![0f32; 2 * q_len * heads * dqk];
+        for row in 0..2 * q_len {
+            for hd in 0..heads {
+                let src = &q[(row * heads + hd) * (nope + rope)..][..nope + rope];
+                let dst = &mut qa[(row * heads + hd) * dqk..][..dqk];
+                for x in 0..lora {
+                    dst[x] =
+                        (0..nope).map(|n| src[n] as f64 * wuk[(hd * nope + n) * lora + x] as f64).sum::<f64>() as f32;
+                }
+                dst[lora..].copy_from_slice(&src[nope..]);
+            }
+        }
+        let (o_lat, _) = mla_decode(&dd, &qa, &cache, &tables, &[lens[0] as i32, lens[1] as i32], 0.3);
+        let mut worst = 0f64;
+        for row in 0..2 * q_len {
+            for hd in 0..heads {
+                for x in 0..vdim {
+                    let want: f64 = (0..lora)
+                        .map(|l| wuv[(hd * vdim + x) * lora + l] as f64 * o_lat[(row * heads + hd) * lora + l] as f64)
+                        .sum();
+                    let got = exp[(row * heads + hd) * vdim + x] as f64;
+                    worst = worst.max((got - want).abs() / want.abs().max(1.0));
+                }
+            }
+        }
+        assert!(worst < 1e-5, "expanded vs absorbed: {worst:e}");
+    }
+
+    /// `rope_query` rotates only the rope part, by the tables' row of the row's position,
+    /// and rounds everything to bf16.
+    #[test]
+    fn rope_query_rotates_pairs_at_the_position() {
+        let inv = [1.0, 0.1];
+        let (cos, sin) = rope_tables(&inv, 1.0, 8);
+        let q = vec![1.5f32, -0.25, 1.0, 0.0, 0.0, 1.0]; // one row, one head: nope 2, rope 4
+        let out = rope_query(&q, &[3], 1, 2, &cos, &sin, 4);
+        assert_eq!(&out[..2], &[1.5, -0.25]);
+        let bf = |x: f32| half::bf16::from_f32(x).to_f32();
+        assert_eq!(out[2], bf(cos[6]));
+        assert_eq!(out[3], bf(sin[6]));
+        assert_eq!(out[4], bf(-sin[7]));
+        assert_eq!(out[5], bf(cos[7]));
     }
 
     #[test]

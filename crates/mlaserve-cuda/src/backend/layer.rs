@@ -1,15 +1,30 @@
-//! One decoder block on the device: MLA (projections, latent write, absorbed attention,
-//! W_UV, o_proj) and the FFN (dense SwiGLU or DeepSeekMoE), pre-norm residual.
+//! One decoder block on the device: MLA (projections, latent write, attention in the
+//! absorbed form — then W_UV — or the expanded one, as the step's route says; o_proj) and
+//! the FFN (dense SwiGLU or DeepSeekMoE), pre-norm residual.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
+use super::route::Absorbed;
 use super::weights::{Attn, Ffn, Mlp, Moe};
 use super::{BlockRef, CudaBackend, Step};
 use crate::error::Result;
-use crate::ops::GroupedVariant;
+use crate::ops::{AttnMeta, GroupedVariant};
+use crate::prefill::{LatentCache, PrefillDims};
 use crate::reference::DecodeDims;
 use crate::MlaDecodeShape;
+
+/// Rows that take the absorbed form, with the metadata the absorbed kernels read (the
+/// step's own, or a mixed step's compact copy for those rows).
+struct AbsView<'a> {
+    n: usize,
+    pos: &'a CudaSlice<i32>,
+    row_seq: &'a CudaSlice<i32>,
+    tables: &'a CudaSlice<i32>,
+    seq_lens: &'a CudaSlice<i32>,
+    meta: AttnMeta,
+    uniform: Option<usize>,
+}
 
 impl CudaBackend {
     /// Runs a block over `x` (`[n][h]` f32, the residual stream) in place.
@@ -57,7 +72,8 @@ impl CudaBackend {
     }
 
     /// MLA over normed `xn` (`[n][h]` bf16): writes the latent cache, returns `o_proj`'s
-    /// output `[n][h]` f32.
+    /// output `[n][h]` f32. Attention per the step's route (`route.rs`): each row's
+    /// `o` (o_proj's input) comes from exactly one of the two forms.
     fn attention(
         &self,
         a: &Attn,
@@ -89,27 +105,106 @@ impl CudaBackend {
         let mut kv = s.alloc_zeros::<f32>(n * lat)?;
         self.gemm.forward(s, &a.kv_a, xn, n, &mut kv)?;
         self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, st.max_slot, n, eps_lat)?;
+        let scale = c.softmax_scale() as f32;
+        let mut o = s.alloc_zeros::<bf16>(n * heads * vdim)?;
+        match &st.route.abs {
+            Absorbed::All => {
+                let rows = AbsView {
+                    n,
+                    pos: &st.pos,
+                    row_seq: &st.row_seq,
+                    tables: &st.tables,
+                    seq_lens: &st.seq_lens,
+                    meta: st.meta,
+                    uniform: st.uniform,
+                };
+                self.absorbed(a, &q, cache, &rows, &mut o)?;
+            }
+            Absorbed::Nothing => {}
+            Absorbed::Rows(r) => {
+                let m = r.rows.len();
+                let mut qs = s.alloc_zeros::<f32>(m * heads * qk)?;
+                self.ops.gather_f32(s, &mut qs, &q, &r.rows_d, &r.rows, heads * qk)?;
+                let rows = AbsView {
+                    n: m,
+                    pos: &r.pos,
+                    row_seq: &r.row_seq,
+                    tables: &r.tables,
+                    seq_lens: &r.seq_lens,
+                    meta: r.meta,
+                    uniform: r.uniform,
+                };
+                let mut os = s.alloc_zeros::<bf16>(m * heads * vdim)?;
+                self.absorbed(a, &qs, cache, &rows, &mut os)?;
+                self.prefill.scatter_rows(s, &mut o, &os, &r.rows_d, &r.rows, heads * vdim)?;
+            }
+        }
+        if let Some(plan) = &st.route.exp {
+            let d = PrefillDims { heads, nope, rope, vdim };
+            let lc = LatentCache {
+                data: cache,
+                tables: &st.tables,
+                bt_stride: st.meta.bt_stride,
+                num_blocks: self.opts.num_blocks,
+                lora,
+                rope,
+            };
+            self.prefill.forward(s, &self.gemm, (&a.w_uk, &a.w_uv), plan, &d, scale, &q, &lc, &self.rope, &mut o)?;
+        }
+        let mut out = s.alloc_zeros::<f32>(n * c.hidden_size)?;
+        self.gemm.forward(s, &a.o_proj, &o, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// The absorbed form over `rows.n` rows (`q` their q_b output, compact): query
+    /// absorption, attention over the latent cache (the decode kernel for uniform windows
+    /// of ≤ 4 tokens when enabled, else the varlen kernel), `W_UV` into `o` (`[rows.n][heads
+    /// · vdim]` bf16).
+    fn absorbed(
+        &self,
+        a: &Attn,
+        q: &CudaSlice<f32>,
+        cache: &CudaSlice<bf16>,
+        rows: &AbsView,
+        o: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        let c = &self.cfg;
+        let n = rows.n;
+        let (heads, nope, rope, lora, vdim) =
+            (a.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim);
+        let lat = lora + rope;
         let mut qa = s.alloc_zeros::<f32>(n * heads * lat)?;
         let mut qa_bf16 = s.alloc_zeros::<bf16>(n * heads * lat)?;
-        self.ops.q_absorb(s, &mut qa, &mut qa_bf16, &q, &a.w_uk, &self.rope, &st.pos, n, heads, nope, lora)?;
+        self.ops.q_absorb(s, &mut qa, &mut qa_bf16, q, &a.w_uk.w, &self.rope, rows.pos, n, heads, nope, lora)?;
         let mut o_lat = s.alloc_zeros::<f32>(n * heads * lora)?;
         let scale = c.softmax_scale() as f32;
-        match st.uniform.filter(|&ql| self.opts.decode_kernel && ql <= 4) {
+        match rows.uniform.filter(|&ql| self.opts.decode_kernel && ql <= 4) {
             Some(q_len) => {
                 let dims = DecodeDims {
-                    batch: st.meta.seqs,
+                    batch: rows.meta.seqs,
                     heads,
                     q_len,
                     dlat: lora,
                     drope: rope,
-                    bt_stride: st.meta.bt_stride,
+                    bt_stride: rows.meta.bt_stride,
                 };
-                let max_len = st.meta.max_pos + 1;
+                let max_len = rows.meta.max_pos + 1;
                 let num_splits = self.mla.num_splits(&dims, max_len);
                 let mut ws = self.mla.workspace(s, &dims, num_splits)?;
                 let mut lse = s.alloc_zeros::<f32>(n * heads)?;
                 let shape = MlaDecodeShape { dims, num_blocks: self.opts.num_blocks, num_splits, scale };
-                self.mla.launch(s, &shape, &qa_bf16, cache, &st.tables, &st.seq_lens, &mut o_lat, &mut lse, &mut ws)?;
+                self.mla.launch(
+                    s,
+                    &shape,
+                    &qa_bf16,
+                    cache,
+                    rows.tables,
+                    rows.seq_lens,
+                    &mut o_lat,
+                    &mut lse,
+                    &mut ws,
+                )?;
             }
             None => {
                 self.ops.attn_varlen(
@@ -117,10 +212,10 @@ impl CudaBackend {
                     &mut o_lat,
                     &qa,
                     cache,
-                    &st.tables,
-                    &st.row_seq,
-                    &st.pos,
-                    &st.meta,
+                    rows.tables,
+                    rows.row_seq,
+                    rows.pos,
+                    &rows.meta,
                     heads,
                     lora,
                     rope,
@@ -128,11 +223,7 @@ impl CudaBackend {
                 )?;
             }
         }
-        let mut o = s.alloc_zeros::<bf16>(n * heads * vdim)?;
-        self.ops.wuv(s, &mut o, &o_lat, &a.w_uv, n, heads, lora, vdim)?;
-        let mut out = s.alloc_zeros::<f32>(n * c.hidden_size)?;
-        self.gemm.forward(s, &a.o_proj, &o, n, &mut out)?;
-        Ok(out)
+        self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)
     }
 
     /// SwiGLU MLP over `rows` rows of `x` (bf16, anything with a device pointer): `[rows][h]` f32.

@@ -8,8 +8,10 @@
 //!
 //! A step: the host lays out per-row metadata (positions, cache slots, block tables) and
 //! uploads it once; embedding, then per layer RMSNorm → MLA (projections on cuBLAS,
-//! latent write, absorbed attention: the FlashMLA-style decode kernel when every chunk
-//! is a window of the same length ≤ 4, the varlen kernel otherwise) → residual →
+//! latent write, attention split by kind in `route.rs` — decode windows of ≤ 4 tokens
+//! absorbed: the FlashMLA-style decode kernel when those windows all have one length, the
+//! varlen kernel otherwise; longer chunks expanded: K and V up-projected from the gathered
+//! latents, flash attention on tensor cores, `crate::prefill`) → residual →
 //! RMSNorm → dense MLP or MoE (routing on the device, experts as per-expert GEMMs over
 //! gathered rows) → residual; final norm; the head over the requested rows only.
 //!
@@ -25,6 +27,7 @@
 
 mod layer;
 mod random;
+mod route;
 mod weights;
 
 use std::path::Path;
@@ -39,8 +42,11 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::linear::{Gemm, GemmMode, Linear};
 use crate::ops::{AttnMeta, Ops, RopeTables};
+use crate::prefill::MlaPrefill;
 use crate::{MlaDecode, MlaKernel};
 use weights::{Block, Embed, Loader, Mtp};
+
+pub use route::{PrefillPath, ABSORBED_MAX_ROWS};
 
 /// Construction options.
 #[derive(Debug, Clone, Copy)]
@@ -57,17 +63,31 @@ pub struct CudaOptions {
     /// Tensor parallelism's all-reduce in a fixed order (all-gather, then a rank-ordered
     /// sum) instead of NCCL's, so results do not depend on the batch (batch-invariant mode).
     pub ordered_all_reduce: bool,
+    /// Which sequences take the expanded form of MLA (prefill chunks by default).
+    pub prefill: PrefillPath,
 }
 
 impl CudaOptions {
     pub fn new(num_blocks: usize, ordinal: usize) -> Self {
-        CudaOptions { num_blocks, ordinal, gemm: GemmMode::Cublas, decode_kernel: true, ordered_all_reduce: false }
+        CudaOptions {
+            num_blocks,
+            ordinal,
+            gemm: GemmMode::Cublas,
+            decode_kernel: true,
+            ordered_all_reduce: false,
+            prefill: PrefillPath::Auto,
+        }
     }
-    /// Every token's result independent of its batch: the invariant GEMM, no decode kernel.
+    /// Every token's result independent of its batch: the invariant GEMM, no decode kernel,
+    /// every row in the absorbed form. The expanded kernel is batch-invariant itself, but
+    /// the choice of form is made by a chunk's length, and the scheduler sizes prefill
+    /// chunks by what else is in the step: a prompt's tail could take the absorbed form in
+    /// one batch and the expanded one in another, and the two forms round differently.
     pub fn batch_invariant(mut self) -> Self {
         self.gemm = GemmMode::BatchInvariant;
         self.decode_kernel = false;
         self.ordered_all_reduce = true;
+        self.prefill = PrefillPath::Absorbed;
         self
     }
 }
@@ -115,6 +135,7 @@ pub struct CudaBackend {
     silu: SiluMul,
     argmax: Argmax,
     mla: MlaDecode,
+    prefill: MlaPrefill,
     embed: Embed,
     blocks: Vec<Block>,
     final_norm: CudaSlice<f32>,
@@ -159,6 +180,8 @@ pub(crate) struct Step {
     pub logit_rows: CudaSlice<i32>,
     /// `Batch::argmax_rows`, uploaded with the rest (same reason).
     pub argmax_rows: CudaSlice<i32>,
+    /// Which rows take the absorbed and the expanded form of MLA, uploaded with the rest.
+    pub route: route::Route,
 }
 
 impl CudaBackend {
@@ -237,6 +260,7 @@ impl CudaBackend {
         let argmax = Argmax::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
+        let prefill = MlaPrefill::new(&gpu)?;
         gpu.sync()?;
         Ok(CudaBackend {
             cfg,
@@ -246,6 +270,7 @@ impl CudaBackend {
             silu,
             argmax,
             mla,
+            prefill,
             embed,
             blocks,
             final_norm,
@@ -279,7 +304,7 @@ impl CudaBackend {
         let blocks = self.blocks.iter().map(|b| (b, false)).chain(self.mtp.iter().map(|m| (&m.block, true)));
         for (b, is_mtp) in blocks {
             let a = &b.attn;
-            let mut d = lin(&a.q_b) + lin(&a.kv_a) + lin(&a.o_proj) + (a.w_uk.len() + a.w_uv.len()) as u64 * 2;
+            let mut d = lin(&a.q_b) + lin(&a.kv_a) + lin(&a.o_proj) + (a.w_uk.w.len() + a.w_uv.w.len()) as u64 * 2;
             if let Some((qa, _)) = &a.q_a {
                 d += lin(qa);
             }
@@ -415,6 +440,7 @@ impl CudaBackend {
             uniform,
             logit_rows: up(&batch.logit_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
             argmax_rows: up(&batch.argmax_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
+            route: self.route(batch, bt_stride, max_block)?,
         })
     }
 

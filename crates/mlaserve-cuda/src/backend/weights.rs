@@ -157,10 +157,11 @@ pub(crate) struct Attn {
     pub q_b: Linear,
     pub kv_a: Linear,
     pub kv_a_norm: CudaSlice<f32>,
-    /// `[heads][nope][lora]`.
-    pub w_uk: CudaSlice<bf16>,
-    /// `[heads][vdim][lora]`.
-    pub w_uv: CudaSlice<bf16>,
+    /// `[heads][nope][lora]`, as a `[heads·nope][lora]` projection (the expanded form's
+    /// `K_nope = c_kv · W_UKᵀ` over all heads in one GEMM).
+    pub w_uk: Linear,
+    /// `[heads][vdim][lora]`, as a `[heads·vdim][lora]` projection.
+    pub w_uv: Linear,
     pub o_proj: Linear,
     pub heads: usize,
 }
@@ -194,8 +195,8 @@ impl Attn {
             q_b,
             kv_a,
             kv_a_norm,
-            w_uk: l.bf16(&uk)?,
-            w_uv: l.bf16(&uv)?,
+            w_uk: Linear { w: l.bf16(&uk)?, out: lh * nope, inp: lora },
+            w_uv: Linear { w: l.bf16(&uv)?, out: lh * vdim, inp: lora },
             o_proj: l.lin(&n("self_attn.o_proj.weight"), h, nh * vdim, Some(1))?,
             heads: lh,
         })

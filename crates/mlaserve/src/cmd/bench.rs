@@ -21,6 +21,10 @@ enum What {
     /// The padded MLA decode kernel against the copy bandwidth and the cuBLAS GEMM rate
     /// measured in the same run (needs `--features cuda` and a GPU).
     MlaDecode(MlaArgs),
+    /// The expanded-form MLA prefill attention (and the whole prefill path: latent gather,
+    /// K/V up-projection, kernel) against the cuBLAS GEMM rate measured in the same run,
+    /// beside the absorbed path where it is not too slow (needs `--features cuda` and a GPU).
+    MlaPrefill(PrefillArgs),
     /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline,
     /// on one GPU or a tensor-parallel group (needs `--features cuda` and the GPUs).
     Step(StepArgs),
@@ -73,6 +77,31 @@ struct MlaArgs {
     /// planner's choice (tuning the planner).
     #[arg(long, value_delimiter = ',')]
     splits: Vec<usize>,
+}
+
+#[derive(Debug, clap::Args)]
+struct PrefillArgs {
+    /// CUDA device.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Only these head counts (comma-separated; default 128,64,32,16: TP 1/2/4/8).
+    #[arg(long, value_delimiter = ',')]
+    heads: Vec<usize>,
+    /// Only these prompt lengths in tokens (comma-separated; default 1024,4096,8192).
+    #[arg(long, value_delimiter = ',')]
+    lens: Vec<usize>,
+    /// Only these numbers of sequences per call (comma-separated; default 1,2,4).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Cached tokens before each prompt (times a later chunk of a chunked prefill).
+    #[arg(long, default_value_t = 0)]
+    prefix: usize,
+    /// Timed calls per configuration (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Time the old absorbed path only up to this many visible (query, key) pairs × heads.
+    #[arg(long, default_value_t = 150_000_000)]
+    absorbed_max: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -135,6 +164,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::Acceptance(a) => acceptance(a),
         What::Serve(a) => super::bench_serve::run(a),
         What::MlaDecode(g) => mla_decode_bench(g),
+        What::MlaPrefill(p) => mla_prefill_bench(p),
         What::Step(a) => step_bench(a),
     }
 }
@@ -154,6 +184,27 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
         opts.splits = Some(g.splits);
     }
     println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn mla_prefill_bench(p: PrefillArgs) -> anyhow::Result<()> {
+    let mut opts = mlaserve_cuda::bench_prefill::PrefillBenchOpts::default();
+    for (name, list, dst) in [
+        ("--heads", p.heads, &mut opts.heads),
+        ("--lens", p.lens, &mut opts.prompt_lens),
+        ("--batch", p.batch, &mut opts.batches),
+    ] {
+        if !list.is_empty() {
+            anyhow::ensure!(list.iter().all(|&x| x >= 1), "{name}: each must be at least 1");
+            *dst = list;
+        }
+    }
+    anyhow::ensure!(p.iters >= 1, "--iters must be at least 1");
+    opts.prefix = p.prefix;
+    opts.iters = p.iters;
+    opts.absorbed_max = p.absorbed_max;
+    println!("{}", mlaserve_cuda::bench_prefill::bench_mla_prefill_on(p.device, &opts)?);
     Ok(())
 }
 
@@ -224,6 +275,11 @@ const NO_CUDA: &str = "GPU benchmarks need a build with CUDA: `cargo build --rel
 #[cfg(not(feature = "cuda"))]
 fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
     anyhow::bail!("bench mla-decode --device {}: {NO_CUDA}", g.device)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn mla_prefill_bench(p: PrefillArgs) -> anyhow::Result<()> {
+    anyhow::bail!("bench mla-prefill --device {}: {NO_CUDA}", p.device)
 }
 
 #[cfg(not(feature = "cuda"))]
