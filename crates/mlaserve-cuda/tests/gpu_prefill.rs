@@ -11,8 +11,8 @@
 //! shuffled paged cache, K/V up-projection on both GEMMs, kernel) against the reference
 //! fed the f64 up-projection of the same latents.
 //!
-//! Backend level (`CudaBackend` on tiny-v3, with `max_position_embeddings` raised to
-//! 1024): a mixed prefill step (700-, 130- and 65-token prompts in the expanded form, a
+//! Backend level (`CudaBackend` on tiny-v3 with every layer dense — see `tiny_dir` — and
+//! `max_position_embeddings` raised to 1024): a mixed prefill step (700-, 130- and 65-token prompts in the expanded form, a
 //! 3-token one in the absorbed form), a step with the second 130-token chunk of a prompt
 //! beside decode windows of 4, and a 1-token decode step; every row's logits within 2e-2
 //! of max|ref| of the CPU backend, with the expanded form by default, forced on every row,
@@ -468,14 +468,17 @@ fn run_steps<B: Backend>(be: &mut B) -> Vec<Vec<f32>> {
     steps().iter().map(|st| be.forward(&batch_of(&seqs, st)).expect("forward").logits).collect()
 }
 
-/// tiny-v3 with room for 705 positions.
+/// tiny-v3 with room for 705 positions, every layer dense. With MoE layers a long prompt
+/// cannot be held to 2e-2 of the CPU: an expert choice that bf16 flips for one token
+/// (102 of the 898 prefill rows sit within 5e-3 of a routing tie) changes that token's
+/// K/V and so every later row through attention, and the old absorbed path missed by up
+/// to 0.47 too. Dense layers leave the attention path as the only difference; the MoE
+/// preset's short prompts go through the expanded path in gpu_backend's tests.
 fn tiny_dir() -> tempfile::TempDir {
     let t = tempfile::tempdir().expect("tempdir");
-    mlaserve_model::presets::generate("tiny-v3", t.path()).expect("preset");
-    let p = t.path().join("config.json");
-    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
-    c["max_position_embeddings"] = serde_json::json!(1024);
-    std::fs::write(&p, serde_json::to_string_pretty(&c).expect("json")).expect("write");
+    let layers = mlaserve_model::presets::preset_config("tiny-v3").expect("preset")["num_hidden_layers"].clone();
+    let overrides = serde_json::json!({"max_position_embeddings": 1024, "first_k_dense_replace": layers});
+    mlaserve_model::presets::generate_with("tiny-v3", t.path(), &overrides).expect("preset");
     t
 }
 

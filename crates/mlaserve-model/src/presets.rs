@@ -117,7 +117,19 @@ pub fn preset_config(name: &str) -> Result<Value> {
 /// (tiny-v3 as two shards with an index, to exercise the sharded path),
 /// generation_config.json and a byte-level BPE tokenizer.json.
 pub fn generate(name: &str, out: &Path) -> Result<()> {
-    let cfg_json = preset_config(name)?;
+    generate_with(name, out, &json!({}))
+}
+
+/// [`generate`] with `overrides` (a JSON object) merged into the preset's config before the
+/// weights are drawn, e.g. `{"first_k_dense_replace": 3}` for an all-dense variant. The
+/// weights' seed is the preset's.
+pub fn generate_with(name: &str, out: &Path, overrides: &Value) -> Result<()> {
+    let mut cfg_json = preset_config(name)?;
+    if let (Some(c), Some(o)) = (cfg_json.as_object_mut(), overrides.as_object()) {
+        for (k, v) in o {
+            c.insert(k.clone(), v.clone());
+        }
+    }
     let cfg = ModelConfig::from_json_str(&cfg_json.to_string())?;
     std::fs::create_dir_all(out).map_err(|e| Error::file(out, e.to_string()))?;
     let tensors = random_weights(&cfg, seed_of(name));
