@@ -8,7 +8,8 @@
 //!
 //! With `cuda`: [`Gpu`] is one device's context and stream plus the loaded modules,
 //! [`MlaDecode`] the FlashMLA-style padded decode attention (DESIGN.md §4),
-//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`ops`] and
+//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`sample`] the
+//! sampling rule on the device, [`ops`] and
 //! [`linear`] the forward pass's kernels and projections, [`CudaBackend`] the
 //! `mlaserve_core::Backend` on one GPU, [`check`] the
 //! kernel-vs-reference checks and [`bench`] the roofline benchmarks.
@@ -41,6 +42,8 @@ pub mod linear;
 mod mla_decode;
 #[cfg(feature = "cuda")]
 pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod sample;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaHidden, CudaOptions, WeightBytes};
