@@ -7,12 +7,15 @@
 //! the scheduler can build mixed steps. The backend writes the latent cache entries of
 //! the new tokens and returns the hidden state of every new token (kept on the device:
 //! the MTP drafter consumes it), logits for the rows the caller asked for, and only the
-//! greedy choice (argmax) for the rows where that is all the caller needs: a backend
-//! computes those on its device and sends back one id per row instead of a vocabulary of
-//! logits (132 MB per call at DeepSeek-V3's vocabulary, batch 64, 4 rows each).
+//! chosen token for the rows where that is all the caller needs — the greedy choice
+//! ([`argmax`]) or a sample under the one sampling rule ([`crate::sampling::sample_token`],
+//! with the temperature, top-k, top-p and uniform the row carries): a backend computes
+//! those on its device and sends back one id per row instead of a vocabulary of logits
+//! (132 MB per call at DeepSeek-V3's vocabulary, batch 64, 4 rows each).
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::sampling::SampleRow;
 
 /// Tokens per page of the latent KV cache (FlashMLA's page size).
 pub const BLOCK_SIZE: usize = 64;
@@ -31,7 +34,7 @@ pub struct SeqChunk {
 /// A step's input: chunks, and which flattened token rows need logits.
 ///
 /// Rows are numbered over the concatenation of all chunks' tokens in order.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Batch {
     pub seqs: Vec<SeqChunk>,
     /// Flattened row indices whose logits are returned, in this order.
@@ -39,6 +42,10 @@ pub struct Batch {
     /// Flattened row indices whose argmax token is returned (`ForwardOutput::argmax`), in
     /// this order: the lowest id among the largest logits, NaN never chosen ([`argmax`]).
     pub argmax_rows: Vec<u32>,
+    /// Rows whose token is sampled by the backend (`ForwardOutput::sampled`), in this
+    /// order: [`crate::sampling::sample_token`] of the row's logits with the row's
+    /// parameters and uniform.
+    pub sample_rows: Vec<SampleRow>,
 }
 
 impl Batch {
@@ -77,6 +84,23 @@ impl Batch {
         if let Some(&r) = self.argmax_rows.iter().find(|&&r| r as usize >= n) {
             return Err(Error::Batch(format!("argmax row {r} >= {n} tokens")));
         }
+        for s in &self.sample_rows {
+            if s.row as usize >= n {
+                return Err(Error::Batch(format!("sample row {} >= {n} tokens", s.row)));
+            }
+            if !(s.temperature > 0.0 && s.temperature.is_finite()) {
+                return Err(Error::Batch(format!(
+                    "sample row {}: temperature {} is not finite > 0",
+                    s.row, s.temperature
+                )));
+            }
+            if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+                return Err(Error::Batch(format!("sample row {}: top_p {} is not in (0, 1]", s.row, s.top_p)));
+            }
+            if !(0.0..1.0).contains(&s.u) {
+                return Err(Error::Batch(format!("sample row {}: uniform {} is not in [0, 1)", s.row, s.u)));
+            }
+        }
         Ok(())
     }
 }
@@ -92,11 +116,13 @@ pub struct ForwardOutput<H> {
     pub logits: Vec<f32>,
     /// The argmax token of each of `argmax_rows`.
     pub argmax: Vec<u32>,
+    /// The sampled token of each of `sample_rows`, in order.
+    pub sampled: Vec<u32>,
 }
 
 /// Index of the largest logit; ties go to the lowest id, NaN never wins (a row of NaN
 /// and −∞ only: its first non-NaN entry, else 0). Every backend's `argmax_rows` and the
-/// engine's greedy choice use this rule.
+/// engine's greedy choice use this rule (and the sampling rule falls back to it).
 pub fn argmax(logits: &[f32]) -> u32 {
     if logits.len() <= 64 {
         // Short rows: one branch-free pass (selects, no mispredicted jumps).

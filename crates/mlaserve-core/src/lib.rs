@@ -17,5 +17,5 @@ pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};
 pub use local_group::LocalGroup;
-pub use sampling::SamplingParams;
+pub use sampling::{sample_from, sample_token, target_distribution, SampleRow, SamplingParams, TargetDist};
 pub use tp::{run_follower, TpHidden, TpLeader};

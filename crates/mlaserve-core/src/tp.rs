@@ -6,8 +6,10 @@
 //! receive each plan and run the same call on their shard, so every rank executes the
 //! same sequence of forwards and meets the same collectives inside them. Verification is
 //! decided once, on the leader; the accepted tokens reach the followers inside the next
-//! plan (the MTP batch carries them), so every rank drafts from identical inputs without
-//! sampling anything itself.
+//! plan (the MTP batch carries them), so every rank drafts from identical inputs. (A
+//! follower's backend answers the plan's `argmax_rows` and `sample_rows` too, on the same
+//! all-gathered logits with the same parameters and uniforms; only the leader's ids are
+//! used.)
 //!
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
 //! the number in an MTP plan; followers keep their own under the same numbers.
@@ -16,6 +18,7 @@ use crate::backend::{Backend, Batch, ForwardOutput, SeqChunk};
 use crate::collective::Collective;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::sampling::SampleRow;
 use std::collections::VecDeque;
 
 const OP_FORWARD: u32 = 1;
@@ -85,7 +88,12 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         encode_batch(batch, &mut w);
         self.send(&w)?;
         let out = self.inner.forward(batch)?;
-        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits, argmax: out.argmax })
+        Ok(ForwardOutput {
+            hidden: TpHidden { id, inner: out.hidden },
+            logits: out.logits,
+            argmax: out.argmax,
+            sampled: out.sampled,
+        })
     }
 
     fn mtp_forward(
@@ -102,7 +110,12 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         encode_batch(batch, &mut w);
         self.send(&w)?;
         let out = self.inner.mtp_forward(layer, batch, &prev.inner, hidden_rows)?;
-        Ok(ForwardOutput { hidden: TpHidden { id, inner: out.hidden }, logits: out.logits, argmax: out.argmax })
+        Ok(ForwardOutput {
+            hidden: TpHidden { id, inner: out.hidden },
+            logits: out.logits,
+            argmax: out.argmax,
+            sampled: out.sampled,
+        })
     }
 
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
@@ -195,6 +208,13 @@ fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
     w.extend_from_slice(&b.logit_rows);
     w.push(b.argmax_rows.len() as u32);
     w.extend_from_slice(&b.argmax_rows);
+    // Sample rows, six words each: row, temperature bits, top_k, top_p bits, u's bits
+    // (low word, high word); every rank gets the same parameters bit for bit.
+    w.push(b.sample_rows.len() as u32);
+    for s in &b.sample_rows {
+        let u = s.u.to_bits();
+        w.extend_from_slice(&[s.row, s.temperature.to_bits(), s.top_k, s.top_p.to_bits(), u as u32, (u >> 32) as u32]);
+    }
 }
 
 struct Reader<'a> {
@@ -228,7 +248,19 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     let logit_rows = r.take(nl)?.to_vec();
     let na = r.next()? as usize;
     let argmax_rows = r.take(na)?.to_vec();
-    Ok(Batch { seqs, logit_rows, argmax_rows })
+    let ns = r.next()? as usize;
+    let sample_rows = r
+        .take(ns * 6)?
+        .chunks_exact(6)
+        .map(|w| SampleRow {
+            row: w[0],
+            temperature: f32::from_bits(w[1]),
+            top_k: w[2],
+            top_p: f32::from_bits(w[3]),
+            u: f64::from_bits(w[4] as u64 | (w[5] as u64) << 32),
+        })
+        .collect();
+    Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows })
 }
 
 #[cfg(test)]
@@ -244,6 +276,10 @@ mod tests {
             ],
             logit_rows: vec![2, 3],
             argmax_rows: vec![0, 3],
+            sample_rows: vec![
+                SampleRow { row: 1, temperature: 0.7, top_k: 50, top_p: 0.9, u: 0.123_456_789_012_345_67 },
+                SampleRow { row: 3, temperature: 1e-30, top_k: 0, top_p: 1.0, u: 1.0 - f64::EPSILON / 2.0 },
+            ],
         };
         let mut w = Vec::new();
         encode_batch(&b, &mut w);

@@ -12,7 +12,7 @@ pub mod moe;
 pub mod ops;
 
 use attention::{AttnMode, LayerCache, Mla, StepLayout};
-use mlaserve_core::{Backend, Batch, Collective, Error, ForwardOutput, ModelConfig, Result, SingleRank};
+use mlaserve_core::{Backend, Batch, Collective, Error, ForwardOutput, ModelConfig, Result, SampleRow, SingleRank};
 use mlaserve_model::{names, Shard, Weights};
 use moe::{Mlp, Moe};
 use ops::{rms_norm, Linear, Rope};
@@ -232,6 +232,19 @@ impl CpuBackend {
         Ok(logits.chunks(v).map(mlaserve_core::argmax).collect())
     }
 
+    /// The sampled token of each sample row (the full row's logits, then
+    /// `mlaserve_core::sample_token` with the row's parameters: the reference the devices'
+    /// sampling is held to).
+    fn head_sample(&self, head: &Linear, normed: &[f32], rows: &[SampleRow]) -> Result<Vec<u32>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let v = self.cfg.vocab_size;
+        let idx: Vec<u32> = rows.iter().map(|s| s.row).collect();
+        let logits = self.head_logits(head, normed, &idx)?;
+        Ok(logits.chunks(v).zip(rows).map(|(l, s)| s.sample(l)).collect())
+    }
+
     /// Vocab-parallel head over the selected rows: local logits, then all-gather.
     fn head_logits(&self, head: &Linear, normed: &[f32], rows: &[u32]) -> Result<Vec<f32>> {
         let h = self.cfg.hidden_size;
@@ -292,7 +305,8 @@ impl Backend for CpuBackend {
         rms_norm(&mut x, &self.final_norm, self.cfg.rms_norm_eps as f32);
         let logits = self.head_logits(&self.lm_head, &x, &batch.logit_rows)?;
         let argmax = self.head_argmax(&self.lm_head, &x, &batch.argmax_rows)?;
-        Ok(ForwardOutput { hidden: CpuHidden { rows: tokens.len(), data: x }, logits, argmax })
+        let sampled = self.head_sample(&self.lm_head, &x, &batch.sample_rows)?;
+        Ok(ForwardOutput { hidden: CpuHidden { rows: tokens.len(), data: x }, logits, argmax, sampled })
     }
 
     fn mtp_forward(
@@ -341,7 +355,8 @@ impl Backend for CpuBackend {
         rms_norm(&mut normed, &m.head_norm, eps);
         let logits = self.head_logits(&m.head, &normed, &batch.logit_rows)?;
         let argmax = self.head_argmax(&m.head, &normed, &batch.argmax_rows)?;
-        Ok(ForwardOutput { hidden: CpuHidden { rows: n, data: x }, logits, argmax })
+        let sampled = self.head_sample(&m.head, &normed, &batch.sample_rows)?;
+        Ok(ForwardOutput { hidden: CpuHidden { rows: n, data: x }, logits, argmax, sampled })
     }
 
     fn hidden_to_host(&self, h: &CpuHidden) -> Result<Vec<f32>> {

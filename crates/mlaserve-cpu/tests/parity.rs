@@ -60,6 +60,7 @@ fn table(first: u32, len: usize) -> Vec<u32> {
 fn one(tokens: &[u32], start_pos: usize, table: &[u32]) -> Batch {
     Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![SeqChunk { tokens: tokens.to_vec(), start_pos, block_table: table.to_vec() }],
         logit_rows: (0..tokens.len() as u32).collect(),
     }
@@ -196,6 +197,7 @@ fn mixed_batch_equals_each_sequence_alone() {
     prefix(&mut mixed);
     let batch = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![
             SeqChunk { tokens: a.clone(), start_pos: 0, block_table: ta.clone() },
             SeqChunk { tokens: b_dec.clone(), start_pos: 30, block_table: tb.clone() },

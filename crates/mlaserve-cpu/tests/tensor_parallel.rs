@@ -22,6 +22,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     let mut logits = Vec::new();
     let pre = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![
             SeqChunk { tokens: toks(70, 1), start_pos: 0, block_table: vec![0, 1] },
             SeqChunk { tokens: toks(9, 2), start_pos: 0, block_table: vec![2] },
@@ -32,6 +33,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     logits.extend(&out.logits);
     let step = Batch {
         argmax_rows: vec![7, 0, 3],
+        sample_rows: vec![],
         seqs: vec![
             SeqChunk { tokens: toks(4, 3), start_pos: 70, block_table: vec![0, 1] },
             SeqChunk { tokens: toks(4, 4), start_pos: 9, block_table: vec![2] },
@@ -48,6 +50,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     logits.extend(&mtp0.logits);
     let one = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![SeqChunk { tokens: vec![17], start_pos: 74, block_table: vec![0, 1] }],
         logit_rows: vec![0],
     };

@@ -257,6 +257,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             let all = |len: usize| (0..(b * len) as u32).collect::<Vec<u32>>();
             let window = |len: usize, start: usize| Batch {
                 argmax_rows: if opts.host_logits { vec![] } else { all(len) },
+                sample_rows: vec![],
                 seqs: (0..b)
                     .map(|i| SeqChunk {
                         tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),

@@ -9,7 +9,8 @@
 //! With `cuda`: [`Gpu`] is one device's context and stream plus the loaded modules,
 //! [`MlaDecode`] the FlashMLA-style padded decode attention (DESIGN.md §4),
 //! [`prefill::MlaPrefill`] the expanded-form prefill attention,
-//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`ops`] and
+//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`sample`] the
+//! sampling rule on the device, [`ops`] and
 //! [`linear`] the forward pass's kernels and projections, [`CudaBackend`] the
 //! `mlaserve_core::Backend` on one GPU, [`check`] the
 //! kernel-vs-reference checks and [`bench`] / [`bench_prefill`] the roofline benchmarks.
@@ -45,6 +46,8 @@ pub mod linear;
 mod mla_decode;
 #[cfg(feature = "cuda")]
 pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod sample;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaHidden, CudaOptions, PrefillPath, WeightBytes, ABSORBED_MAX_ROWS};

@@ -98,6 +98,7 @@ fn prefill_batch() -> Batch {
     let (ta, tb, _) = TABLES;
     let mut b = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![chunk(toks(1, 70), 0, &ta), chunk(toks(2, 20), 0, &tb)],
         logit_rows: vec![],
     };
@@ -128,6 +129,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
     out.push(("MTP layer 0 logits (90 rows, CPU hidden in)", om0.logits));
     let m1 = with_argmax(Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![chunk(vec![11], 70, &ta), chunk(vec![12], 20, &tb)],
         logit_rows: vec![0, 1],
     });
@@ -136,6 +138,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
     // 2. Uniform decode windows of 4 (the decode kernel's path with default options).
     let mut b2 = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![chunk(toks(3, 4), 70, &ta), chunk(toks(4, 4), 20, &tb)],
         logit_rows: vec![],
     };
@@ -144,6 +147,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
     // 3. One-token decode.
     let mut b3 = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![chunk(vec![40], 74, &ta), chunk(vec![41], 24, &tb)],
         logit_rows: vec![],
     };
@@ -152,6 +156,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
     // 4. Mixed: a 2-token window, a 30-token chunk over B's cached 25, a new sequence C.
     let b4 = with_argmax(Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![chunk(toks(5, 2), 75, &ta), chunk(toks(6, 30), 25, &tb), chunk(toks(7, 5), 0, &tc)],
         logit_rows: vec![0, 1, 31, 36],
     });

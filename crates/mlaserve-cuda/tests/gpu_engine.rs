@@ -177,9 +177,18 @@ fn a_stalled_rank_fails_the_step_within_the_timeout() {
     let timeout = Duration::from_secs(5);
     let init = |rank| TpInit { rank, world: 2, id: id.clone(), timeout };
     let chunk = |tokens: Vec<u32>, start_pos| mlaserve_core::SeqChunk { tokens, start_pos, block_table: vec![0] };
-    let prefill =
-        mlaserve_core::Batch { argmax_rows: vec![], seqs: vec![chunk(vec![5, 6, 7], 0)], logit_rows: vec![2] };
-    let decode = mlaserve_core::Batch { argmax_rows: vec![], seqs: vec![chunk(vec![8], 3)], logit_rows: vec![0] };
+    let prefill = mlaserve_core::Batch {
+        argmax_rows: vec![],
+        sample_rows: vec![],
+        seqs: vec![chunk(vec![5, 6, 7], 0)],
+        logit_rows: vec![2],
+    };
+    let decode = mlaserve_core::Batch {
+        argmax_rows: vec![],
+        sample_rows: vec![],
+        seqs: vec![chunk(vec![8], 3)],
+        logit_rows: vec![0],
+    };
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
         let dir = t.path();

@@ -2,7 +2,10 @@
 //! verification, stop checks, events, draft batch building) with many running
 //! requests, measured as step wall time minus the time spent inside the backend.
 //! It runs on [`SyntheticBackend`], whose vocabulary size sets the cost of the
-//! logits math (argmax or sampling over each row), reported with the result.
+//! logits math (argmax or sampling over each row), reported with the result. That math
+//! is the backend's (`Batch::argmax_rows`, `Batch::sample_rows`: on the GPU it runs on the
+//! device), so it falls in the excluded backend time; the engine's share of a sampled
+//! row is drawing its uniform and comparing the returned id with the draft.
 
 use crate::api::{EngineConfig, Request, SamplingParams};
 use crate::engine::Engine;
@@ -23,7 +26,7 @@ pub struct BenchConfig {
     pub prompt_len: usize,
     /// Measured steps (after every request reached decoding).
     pub steps: usize,
-    /// Sample with temperature 1 instead of greedy.
+    /// Sample with temperature 1 instead of greedy (the backend samples each row).
     pub sampled: bool,
     /// MTP layers of the synthetic model; `None`: `k` (every draft stage its own layer,
     /// the most host work). DeepSeek-V3/R1 checkpoints have one (a reused chain).
@@ -62,7 +65,7 @@ impl std::fmt::Display for BenchReport {
             c.k,
             c.mtp_layers.unwrap_or(c.k).max(1),
             c.vocab,
-            if c.sampled { "sampled" } else { "greedy" },
+            if c.sampled { "sampled (T = 1, by the backend)" } else { "greedy" },
             self.median_us,
             self.p90_us,
             self.mean_us,

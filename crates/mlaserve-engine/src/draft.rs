@@ -204,6 +204,7 @@ pub(crate) fn draft<B: Backend>(
     // Drafts are argmaxes: the backend returns those ids, never the logits.
     batch.logit_rows.clear();
     batch.argmax_rows.clear();
+    batch.sample_rows.clear();
     // Jobs and chunks are both in running order: walk them together.
     let mut next_job = jobs.iter().peekable();
     let mut rows = 0usize;
@@ -432,6 +433,7 @@ fn chain_stages<B: Backend>(
     let m = sc.chain.len();
     let mut backend_us = 0;
     sc.batch.logit_rows.clear();
+    sc.batch.sample_rows.clear();
     sc.batch.argmax_rows.clear();
     sc.batch.argmax_rows.extend_from_slice(identity(&mut sc.identity, m));
     for d in n_mtp.min(k)..k {

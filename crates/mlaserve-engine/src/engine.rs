@@ -9,7 +9,7 @@ use crate::block::{blocks_for, BlockManager};
 use crate::draft::{chunk_at, draft, DraftJob, DraftScratch, MtpMemory};
 use crate::error::{EngineError, Result};
 use crate::rng::mix64;
-use crate::sampling::{choose_token, verify_greedy_into, verify_window_into};
+use crate::sampling::{sample_row, verify_ids_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
 use mlaserve_core::{Backend, Batch};
@@ -254,6 +254,20 @@ impl<B: Backend> Engine<B> {
         self.times.steps += 1;
         self.times.schedule_us += (t1 - t0).as_micros() as u64;
         self.times.forward_us += (t2 - t1).as_micros() as u64;
+        // One id per asked row, or the backend broke its contract (the ids would be
+        // misattributed): fail the step like any backend error.
+        let fwd = fwd.and_then(|out| {
+            let (b, a, s) = (&self.batch, out.argmax.len(), out.sampled.len());
+            if a == b.argmax_rows.len() && s == b.sample_rows.len() {
+                Ok(out)
+            } else {
+                Err(mlaserve_core::Error::Backend(format!(
+                    "{a} argmax ids for {} rows, {s} sampled ids for {} rows",
+                    b.argmax_rows.len(),
+                    b.sample_rows.len()
+                )))
+            }
+        });
         let out = match fwd {
             Ok(out) => out,
             Err(e) => {
@@ -266,7 +280,7 @@ impl<B: Backend> Engine<B> {
         events.reserve(self.batch.seqs.len());
         let mut jobs = std::mem::take(&mut self.jobs);
         jobs.clear();
-        self.verify(&out.logits, &out.argmax, &mut events, &mut finished, &mut jobs);
+        self.verify(&out.argmax, &out.sampled, &mut events, &mut finished, &mut jobs);
         let t3 = Instant::now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
         let mut draft_err = None;
@@ -308,30 +322,38 @@ impl<B: Backend> Engine<B> {
         let b = &mut self.batch;
         let mut n = 0;
         let mut row = 0u32;
-        // Greedy requests need only the argmax of their rows (computed by the backend,
-        // on the device for the GPU); sampled ones need the logits.
+        // Only the chosen token of a row comes back (computed by the backend, on the
+        // device for the GPU): the argmax for greedy requests, a sample for the others,
+        // with the uniform of the position the row decides — never the logits.
         b.logit_rows.clear();
         b.argmax_rows.clear();
+        b.sample_rows.clear();
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
-            let rows = if s.params.is_greedy() { &mut b.argmax_rows } else { &mut b.logit_rows };
             let c = chunk_at(&mut b.seqs, n);
             n += 1;
             std::mem::swap(&mut c.block_table, &mut s.block_table);
             c.start_pos = s.num_cached;
-            match s.sched {
+            // (first row, sequence index of the token it decides, rows)
+            let rows = match s.sched {
                 Some(Sched::Decode) => {
                     debug_assert_eq!(s.num_cached + 1, s.tokens.len(), "a decode window starts at the last token");
                     c.tokens.push(s.last_token);
                     c.tokens.extend_from_slice(s.drafts.as_slice());
-                    rows.extend(row..row + c.tokens.len() as u32);
+                    Some((row, s.num_cached + 1, c.tokens.len()))
                 }
                 Some(Sched::Prefill { len, last }) => {
                     c.tokens.extend_from_slice(&s.tokens[s.num_cached..s.num_cached + len]);
-                    if last {
-                        rows.push(row + len as u32 - 1);
-                    }
+                    last.then(|| (row + len as u32 - 1, s.tokens.len(), 1))
                 }
-                None => {}
+                None => None,
+            };
+            if let Some((first, pos, count)) = rows {
+                if s.params.is_greedy() {
+                    b.argmax_rows.extend(first..first + count as u32);
+                } else {
+                    b.sample_rows
+                        .extend((0..count).map(|j| sample_row(first + j as u32, &s.params, s.seed, (pos + j) as u64)));
+                }
             }
             row += c.tokens.len() as u32;
         }
@@ -352,15 +374,16 @@ impl<B: Backend> Engine<B> {
     /// sequences that go on.
     fn verify(
         &mut self,
-        logits: &[f32],
         argmax: &[u32],
+        sampled: &[u32],
         events: &mut Vec<(RequestId, Event)>,
         finished: &mut Vec<(usize, FinishReason)>,
         jobs: &mut Vec<DraftJob>,
     ) {
-        let (k, v) = (self.lim.k, self.vocab);
-        // Cursors into the logits rows (sampled requests) and the argmax ids (greedy ones).
-        let (mut lrow, mut arow) = (0usize, 0usize);
+        let k = self.lim.k;
+        // Cursors into the argmax ids (greedy requests) and the sampled ids (the others),
+        // both in the order `build_batch` asked for them.
+        let (mut arow, mut srow) = (0usize, 0usize);
         let mut trow = 0usize;
         for (idx, s) in self.running.iter_mut().enumerate() {
             let Some(sched) = s.sched else { continue };
@@ -369,14 +392,14 @@ impl<B: Backend> Engine<B> {
             let (rows, draft_off) = match sched {
                 Sched::Decode => {
                     let emitted = tokens_event(events, s.id, 1 + k);
-                    let accepted = if s.params.is_greedy() {
+                    let ids = if s.params.is_greedy() {
                         arow += 1 + k;
-                        verify_greedy_into(&argmax[arow - 1 - k..arow], s.drafts.as_slice(), emitted)
+                        &argmax[arow - 1 - k..arow]
                     } else {
-                        let w = &logits[lrow * v..(lrow + 1 + k) * v];
-                        lrow += 1 + k;
-                        verify_window_into(w, v, s.drafts.as_slice(), &s.params, s.seed, (start + 1) as u64, emitted)
+                        srow += 1 + k;
+                        &sampled[srow - 1 - k..srow]
                     };
+                    let accepted = verify_ids_into(ids, s.drafts.as_slice(), emitted);
                     // A stop condition cuts the run: nothing after the matching token.
                     let mut kept = emitted.len();
                     for (j, &tok) in emitted.iter().enumerate() {
@@ -407,8 +430,8 @@ impl<B: Backend> Engine<B> {
                             arow += 1;
                             argmax[arow - 1]
                         } else {
-                            lrow += 1;
-                            choose_token(&logits[(lrow - 1) * v..lrow * v], &s.params, s.seed, s.tokens.len() as u64)
+                            srow += 1;
+                            sampled[srow - 1]
                         };
                         tokens_event(events, s.id, 1).push(tok);
                         fin = s.push_token(tok, &self.eos, self.max_model_len);

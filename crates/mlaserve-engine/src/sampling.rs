@@ -1,9 +1,12 @@
 //! Token choice and draft verification.
 //!
 //! The target distribution of a logits row is the softmax after temperature, top-k and
-//! top-p ([`target_distribution`]). A token is chosen by inverse-CDF sampling in token-id
-//! order with the request's counter-based uniform for that position, or by argmax when
-//! the request is greedy.
+//! top-p, and a token is chosen by inverse-CDF sampling in token-id order with the
+//! request's counter-based uniform for that position, or by argmax when the request is
+//! greedy. That rule lives in `mlaserve_core::sampling` ([`mlaserve_core::sample_token`]),
+//! because every backend applies it where the logits are: the engine asks the backend for
+//! the token of each sampled row (`Batch::sample_rows`, with the uniform it draws here)
+//! as it asks for the argmax of each greedy row, and compares ids.
 //!
 //! Verification of a window `[last, d1..dk]` walks the rows in order: row `j` gives the
 //! target token `x_j` for the position after window index `j`; draft `d_{j+1}` is accepted
@@ -19,87 +22,39 @@
 use crate::rng::{uniform, Purpose};
 use mlaserve_core::SamplingParams;
 
-/// A target distribution: candidate tokens in ascending id order and their
-/// probabilities (summing to 1).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TargetDist {
-    pub tokens: Vec<u32>,
-    pub probs: Vec<f64>,
-}
-
 /// Index of the largest logit; ties go to the lowest id, NaN never wins (the one rule
 /// every backend's `argmax_rows` follows too).
 pub use mlaserve_core::argmax;
+/// The sampling rule's pieces (`mlaserve_core::sampling` specifies them).
+pub use mlaserve_core::{sample_from, SampleRow, TargetDist};
 
 /// The distribution a non-greedy request samples from: softmax(logits / temperature)
-/// restricted to the top-k logits and then to the smallest nucleus of mass `top_p`.
+/// restricted to the top-k logits and then to the smallest nucleus of mass `top_p`
+/// ([`mlaserve_core::target_distribution`] with the request's parameters).
 pub fn target_distribution(logits: &[f32], params: &SamplingParams) -> TargetDist {
-    let t = if params.temperature > 0.0 { params.temperature as f64 } else { 1.0 };
-    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| !logits[i as usize].is_nan()).collect();
-    let by_logit_desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let k = params.top_k as usize;
-    if k > 0 && k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, by_logit_desc);
-        cand.truncate(k);
-    }
-    let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max);
-    if cand.is_empty() || !max.is_finite() {
-        return TargetDist { tokens: vec![argmax(logits)], probs: vec![1.0] };
-    }
-    let mut probs: Vec<f64> = cand.iter().map(|&i| ((logits[i as usize] - max) as f64 / t).exp()).collect();
-    if params.top_p < 1.0 && cand.len() > 1 {
-        let total: f64 = probs.iter().sum();
-        let mut order: Vec<usize> = (0..cand.len()).collect();
-        order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(cand[a].cmp(&cand[b])));
-        let mut cum = 0.0;
-        let mut keep = order.len();
-        for (n, &o) in order.iter().enumerate() {
-            cum += probs[o] / total;
-            if cum >= params.top_p as f64 {
-                keep = n + 1;
-                break;
-            }
-        }
-        let mut kept: Vec<(u32, f64)> = order[..keep].iter().map(|&o| (cand[o], probs[o])).collect();
-        kept.sort_unstable_by_key(|&(tok, _)| tok);
-        cand = kept.iter().map(|&(tok, _)| tok).collect();
-        probs = kept.iter().map(|&(_, p)| p).collect();
-    } else if k > 0 {
-        // top-k alone: restore id order.
-        let mut kept: Vec<(u32, f64)> = cand.iter().copied().zip(probs.iter().copied()).collect();
-        kept.sort_unstable_by_key(|&(tok, _)| tok);
-        cand = kept.iter().map(|&(tok, _)| tok).collect();
-        probs = kept.iter().map(|&(_, p)| p).collect();
-    }
-    let total: f64 = probs.iter().sum();
-    for p in &mut probs {
-        *p /= total;
-    }
-    TargetDist { tokens: cand, probs }
+    mlaserve_core::target_distribution(logits, params.temperature, params.top_k, params.top_p)
 }
 
-/// Inverse-CDF draw from `dist` with uniform `u` in `[0, 1)`.
-pub fn sample_from(dist: &TargetDist, u: f64) -> u32 {
-    let mut cum = 0.0;
-    for (&tok, &p) in dist.tokens.iter().zip(&dist.probs) {
-        cum += p;
-        if u < cum {
-            return tok;
-        }
+/// What the backend needs to sample the token at sequence index `position` of a
+/// non-greedy request from flattened row `row`: its parameters and its uniform.
+pub fn sample_row(row: u32, params: &SamplingParams, seed: u64, position: u64) -> SampleRow {
+    SampleRow {
+        row,
+        temperature: params.temperature,
+        top_k: params.top_k,
+        top_p: params.top_p,
+        u: uniform(seed, position, Purpose::Sample),
     }
-    // Rounding left u above the last partial sum: the last token with mass.
-    let last = dist.probs.iter().rposition(|&p| p > 0.0).unwrap_or(0);
-    dist.tokens.get(last).copied().unwrap_or(0)
 }
 
 /// The target token for a logits row: argmax when greedy, else a draw with the
 /// request's uniform for `position` (the index the chosen token will have in the
-/// sequence).
+/// sequence) — on the host, what a backend returns for [`sample_row`].
 pub fn choose_token(logits: &[f32], params: &SamplingParams, seed: u64, position: u64) -> u32 {
     if params.is_greedy() {
         argmax(logits)
     } else {
-        sample_from(&target_distribution(logits, params), uniform(seed, position, Purpose::Sample))
+        sample_row(0, params, seed, position).sample(logits)
     }
 }
 
@@ -159,12 +114,17 @@ fn verify_with(drafts: &[u32], out: &mut Vec<u32>, mut target: impl FnMut(usize)
     }
 }
 
-/// Greedy verification of `drafts` against the target's argmax tokens of the window
-/// (`ids`, `drafts.len() + 1` of them, computed by the backend): pushes the emitted tokens
-/// to `out` and returns the number of accepted drafts — what [`verify_window_into`] does
-/// for a greedy request, without the logits.
-pub fn verify_greedy_into(ids: &[u32], drafts: &[u32], out: &mut Vec<u32>) -> usize {
+/// Verification of `drafts` against the target tokens of the window computed by the
+/// backend (`ids`, `drafts.len() + 1` of them: the argmax ids of a greedy request, the
+/// sampled ids of a sampled one): pushes the emitted tokens to `out` and returns the
+/// number of accepted drafts — what [`verify_window_into`] does, without the logits.
+pub fn verify_ids_into(ids: &[u32], drafts: &[u32], out: &mut Vec<u32>) -> usize {
     verify_with(drafts, out, |j| ids[j])
+}
+
+/// [`verify_ids_into`] for a greedy request (`ids` are the window's argmax tokens).
+pub fn verify_greedy_into(ids: &[u32], drafts: &[u32], out: &mut Vec<u32>) -> usize {
+    verify_ids_into(ids, drafts, out)
 }
 
 #[cfg(test)]

@@ -126,7 +126,17 @@ impl Backend for SyntheticBackend {
             self.logits_for(row_ctx[r as usize], &mut logits);
         }
         let argmax = batch.argmax_rows.iter().map(|&r| self.greedy(row_ctx[r as usize])).collect();
-        Ok(ForwardOutput { hidden, logits, argmax })
+        let mut row = Vec::with_capacity(self.config.vocab_size);
+        let sampled = batch
+            .sample_rows
+            .iter()
+            .map(|s| {
+                row.clear();
+                self.logits_for(row_ctx[s.row as usize], &mut row);
+                s.sample(&row)
+            })
+            .collect();
+        Ok(ForwardOutput { hidden, logits, argmax, sampled })
     }
 
     fn mtp_forward(
@@ -166,7 +176,17 @@ impl Backend for SyntheticBackend {
         }
         // The argmax of a one-hot row is its hot token.
         let argmax = batch.argmax_rows.iter().map(|&r| preds[r as usize]).collect();
-        Ok(ForwardOutput { hidden, logits, argmax })
+        let mut row = Vec::with_capacity(self.config.vocab_size);
+        let sampled = batch
+            .sample_rows
+            .iter()
+            .map(|s| {
+                row.clear();
+                self.one_hot(preds[s.row as usize], &mut row);
+                s.sample(&row)
+            })
+            .collect();
+        Ok(ForwardOutput { hidden, logits, argmax, sampled })
     }
 
     fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {

@@ -1,5 +1,6 @@
 //! Issue 3's acceptance tests on the real CPU reference backend with the `tiny-v3`
-//! checkpoint: greedy losslessness across k, preemption, seeded determinism, no leak.
+//! checkpoint: greedy losslessness across k, preemption, seeded determinism, sampled
+//! tokens from the backend equal to the host rule's, no leak.
 //!
 //! tiny-v3 declares `max_position_embeddings: 512`, room for the issue's prompts of up to
 //! 300 tokens plus 64 new ones.
@@ -7,7 +8,9 @@
 mod common;
 
 use common::{random_arrivals, run_all, Arrival, Outcome, TestRng};
+use mlaserve_core::{Backend, Batch, SeqChunk};
 use mlaserve_cpu::CpuBackend;
+use mlaserve_engine::sampling::choose_token;
 use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -120,6 +123,58 @@ fn seeded_request_alone_equals_in_batch() {
     let alone = run_all(&mut engine(3, 256, 160), &greedy);
     for (i, g) in alone.iter().enumerate() {
         assert_eq!(out[2 * i + 1].tokens, g.tokens, "greedy request {} beside sampled ones", 2 * i + 1);
+    }
+}
+
+/// Sampled requests go to the backend as `Batch::sample_rows` (the CPU backend applies
+/// `mlaserve_core::sample_token` to its own logits row). Their tokens must not depend on
+/// k, and every token must be the one the old host path picks: the row's logits copied
+/// to the host (`logit_rows`) and the engine's host rule with the request's uniform for
+/// that position (`choose_token`), replayed here one position at a time.
+#[test]
+fn sampled_tokens_backend_path_equals_host_path() {
+    let params = [
+        SamplingParams { temperature: 0.8, ..Default::default() },
+        SamplingParams { temperature: 1.3, top_k: 20, top_p: 0.9, ..Default::default() },
+        SamplingParams { temperature: 0.5, top_p: 0.6, ..Default::default() },
+        SamplingParams { temperature: 2.0, top_k: 3, ..Default::default() },
+    ];
+    let arrivals: Vec<Arrival> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let prompt = (0..12 + 5 * i as u32).map(|j| (j * 29 + 3 * i as u32 + 5) % VOCAB).collect();
+            let sampling =
+                SamplingParams { seed: Some(500 + i as u64), max_new_tokens: 40, ignore_eos: true, ..p.clone() };
+            Arrival { at: i, req: Request::new(prompt, sampling) }
+        })
+        .collect();
+    let k0 = run_all(&mut engine(0, 128, 160), &arrivals);
+    let k3 = run_all(&mut engine(3, 128, 160), &arrivals);
+    let mut backend = CpuBackend::load(model_dir(), 8).expect("load tiny-v3");
+    let table: Vec<u32> = (0..8).collect();
+    for (i, (a, (x0, x3))) in arrivals.iter().zip(k0.iter().zip(&k3)).enumerate() {
+        assert_eq!(x0.tokens.len(), 40, "request {i} runs to max_new_tokens");
+        assert_eq!(x0.tokens, x3.tokens, "request {i}: k = 3 changes a sampled output");
+        // The old host path, position by position: the prompt, then one emitted token at a
+        // time, each step's last row copied out and sampled on the host.
+        let sp = &a.req.sampling;
+        let seed = sp.seed.expect("seeded");
+        let mut start = 0;
+        let mut feed = a.req.prompt.clone();
+        for (j, &want) in x3.tokens.iter().enumerate() {
+            let batch = Batch {
+                argmax_rows: vec![],
+                sample_rows: vec![],
+                seqs: vec![SeqChunk { tokens: feed.clone(), start_pos: start, block_table: table.clone() }],
+                logit_rows: vec![feed.len() as u32 - 1],
+            };
+            let logits = backend.forward(&batch).expect("replay step").logits;
+            start += feed.len();
+            let got = choose_token(&logits, sp, seed, start as u64);
+            assert_eq!(got, want, "request {i} token {j}: host path {got}, backend path {want}");
+            feed = vec![want];
+        }
     }
 }
 

@@ -95,6 +95,7 @@ fn tiny_v3_next_token_distribution() {
     let table: Vec<u32> = (0..8).collect();
     let pre = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![SeqChunk { tokens: prompt[..23].to_vec(), start_pos: 0, block_table: table.clone() }],
         logit_rows: vec![22],
     };
@@ -104,6 +105,7 @@ fn tiny_v3_next_token_distribution() {
         let n = toks.len() as u32;
         let probe = Batch {
             argmax_rows: vec![],
+            sample_rows: vec![],
             seqs: vec![SeqChunk { tokens: toks, start_pos: 23, block_table: table.clone() }],
             logit_rows: vec![n - 1],
         };
@@ -113,6 +115,7 @@ fn tiny_v3_next_token_distribution() {
     let d2 = row(&mut b, vec![prompt[23], d1]);
     let window = Batch {
         argmax_rows: vec![],
+        sample_rows: vec![],
         seqs: vec![SeqChunk { tokens: vec![prompt[23], d1, d2], start_pos: 23, block_table: table }],
         logit_rows: vec![0, 1, 2],
     };

@@ -13,7 +13,9 @@
 //! varlen kernel otherwise; longer chunks expanded: K and V up-projected from the gathered
 //! latents, flash attention on tensor cores, `crate::prefill`) → residual →
 //! RMSNorm → dense MLP or MoE (routing on the device, experts as per-expert GEMMs over
-//! gathered rows) → residual; final norm; the head over the requested rows only.
+//! gathered rows) → residual; final norm; the head over the requested rows only: logits
+//! to the host for `logit_rows`, and for `argmax_rows` and `sample_rows` only the chosen
+//! ids (the argmax and the sampling rule run on the device over the full rows).
 //!
 //! Tensor parallelism (DESIGN §6): with a [`TpInit`] the backend joins its group's NCCL
 //! communicator on its own stream and loads only its shards through
@@ -33,7 +35,7 @@ mod weights;
 use std::path::Path;
 
 use cudarc::driver::CudaSlice;
-use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, BLOCK_SIZE};
+use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, SampleRow, BLOCK_SIZE};
 use mlaserve_model::{names, Weights};
 
 use crate::comm::{DeviceComm, TpInit};
@@ -43,6 +45,7 @@ use crate::gpu::Gpu;
 use crate::linear::{Gemm, GemmMode, Linear};
 use crate::ops::{AttnMeta, Ops, RopeTables};
 use crate::prefill::MlaPrefill;
+use crate::sample::Sampler;
 use crate::{MlaDecode, MlaKernel};
 use weights::{Block, Embed, Loader, Mtp};
 
@@ -134,6 +137,7 @@ pub struct CudaBackend {
     gemm: Gemm,
     silu: SiluMul,
     argmax: Argmax,
+    sampler: Sampler,
     mla: MlaDecode,
     prefill: MlaPrefill,
     embed: Embed,
@@ -182,6 +186,10 @@ pub(crate) struct Step {
     pub argmax_rows: CudaSlice<i32>,
     /// Which rows take the absorbed and the expanded form of MLA, uploaded with the rest.
     pub route: route::Route,
+    /// `Batch::sample_rows`: their rows and their parameters ([`Sampler::params`]),
+    /// uploaded with the rest (same reason).
+    pub sample_rows: CudaSlice<i32>,
+    pub sample_params: CudaSlice<f64>,
 }
 
 impl CudaBackend {
@@ -258,6 +266,7 @@ impl CudaBackend {
         let gemm = Gemm::new(&gpu, opts.gemm)?;
         let silu = SiluMul::new(&gpu)?;
         let argmax = Argmax::new(&gpu)?;
+        let sampler = Sampler::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
         let prefill = MlaPrefill::new(&gpu)?;
@@ -269,6 +278,7 @@ impl CudaBackend {
             gemm,
             silu,
             argmax,
+            sampler,
             mla,
             prefill,
             embed,
@@ -441,6 +451,12 @@ impl CudaBackend {
             logit_rows: up(&batch.logit_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
             argmax_rows: up(&batch.argmax_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
             route: self.route(batch, bt_stride, max_block)?,
+            sample_rows: up(&batch.sample_rows.iter().map(|r| r.row as i32).collect::<Vec<_>>())?,
+            sample_params: s.clone_htod(&if batch.sample_rows.is_empty() {
+                vec![0.0; 4]
+            } else {
+                Sampler::params(&batch.sample_rows)
+            })?,
         })
     }
 
@@ -462,29 +478,59 @@ impl CudaBackend {
         Ok(logits)
     }
 
-    /// Vocabulary-parallel head over `rows` of `normed` (`[n][h]` f32): logits on the host
-    /// (every rank's slice, all-gathered and put in vocabulary order).
+    /// The head's full logits rows for `rows` of `normed` (`[n][h]` f32), on the device:
+    /// `[rows][vocab]` f32 in vocabulary order (with TP every rank's slice, all-gathered
+    /// and interleaved on the device).
+    fn head_full_rows(
+        &self,
+        head: &Linear,
+        normed: &CudaSlice<f32>,
+        idx_d: &CudaSlice<i32>,
+        rows: &[u32],
+    ) -> Result<CudaSlice<f32>> {
+        let logits = self.head_rows(head, normed, idx_d, rows)?;
+        let Some(comm) = &self.comm else { return Ok(logits) };
+        let s = &self.gpu.stream;
+        let world = comm.world;
+        let mut all = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
+        comm.all_gather(&logits, &mut all)?;
+        // Rank-major `[world][rows][part]` → `[rows][vocab]` on the device.
+        let mut ordered = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
+        self.ops.interleave_ranks(s, &mut ordered, &all, world, rows.len(), head.out)?;
+        Ok(ordered)
+    }
+
+    /// Vocabulary-parallel head over `rows` of `normed`: logits on the host.
     fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[u32]) -> Result<Vec<f32>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let s = &self.gpu.stream;
-        let logits = self.head_rows(head, normed, &st.logit_rows, rows)?;
-        let Some(comm) = &self.comm else {
-            let out = s.clone_dtoh(&logits)?;
-            self.gpu.sync()?;
-            return Ok(out);
-        };
-        let world = comm.world;
-        let mut all = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
-        comm.all_gather(&logits, &mut all)?;
-        // Rank-major `[world][rows][part]` → `[rows][vocab]` on the device: one copy out.
-        let mut ordered = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
-        self.ops.interleave_ranks(s, &mut ordered, &all, world, rows.len(), head.out)?;
+        let logits = self.head_full_rows(head, normed, &st.logit_rows, rows)?;
         self.settle("head all-gather")?;
-        let out = s.clone_dtoh(&ordered)?;
+        let out = self.gpu.stream.clone_dtoh(&logits)?;
         self.gpu.sync()?;
         Ok(out)
+    }
+
+    /// The sampled token of each of `rows` (`Batch::sample_rows`): the full logits rows
+    /// stay on the device, the sampling rule runs there ([`Sampler`]) with the parameters
+    /// uploaded with the step, and one id per row comes to the host. With TP every rank
+    /// samples the same all-gathered rows with the same uniforms (the leader's ids are the
+    /// ones the engine uses).
+    fn head_sample(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[SampleRow]) -> Result<Vec<u32>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let idx: Vec<u32> = rows.iter().map(|r| r.row).collect();
+        let logits = self.head_full_rows(head, normed, &st.sample_rows, &idx)?;
+        let vocab = logits.len() / rows.len();
+        let mut ids = s.alloc_zeros::<i32>(rows.len())?;
+        self.sampler.sample(s, &logits, vocab, &st.sample_params, &mut ids, rows.len())?;
+        self.settle("head sample")?;
+        let out = s.clone_dtoh(&ids)?;
+        self.gpu.sync()?;
+        Ok(out.into_iter().map(|i| i as u32).collect())
     }
 
     /// Vocabulary-parallel greedy choice over `rows` of `normed`: the head's logits stay
@@ -552,9 +598,11 @@ impl CudaBackend {
         self.mark("head (logits to host)")?;
         let argmax = self.head_argmax(&self.lm_head, &normed, &st, &batch.argmax_rows)?;
         self.mark("head (argmax)")?;
+        let sampled = self.head_sample(&self.lm_head, &normed, &st, &batch.sample_rows)?;
+        self.mark("head (sample)")?;
         self.settle("forward")?;
         self.gpu.sync()?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits, argmax })
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits, argmax, sampled })
     }
 
     fn concat_impl(&self, parts: &[(&CudaHidden, &[u32])]) -> Result<CudaHidden> {
@@ -615,9 +663,11 @@ impl CudaBackend {
         self.mark("head (logits to host)")?;
         let argmax = self.head_argmax(&m.head, &normed, &st, &batch.argmax_rows)?;
         self.mark("head (argmax)")?;
+        let sampled = self.head_sample(&m.head, &normed, &st, &batch.sample_rows)?;
+        self.mark("head (sample)")?;
         self.settle("MTP forward")?;
         self.gpu.sync()?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax })
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax, sampled })
     }
 }
 
