@@ -84,6 +84,7 @@ if [[ "$mode" == tp ]]; then
     export MLASERVE_REQUIRE_GPUS="$tp_n"
     worlds="2"; ((tp_n >= 4)) && worlds="2,4"; ((tp_n >= 8)) && worlds="2,4,8"
     for spec in gpu_backend:tiny_v3_tp2_tp4_tp8_match_cpu gpu_prefill:tiny_v3_expanded_prefill_tp2_matches_cpu \
+        gpu_sample:tiny_v3_backend_samples_match_core_rule \
         gpu_engine:tp_groups_greedy_k3_equals_k0_batch_invariant \
         gpu_engine:a_stalled_rank_fails_the_step_within_the_timeout; do
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
@@ -165,7 +166,7 @@ fi
 # hang in one cannot hide the others), then memcheck on the tests that touch every
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
-    for bin in gpu_backend gpu_engine gpu_ops gpu_kernels gpu_prefill routing_margins mlaserve_cuda; do
+    for bin in gpu_backend gpu_engine gpu_ops gpu_kernels gpu_prefill gpu_sample routing_margins mlaserve_cuda; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
