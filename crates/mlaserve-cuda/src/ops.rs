@@ -14,6 +14,7 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
+use crate::linear::GemmMode;
 
 /// Fails with a shape error unless `len >= want`.
 pub(crate) fn need(kernel: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
@@ -65,8 +66,13 @@ pub enum GroupedVariant {
     Direct,
     /// The block stages its rows in shared memory (best with several rows per expert).
     Staged,
-    /// By the average rows per expert.
-    Auto,
+    /// mma.sync tensor cores (`moe_grouped_tc.cu`): fast, but its sums are not
+    /// `linear_inv`'s, so not for [`GemmMode::BatchInvariant`].
+    TensorCore,
+    /// By the backend's GEMM mode: [`GroupedVariant::TensorCore`] in
+    /// [`GemmMode::Cublas`]; in [`GemmMode::BatchInvariant`] `Direct` or `Staged` by the
+    /// average rows per expert (both sum as the invariant GEMM does).
+    Auto(GemmMode),
 }
 
 /// Routing parameters of one MoE layer, as the kernel takes them.
@@ -97,6 +103,8 @@ pub struct Ops {
     grouped_f32: CudaFunction,
     grouped_staged_bf16: CudaFunction,
     grouped_staged_f32: CudaFunction,
+    grouped_tc_bf16: CudaFunction,
+    grouped_tc_f32: CudaFunction,
     moe_sort: CudaFunction,
     to_bf16: CudaFunction,
     gather_f32: CudaFunction,
@@ -117,6 +125,7 @@ impl Ops {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let m = gpu.load_module(kernels::BACKEND_OPS)?;
         let f = |n: &str| m.load_function(n);
+        let tc = gpu.load_module(kernels::MOE_GROUPED_TC)?;
         Ok(Ops {
             embed: f("embed_gather_f32")?,
             norm_f32: f("rmsnorm_f32_of32")?,
@@ -128,6 +137,8 @@ impl Ops {
             grouped_f32: f("moe_grouped_bf16_of32")?,
             grouped_staged_bf16: f("moe_grouped_staged_bf16_obf16")?,
             grouped_staged_f32: f("moe_grouped_staged_bf16_of32")?,
+            grouped_tc_bf16: tc.load_function("moe_grouped_tc_bf16_obf16")?,
+            grouped_tc_f32: tc.load_function("moe_grouped_tc_bf16_of32")?,
             moe_sort: f("moe_sort")?,
             to_bf16: f("to_bf16_f32")?,
             gather_f32: f("gather_rows_f32")?,
@@ -365,8 +376,9 @@ impl Ops {
     /// (sorted by expert, `k` wide) times its `[n][k]` bf16 weight (`weights` holds the
     /// addresses) into the same rows of `y` (bf16, or f32 when `out_f32`). `off`
     /// (`experts + 1`) comes from [`Ops::moe_sort`] and is never read on the host; `rows`
-    /// sorted rows in all; experts without rows return at once. `variant` picks whether x
-    /// goes through shared memory (the results are the same bits either way).
+    /// sorted rows in all; experts without rows return at once. `variant` picks the kernel:
+    /// the CUDA-core ones (`Direct`, `Staged`: the same bits, equal to the invariant GEMM's)
+    /// or tensor cores (fast mode only).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_grouped_sorted<T: cudarc::driver::DeviceRepr>(
         &self,
@@ -387,31 +399,52 @@ impl Ops {
         need(K, "off", off.len(), weights.count + 1)?;
         need(K, "x", x.len(), rows * k)?;
         need(K, "y", y.len(), rows * n)?;
+        if std::mem::size_of::<T>() != if out_f32 { 4 } else { 2 } {
+            return Err(CudaError::shape(K, format!("y elements of {} bytes", std::mem::size_of::<T>())));
+        }
         if rows == 0 || weights.count == 0 {
             return Ok(());
         }
         let (ni, ki) = (i32_of(K, n)?, i32_of(K, k)?);
+        #[derive(PartialEq)]
+        enum Kind {
+            Direct,
+            Staged,
+            Tc,
+        }
+        let kind = match variant {
+            GroupedVariant::Direct => Kind::Direct,
+            GroupedVariant::Staged => Kind::Staged,
+            GroupedVariant::TensorCore | GroupedVariant::Auto(GemmMode::Cublas) => Kind::Tc,
+            // Measured on H200 (V3 experts): staging pays from about 4 rows per expert.
+            GroupedVariant::Auto(GemmMode::BatchInvariant) if rows >= 4 * weights.count => Kind::Staged,
+            GroupedVariant::Auto(GemmMode::BatchInvariant) => Kind::Direct,
+        };
+        // CUDA cores: 32 columns per 256-thread block; tensor cores: 64 per 128 threads
+        // (static shared memory, 48 KiB).
+        let (cols, threads) = if kind == Kind::Tc { (64, 128) } else { (32, 256) };
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(32) as u32, weights.count as u32, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: (n.div_ceil(cols) as u32, weights.count as u32, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let staged = match variant {
-            GroupedVariant::Direct => false,
-            GroupedVariant::Staged => true,
-            // Measured on H200 (V3 experts): staging pays from about 4 rows per expert.
-            GroupedVariant::Auto => rows >= 4 * weights.count,
-        };
-        let f = match (staged, out_f32) {
-            (false, false) => &self.grouped_bf16,
-            (false, true) => &self.grouped_f32,
-            (true, false) => &self.grouped_staged_bf16,
-            (true, true) => &self.grouped_staged_f32,
+        let f = match (kind, out_f32) {
+            (Kind::Direct, false) => &self.grouped_bf16,
+            (Kind::Direct, true) => &self.grouped_f32,
+            (Kind::Staged, false) => &self.grouped_staged_bf16,
+            (Kind::Staged, true) => &self.grouped_staged_f32,
+            (Kind::Tc, false) => &self.grouped_tc_bf16,
+            (Kind::Tc, true) => &self.grouped_tc_f32,
         };
         let no_experts: u64 = 0; // null: group g is expert g
-                                 // SAFETY: `off` comes from moe_sort over `rows` slots: non-decreasing from 0 to
-                                 // rows, so group g reads rows < rows of x (rows*k, checked) and writes the same
-                                 // rows of y (rows*n, checked); g < count indexes the address table (live weights).
+
+        // SAFETY: every entry point takes (T* y, const bf16* x, const bf16* const* w,
+        // const int* experts, const int* off, int n, int k) with T f32 when out_f32, else
+        // bf16 (the caller's y). `off` comes from moe_sort over `rows` slots: non-decreasing
+        // from 0 to rows, so group g reads rows < rows of x (rows*k, checked) and writes the
+        // same rows of y (rows*n, checked); columns past n and k are masked or zero-filled;
+        // g < count indexes the address table (live `[n][k]` weights, 256-byte aligned as
+        // cudarc allocates them; k % 8 == 0 keeps every row 16-byte aligned).
         unsafe {
             s.launch_builder(f).arg(y).arg(x).arg(&weights.ptrs).arg(&no_experts).arg(off).arg(&ni).arg(&ki).launch(cfg)
         }?;

@@ -478,3 +478,129 @@ fn small_backend_ops_match_reference() {
     }
     assert!(fails.is_empty(), "failed: {fails:?}");
 }
+
+/// The tensor-core grouped expert GEMM (`GroupedVariant::TensorCore`, fast mode) against
+/// the f64 reference of `sorted_grouped_experts_match_reference_and_invariant_gemm` and
+/// against the CUDA-core kernel: experts with 0, 1, 7, 16, 17 and 100 rows (empty ones
+/// first, between and last; 100 rows take two 64-row chunks), V3's expert shapes and small
+/// ones (k a multiple of 8 but not of 64, n not a multiple of the 64-column tile, odd n),
+/// bf16 and f32 outputs. Rows past `off[E]` belong to no group and must keep their NaN
+/// poison. At V3 shapes the reference covers every row and the columns c % 13 == 0 plus
+/// the last 64 (every residue of the tile), the CUDA-core comparison every output. Then
+/// times both kernels at V3 shapes (64 experts, 8 and 64 rows each) beside the time to
+/// read those experts' weights once at the copy bandwidth measured in the same run.
+#[test]
+fn grouped_experts_tensor_core_match_reference() {
+    use mlaserve_cuda::bench::{measure_copy_bandwidth, time_calls};
+    use mlaserve_cuda::kernels::Util;
+    use mlaserve_cuda::ops::ExpertWeights;
+    let Some(g) = gpu() else { return };
+    let s = &g.stream;
+    let ops = Ops::new(&g).expect("ops");
+    let util = Util::new(&g).expect("util");
+    let mut fails = Vec::new();
+    let counts = [0usize, 1, 7, 16, 0, 17, 100, 0];
+    let mut off = vec![0i32];
+    for c in counts {
+        off.push(off.last().copied().unwrap_or(0) + c as i32);
+    }
+    let total = counts.iter().sum::<usize>();
+    let rows = total + 5; // 5 rows past off[E]: outside every group
+    let offd = s.clone_htod(&off).expect("off");
+    let mut seed = 1000u64;
+    for (n, k) in [(4096usize, 7168usize), (7168, 2048), (40, 72), (37, 200), (130, 24)] {
+        let mut lins = Vec::new();
+        let mut wh = Vec::new();
+        for _ in &counts {
+            let mut w = s.alloc_zeros::<bf16>(n * k).expect("w");
+            seed += 1;
+            util.fill_bf16(s, &mut w, seed, -0.05, 0.05).expect("fill");
+            wh.push(s.clone_dtoh(&w).expect("w"));
+            lins.push(Linear { w, out: n, inp: k });
+        }
+        let table = ExpertWeights::new(s, &lins.iter().collect::<Vec<_>>()).expect("table");
+        let mut xd = s.alloc_zeros::<bf16>(rows * k).expect("x");
+        seed += 1;
+        util.fill_bf16(s, &mut xd, seed, -1.0, 1.0).expect("fill");
+        let xh: Vec<f64> = s.clone_dtoh(&xd).expect("x").iter().map(|v| v.to_f64()).collect();
+        let len = (rows * n).next_multiple_of(2);
+        let mut yf = s.alloc_zeros::<f32>(len).expect("y");
+        util.poison_f32(s, &mut yf, 0x7fc0_0000).expect("poison");
+        let mut yb = s.alloc_zeros::<bf16>(len).expect("y");
+        util.poison_bf16(s, &mut yb, 0x7fc0_7fc0).expect("poison");
+        ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, true, GroupedVariant::TensorCore).expect("tc");
+        ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, false, GroupedVariant::TensorCore).expect("tc");
+        let mut yc = s.alloc_zeros::<f32>(len).expect("y");
+        ops.moe_grouped_sorted(s, &mut yc, &xd, &table, &offd, rows, true, GroupedVariant::Direct).expect("cc");
+        let got = s.clone_dtoh(&yf).expect("y");
+        let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("y").iter().map(|v| v.to_f32()).collect();
+        let cuda_cores = s.clone_dtoh(&yc).expect("y");
+
+        let cols: Vec<usize> = (0..n).filter(|&c| n <= 256 || c % 13 == 0 || c + 64 >= n).collect();
+        let (mut want, mut gf, mut gb) = (Vec::new(), Vec::new(), Vec::new());
+        for (e, w) in wh.iter().enumerate() {
+            for r in off[e] as usize..off[e + 1] as usize {
+                let xr = &xh[r * k..(r + 1) * k];
+                for &c in &cols {
+                    let wr = &w[c * k..(c + 1) * k];
+                    want.push(xr.iter().zip(wr).map(|(a, b)| a * b.to_f64()).sum::<f64>() as f32);
+                    gf.push(got[r * n + c]);
+                    gb.push(gotb[r * n + c]);
+                }
+            }
+        }
+        let name = format!("tensor-core grouped {}×[{n}×{k}], rows {counts:?}", counts.len());
+        check(&format!("{name} f32 out"), &gf, &want, 2e-3, &mut fails);
+        check(&format!("{name} bf16 out"), &gb, &want, 1e-2, &mut fails);
+        let (a, b) = (&got[..total * n], &cuda_cores[..total * n]);
+        check(&format!("{name} f32 out vs CUDA cores, every output"), a, b, 2e-3, &mut fails);
+        let untouched = got[total * n..rows * n].iter().chain(&gotb[total * n..rows * n]).all(|v| v.is_nan());
+        println!("{name}: rows outside every group untouched: {untouched}");
+        if !untouched {
+            fails.push(format!("tensor-core grouped [{n}x{k}] wrote rows outside every group"));
+        }
+    }
+
+    // Timings at V3 shapes: 64 experts (5.6 GB of weights, far past L2), every one touched.
+    let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
+    let experts = 64;
+    for (what, n, k, out_f32) in [("gate_up", 4096usize, 7168usize, false), ("down", 7168, 2048, true)] {
+        let lins: Vec<Linear> = (0..experts)
+            .map(|i| {
+                let mut w = s.alloc_zeros::<bf16>(n * k).expect("w");
+                util.fill_bf16(s, &mut w, 5000 + i as u64, -0.05, 0.05).expect("fill");
+                Linear { w, out: n, inp: k }
+            })
+            .collect();
+        let table = ExpertWeights::new(s, &lins.iter().collect::<Vec<_>>()).expect("table");
+        let read_us = (experts * n * k * 2) as f64 / (copy_gbps * 1e9) * 1e6;
+        for per in [8usize, 64] {
+            let rows = experts * per;
+            let off: Vec<i32> = (0..=experts).map(|e| (e * per) as i32).collect();
+            let offd = s.clone_htod(&off).expect("off");
+            let mut x = s.alloc_zeros::<bf16>(rows * k).expect("x");
+            util.fill_bf16(s, &mut x, 77, -1.0, 1.0).expect("fill");
+            let mut yf = s.alloc_zeros::<f32>(rows * n).expect("y");
+            let mut yb = s.alloc_zeros::<bf16>(rows * n).expect("y");
+            let mut time = |v: GroupedVariant| -> f64 {
+                let t = time_calls(&g, 3, 25, || {
+                    if out_f32 {
+                        ops.moe_grouped_sorted(s, &mut yf, &x, &table, &offd, rows, true, v)
+                    } else {
+                        ops.moe_grouped_sorted(s, &mut yb, &x, &table, &offd, rows, false, v)
+                    }
+                })
+                .expect("time");
+                t[t.len() / 2] * 1e3
+            };
+            let (direct, staged, tc) =
+                (time(GroupedVariant::Direct), time(GroupedVariant::Staged), time(GroupedVariant::TensorCore));
+            println!(
+                "grouped {what} [{n}×{k}] {experts} experts × {per} rows, median of 25 (µs): CUDA cores direct \
+                 {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}; weights once at copy bandwidth \
+                 ({copy_gbps:.0} GB/s) {read_us:.0}"
+            );
+        }
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}

@@ -279,12 +279,14 @@ impl CudaBackend {
                 self.ops.moe_sort(s, &ids, n, k, e, &mut off, &mut perm, &mut inv)?;
                 let mut xs = s.alloc_zeros::<bf16>(rows * h)?;
                 self.ops.gather_bf16_sorted(s, &mut xs, xn, &perm, rows, h)?;
+                // Tensor cores in fast mode; the invariant mode keeps `linear_inv`'s sums.
+                let variant = GroupedVariant::Auto(self.gemm.mode);
                 let i = gate_up.out / 2;
                 let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
-                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false, GroupedVariant::Auto)?;
+                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false, variant)?;
                 let mut act = s.alloc_zeros::<bf16>(rows * i)?;
                 self.silu.launch(s, &mut act, &gu, i)?;
-                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true, GroupedVariant::Auto)?;
+                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true, variant)?;
                 inv
             }
             // Dimensions the grouped kernel does not take: sorted on the host, each touched
