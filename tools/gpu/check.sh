@@ -176,7 +176,8 @@ if [[ "$mode" == backend ]]; then
     sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
     for spec in gpu_backend:tiny_v3_matches_cpu_default_options gpu_backend:tiny_v3_matches_cpu_batch_invariant \
         gpu_ops:small_backend_ops_match_reference gpu_prefill:kernel_matches_reference_small_dims \
-        gpu_prefill:expanded_path_from_paged_cache_matches_reference; do
+        gpu_prefill:expanded_path_from_paged_cache_matches_reference gpu_ops:grouped_experts_tensor_core_match_reference \
+        gpu_sample:sample_kernel_matches_core_rule; do
         t="$gpu_dir/tests/${spec%%:*}"
         step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1
