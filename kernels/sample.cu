@@ -6,7 +6,7 @@
 // The rule, as this kernel runs it:
 //   candidates  non-NaN ids; none, or a largest logit of ±inf: the argmax rule.
 //   top-k       the k first by (logit descending in IEEE total order, id ascending).
-//   p_i         exp(((l_i - max) as f32) as f64 / T), f64.
+//   p_i         exp(((l_i - max) as f32) as f64 / T); here within 2.5e-7 relative (`Weight`).
 //   top-p       the smallest prefix, in the same order, whose summed p reaches top_p * Z.
 //   draw        the first kept id, ascending, whose cumulative p exceeds u * (kept sum).
 // Order without sorting: a float's bits map to a u32 key that orders like the IEEE total
@@ -24,9 +24,13 @@
 // Determinism: every sum runs in a fixed order (per thread in its element order, a fixed
 // shuffle tree per warp, warps in order), so a row's token never depends on timing or on
 // the other rows. Sums are f64 of the unnormalised p like the reference's, in another
-// order, so the device and the reference can differ only where a cumulative sum lies
-// within rounding of top_p * Z or of u * (kept sum) — never for sums that are exact (equal
-// or integral weights); every comparison of logits is exact.
+// order, and each p is computed at f32 cost to within 2.5e-7 of the rule's f64 exp
+// (`Weight`). So every sum of weights is within 2.5e-7 of the reference's (relative to
+// itself) plus f64 rounding, and the device and the reference can differ only where a
+// cumulative sum lies within 1e-6 of the mass (Z for the nucleus, the kept sum for the
+// draw) of top_p * Z or of u * (kept sum) — never for sums that are exact (equal weights,
+// ties with the rest underflowed, huge temperatures: `Weight` keeps p = 1 and p = 0
+// exact); every comparison of logits is exact.
 #include "common.cuh"
 
 namespace smp {
@@ -49,10 +53,32 @@ __device__ __forceinline__ float key_float(uint32_t k) {
 }
 __device__ __forceinline__ bool nan_bits(uint32_t b) { return (b & 0x7fffffffu) > 0x7f800000u; }
 
-// The rule's unnormalised probability: the f32 difference, then f64.
-__device__ __forceinline__ double weight(float v, float mx, double t) {
-    return exp(static_cast<double>(__fsub_rn(v, mx)) / t);
-}
+// The rule's unnormalised probability p = exp(x), x = ((l - max) as f32) as f64 / T, at
+// f32 cost: 2^x2 with x2 = d * log2(e)/T in f64, split as 2^n * 2^f (n = rint(x2), f =
+// x2 - n exact, |f| <= 1/2), 2^f by exp2f in f32 (2 ulp), the power of two applied in f64
+// with one rounding. Relative to the rule's f64 exp: |p' - p| <= 2.5e-7 p (the f32 2^f
+// and f's rounding to f32; x2's rounding is ~1e-16). Two exact cases stay exact, so rows
+// whose sums are exact in any order agree bit for bit: |x2| < 2^-30 gives 1 + x (exp(x)
+// differs by < 2^-61, so p = 1 exactly whenever the rule's p is 1), and p = 0 below
+// 2^-1080 (the rule's exp underflows at x < -745.13; the two agree on zero except within
+// 2.5e-7 relative of 2^-1075).
+struct Weight {
+    float mx;
+    double s;  // log2(e) / T
+    double t;
+    __device__ __forceinline__ double operator()(float v) const {
+        const float d = __fsub_rn(v, mx);  // <= 0, or -inf
+        const double x2 = static_cast<double>(d) * s;
+        if (!(x2 >= -1080.0)) return 0.0;  // also d = -inf
+        if (x2 > -0x1p-30) return 1.0 + static_cast<double>(d) / t;
+        const double n = rint(x2);
+        const double e = static_cast<double>(exp2f(static_cast<float>(x2 - n)));
+        const int ni = static_cast<int>(n);  // in [-1080, 0]
+        if (ni >= -1022) return e * __longlong_as_double(static_cast<long long>(ni + 1023) << 52);
+        // Below the normal range: an exact scaling, then one rounding into the subnormals.
+        return (e * __longlong_as_double(static_cast<long long>(ni + 1023 + 64) << 52)) * 0x1p-64;
+    }
+};
 
 struct Smem {
     uint32_t keys[LIST_CAP];
@@ -229,7 +255,7 @@ __device__ int nth_with_key(const Src& src, uint32_t tau, int j, Smem& sh) {
 // order) or by mass (MASS = true: the smallest such prefix whose weight reaches top_p * Z;
 // Z = the candidates' total weight, summed in the first pass).
 template <bool MASS, class Src>
-__device__ Cut search(const Src& src, Smem& sh, float mx, double t, uint32_t want, float top_p) {
+__device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want, float top_p) {
     uint32_t prefix = 0, mask = 0, above_c = 0;
     double above_m = 0.0, target = 0.0;
     for (int shift = 28;; shift -= 4) {
@@ -246,7 +272,7 @@ __device__ Cut search(const Src& src, Smem& sh, float mx, double t, uint32_t wan
             float v;
             if (!src.get(i, id, key, v) || (key & mask) != prefix) continue;
             const uint32_t d = (key >> shift) & 15u;
-            const double w = MASS ? weight(v, mx, t) : 0.0;
+            const double w = MASS ? wt(v) : 0.0;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const bool ge = d >= static_cast<uint32_t>(j);
@@ -286,7 +312,7 @@ __device__ Cut search(const Src& src, Smem& sh, float mx, double t, uint32_t wan
             int j;
             double q = 0.0;
             if (MASS) {
-                q = weight(key_float(prefix), mx, t);
+                q = wt(key_float(prefix));
                 int lo = 1, hi = static_cast<int>(bin);
                 while (lo < hi) {
                     const int mid = (lo + hi) / 2;
@@ -332,12 +358,12 @@ __device__ int compact(const Src& src, Smem& sh) {
 
 // Top-p, then the inverse-CDF draw in id order, over src's candidates (n_cand of them).
 template <class Src>
-__device__ int draw(const Src& src, int n_cand, float mx, double t, float top_p, double u, Smem& sh) {
+__device__ int draw(const Src& src, int n_cand, const Weight& wt, float top_p, double u, Smem& sh) {
     uint32_t tp_key = 0;
     int tp_id = NONE;
     double z2;
     if (top_p < 1.0f && n_cand > 1) {
-        const Cut c = search<true>(src, sh, mx, t, 0u, top_p);
+        const Cut c = search<true>(src, sh, wt, 0u, top_p);
         tp_key = c.tau;
         tp_id = c.id_cut;
         z2 = c.mass;
@@ -347,7 +373,7 @@ __device__ int draw(const Src& src, int n_cand, float mx, double t, float top_p,
             int id;
             uint32_t key;
             float v;
-            if (src.get(i, id, key, v)) z += weight(v, mx, t);
+            if (src.get(i, id, key, v)) z += wt(v);
         }
         z2 = block_sum(z, sh);
     }
@@ -370,7 +396,7 @@ __device__ int draw(const Src& src, int n_cand, float mx, double t, float top_p,
             q[e] = 0.0;
             qid[e] = NONE;
             if (i < src.n && src.get(i, id, key, v) && (key > tp_key || (key == tp_key && id <= tp_id))) {
-                q[e] = weight(v, mx, t);
+                q[e] = wt(v);
                 qid[e] = id;
                 if (q[e] > 0.0) last = id > last ? id : last;
             }
@@ -460,12 +486,12 @@ extern "C" __global__ void __launch_bounds__(smp::THREADS)
     } else if (mk == KEY_NEG_INF) {
         tok = first_valid;  // NaN and -inf only: the first non-NaN
     } else {
-        const float mx = key_float(mk);
+        const Weight wt{key_float(mk), 1.4426950408889634 / t, t};
         // 2. Top-k by count over the whole row, then the candidates it keeps.
         RowSrc src{row, vocab, 0u, NONE};
         int n_cand = nv;
         if (top_k > 0u && top_k < static_cast<uint32_t>(nv)) {
-            const Cut c = search<false>(src, sh, mx, t, top_k, 0.0f);
+            const Cut c = search<false>(src, sh, wt, top_k, 0.0f);
             src.tk_key = c.tau;
             src.tk_id = c.id_cut;
             n_cand = static_cast<int>(top_k);
@@ -473,9 +499,9 @@ extern "C" __global__ void __launch_bounds__(smp::THREADS)
         // 3. Top-p and the draw, over a shared-memory list when the candidates fit.
         if (n_cand <= LIST_CAP) {
             const int n = compact(src, sh);
-            tok = draw(ListSrc{sh.keys, sh.ids, n}, n, mx, t, top_p, u, sh);
+            tok = draw(ListSrc{sh.keys, sh.ids, n}, n, wt, top_p, u, sh);
         } else {
-            tok = draw(src, n_cand, mx, t, top_p, u, sh);
+            tok = draw(src, n_cand, wt, top_p, u, sh);
         }
     }
     if (threadIdx.x == 0) out[blockIdx.x] = tok;
