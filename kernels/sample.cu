@@ -40,6 +40,8 @@ constexpr int WARPS = THREADS / 32;
 constexpr int LIST_CAP = 4096;
 // Consecutive candidates per thread in the inverse-CDF pass (one tile = THREADS * RUN).
 constexpr int RUN = 8;
+// Loads in flight per thread in the strided passes (elements i, i + THREADS, ...).
+constexpr int STRIDE = 4;
 constexpr int NONE = 0x7fffffff;
 constexpr unsigned FULL = 0xffffffffu;
 constexpr uint32_t KEY_NEG_INF = 0x007fffffu;  // fkey(-inf): the smallest non-NaN key
@@ -133,12 +135,17 @@ struct Cut {
     double mass;
 };
 
-// Rank of this thread among the flagged threads before it (thread order) and the number
-// of flagged threads in the block. Every thread must call it.
-__device__ __forceinline__ int block_rank(bool flag, int& total, Smem& sh) {
+// Exclusive prefix sum of x over the threads (thread order) and the block's total. Every
+// thread must call it.
+__device__ __forceinline__ int block_exclusive_int(int x, int& total, Smem& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const unsigned bal = __ballot_sync(FULL, flag);
-    if (lane == 0) sh.wcount[warp] = __popc(bal);
+    int inc = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL, inc, o);
+        if (lane >= o) inc += y;
+    }
+    if (lane == 31) sh.wcount[warp] = inc;
     __syncthreads();
     int off = 0, tot = 0;
     for (int w = 0; w < WARPS; ++w) {
@@ -148,7 +155,7 @@ __device__ __forceinline__ int block_rank(bool flag, int& total, Smem& sh) {
     }
     __syncthreads();
     total = tot;
-    return off + __popc(bal & ((1u << lane) - 1u));
+    return off + inc - x;
 }
 
 // Sum over the block in a fixed order; every thread gets the same value.
@@ -229,20 +236,38 @@ __device__ __forceinline__ void reduce16(const uint32_t (&c)[16], const double (
 }
 
 // The id of the j-th (1-based) candidate of src, in src order (= id order), whose key is
-// tau; NONE if there are fewer.
+// tau; NONE if there are fewer. Tiles of THREADS * RUN, RUN consecutive per thread.
 template <class Src>
 __device__ int nth_with_key(const Src& src, uint32_t tau, int j, Smem& sh) {
     if (threadIdx.x == 0) sh.found = NONE;
-    int seen = 0;
-    for (int base = 0; base < src.n && seen < j; base += THREADS) {
-        const int i = base + threadIdx.x;
-        int id = 0;
-        uint32_t key = 0;
-        float v;
-        const bool f = i < src.n && src.get(i, id, key, v) && key == tau;
+    int seen = 0;  // the same in every thread
+    for (int base = 0; base < src.n && seen < j; base += THREADS * RUN) {
+        uint32_t fl = 0;
+        int ids[RUN];
+        int c = 0;
+#pragma unroll
+        for (int e = 0; e < RUN; ++e) {
+            const int i = base + threadIdx.x * RUN + e;
+            uint32_t key = 0;
+            float v;
+            ids[e] = 0;
+            const bool f = i < src.n && src.get(i, ids[e], key, v) && key == tau;
+            fl |= f ? 1u << e : 0u;
+            c += f ? 1 : 0;
+        }
         int tile;
-        const int r = block_rank(f, tile, sh);
-        if (f && seen + r + 1 == j) sh.found = id;
+        const int before = seen + block_exclusive_int(c, tile, sh);
+        // This thread's flagged candidates are the (before + 1)-th to the (before + c)-th.
+        int r = j - before;
+        if (r > 0 && r <= c) {
+#pragma unroll
+            for (int e = 0; e < RUN; ++e) {
+                if ((fl >> e) & 1u) {
+                    if (r == 1) sh.found = ids[e];
+                    --r;
+                }
+            }
+        }
         seen += tile;
     }
     __syncthreads();
@@ -266,18 +291,31 @@ __device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want,
             c[j] = 0;
             m[j] = 0.0;
         }
-        for (int i = threadIdx.x; i < src.n; i += THREADS) {
-            int id;
-            uint32_t key;
-            float v;
-            if (!src.get(i, id, key, v) || (key & mask) != prefix) continue;
-            const uint32_t d = (key >> shift) & 15u;
-            const double w = MASS ? wt(v) : 0.0;
+        // Each thread's elements in ascending order (i = threadIdx.x + n * THREADS), STRIDE
+        // loads in flight before any is used.
+        for (int base = threadIdx.x; base < src.n; base += THREADS * STRIDE) {
+            uint32_t key[STRIDE];
+            float v[STRIDE];
+            bool in[STRIDE];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const bool ge = d >= static_cast<uint32_t>(j);
-                c[j] += ge ? 1u : 0u;
-                if (MASS) m[j] += ge ? w : 0.0;
+            for (int e = 0; e < STRIDE; ++e) {
+                const int i = base + e * THREADS;
+                int id;
+                key[e] = 0;
+                v[e] = 0.0f;
+                in[e] = i < src.n && src.get(i, id, key[e], v[e]) && (key[e] & mask) == prefix;
+            }
+#pragma unroll
+            for (int e = 0; e < STRIDE; ++e) {
+                if (!in[e]) continue;
+                const uint32_t d = (key[e] >> shift) & 15u;
+                const double w = MASS ? wt(v[e]) : 0.0;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const bool ge = d >= static_cast<uint32_t>(j);
+                    c[j] += ge ? 1u : 0u;
+                    if (MASS) m[j] += ge ? w : 0.0;
+                }
             }
         }
         reduce16<MASS>(c, m, sh);
@@ -334,21 +372,37 @@ __device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want,
 }
 
 // Compacts src's candidates (at most LIST_CAP) into sh.keys / sh.ids, in id order;
-// returns their number.
+// returns their number. Tiles of THREADS * RUN, RUN consecutive per thread. src must not
+// be the list itself.
 template <class Src>
 __device__ int compact(const Src& src, Smem& sh) {
-    int n = 0;
-    for (int base = 0; base < src.n; base += THREADS) {
-        const int i = base + threadIdx.x;
-        int id = 0;
-        uint32_t key = 0;
-        float v;
-        const bool f = i < src.n && src.get(i, id, key, v);
+    int n = 0;  // the same in every thread
+    for (int base = 0; base < src.n; base += THREADS * RUN) {
+        uint32_t fl = 0;
+        uint32_t keys[RUN];
+        int ids[RUN];
+        int c = 0;
+#pragma unroll
+        for (int e = 0; e < RUN; ++e) {
+            const int i = base + threadIdx.x * RUN + e;
+            float v;
+            keys[e] = 0;
+            ids[e] = 0;
+            const bool f = i < src.n && src.get(i, ids[e], keys[e], v);
+            fl |= f ? 1u << e : 0u;
+            c += f ? 1 : 0;
+        }
         int tile;
-        const int r = block_rank(f, tile, sh);
-        if (f && n + r < LIST_CAP) {
-            sh.keys[n + r] = key;
-            sh.ids[n + r] = id;
+        int at = n + block_exclusive_int(c, tile, sh);
+#pragma unroll
+        for (int e = 0; e < RUN; ++e) {
+            if ((fl >> e) & 1u) {
+                if (at < LIST_CAP) {
+                    sh.keys[at] = keys[e];
+                    sh.ids[at] = ids[e];
+                }
+                ++at;
+            }
         }
         n += tile;
     }
@@ -369,11 +423,19 @@ __device__ int draw(const Src& src, int n_cand, const Weight& wt, float top_p, d
         z2 = c.mass;
     } else {
         double z = 0.0;
-        for (int i = threadIdx.x; i < src.n; i += THREADS) {
-            int id;
-            uint32_t key;
-            float v;
-            if (src.get(i, id, key, v)) z += wt(v);
+        for (int base = threadIdx.x; base < src.n; base += THREADS * STRIDE) {
+            float v[STRIDE];
+            bool in[STRIDE];
+#pragma unroll
+            for (int e = 0; e < STRIDE; ++e) {
+                const int i = base + e * THREADS;
+                int id;
+                uint32_t key;
+                v[e] = 0.0f;
+                in[e] = i < src.n && src.get(i, id, key, v[e]);
+            }
+#pragma unroll
+            for (int e = 0; e < STRIDE; ++e) z += in[e] ? wt(v[e]) : 0.0;
         }
         z2 = block_sum(z, sh);
     }
@@ -447,14 +509,24 @@ extern "C" __global__ void __launch_bounds__(smp::THREADS)
     // 1. Candidates: their number, the largest key, and what the argmax rule needs.
     uint32_t mk = 0;
     int nv = 0, first_pinf = NONE, first_valid = NONE;
-    for (int i = threadIdx.x; i < vocab; i += THREADS) {
-        const uint32_t b = __float_as_uint(row[i]);
-        if (nan_bits(b)) continue;
-        ++nv;
-        const uint32_t k = fkey(b);
-        mk = k > mk ? k : mk;
-        if (b == 0x7f800000u && i < first_pinf) first_pinf = i;
-        if (i < first_valid) first_valid = i;
+    for (int base = threadIdx.x; base < vocab; base += THREADS * STRIDE) {
+        uint32_t bits[STRIDE];
+#pragma unroll
+        for (int e = 0; e < STRIDE; ++e) {
+            const int i = base + e * THREADS;
+            bits[e] = i < vocab ? __float_as_uint(row[i]) : 0x7fc00000u;  // past the end: NaN
+        }
+#pragma unroll
+        for (int e = 0; e < STRIDE; ++e) {
+            const int i = base + e * THREADS;
+            const uint32_t b = bits[e];
+            if (nan_bits(b)) continue;
+            ++nv;
+            const uint32_t k = fkey(b);
+            mk = k > mk ? k : mk;
+            if (b == 0x7f800000u && i < first_pinf) first_pinf = i;
+            if (i < first_valid) first_valid = i;
+        }
     }
     mk = __reduce_max_sync(FULL, mk);
     nv = __reduce_add_sync(FULL, nv);
