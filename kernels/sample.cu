@@ -6,7 +6,7 @@
 // The rule, as this kernel runs it:
 //   candidates  non-NaN ids; none, or a largest logit of ±inf: the argmax rule.
 //   top-k       the k first by (logit descending in IEEE total order, id ascending).
-//   p_i         exp(((l_i - max) as f32) as f64 / T); here within 2.5e-7 relative (`Weight`).
+//   p_i         exp(((l_i - max) as f32) as f64 / T), f64.
 //   top-p       the smallest prefix, in the same order, whose summed p reaches top_p * Z.
 //   draw        the first kept id, ascending, whose cumulative p exceeds u * (kept sum).
 // Order without sorting: a float's bits map to a u32 key that orders like the IEEE total
@@ -24,13 +24,9 @@
 // Determinism: every sum runs in a fixed order (per thread in its element order, a fixed
 // shuffle tree per warp, warps in order), so a row's token never depends on timing or on
 // the other rows. Sums are f64 of the unnormalised p like the reference's, in another
-// order, and each p is computed at f32 cost to within 2.5e-7 of the rule's f64 exp
-// (`Weight`). So every sum of weights is within 2.5e-7 of the reference's (relative to
-// itself) plus f64 rounding, and the device and the reference can differ only where a
-// cumulative sum lies within 1e-6 of the mass (Z for the nucleus, the kept sum for the
-// draw) of top_p * Z or of u * (kept sum) — never for sums that are exact (equal weights,
-// ties with the rest underflowed, huge temperatures: `Weight` keeps p = 1 and p = 0
-// exact); every comparison of logits is exact.
+// order, so the device and the reference can differ only where a cumulative sum lies
+// within rounding of top_p * Z or of u * (kept sum) — never for sums that are exact (equal
+// or integral weights); every comparison of logits is exact.
 #include "common.cuh"
 
 namespace smp {
@@ -40,8 +36,6 @@ constexpr int WARPS = THREADS / 32;
 constexpr int LIST_CAP = 4096;
 // Consecutive candidates per thread in the inverse-CDF pass (one tile = THREADS * RUN).
 constexpr int RUN = 8;
-// Loads in flight per thread in the strided passes (elements i, i + THREADS, ...).
-constexpr int STRIDE = 4;
 constexpr int NONE = 0x7fffffff;
 constexpr unsigned FULL = 0xffffffffu;
 constexpr uint32_t KEY_NEG_INF = 0x007fffffu;  // fkey(-inf): the smallest non-NaN key
@@ -55,32 +49,10 @@ __device__ __forceinline__ float key_float(uint32_t k) {
 }
 __device__ __forceinline__ bool nan_bits(uint32_t b) { return (b & 0x7fffffffu) > 0x7f800000u; }
 
-// The rule's unnormalised probability p = exp(x), x = ((l - max) as f32) as f64 / T, at
-// f32 cost: 2^x2 with x2 = d * log2(e)/T in f64, split as 2^n * 2^f (n = rint(x2), f =
-// x2 - n exact, |f| <= 1/2), 2^f by exp2f in f32 (2 ulp), the power of two applied in f64
-// with one rounding. Relative to the rule's f64 exp: |p' - p| <= 2.5e-7 p (the f32 2^f
-// and f's rounding to f32; x2's rounding is ~1e-16). Two exact cases stay exact, so rows
-// whose sums are exact in any order agree bit for bit: |x2| < 2^-30 gives 1 + x (exp(x)
-// differs by < 2^-61, so p = 1 exactly whenever the rule's p is 1), and p = 0 below
-// 2^-1080 (the rule's exp underflows at x < -745.13; the two agree on zero except within
-// 2.5e-7 relative of 2^-1075).
-struct Weight {
-    float mx;
-    double s;  // log2(e) / T
-    double t;
-    __device__ __forceinline__ double operator()(float v) const {
-        const float d = __fsub_rn(v, mx);  // <= 0, or -inf
-        const double x2 = static_cast<double>(d) * s;
-        if (!(x2 >= -1080.0)) return 0.0;  // also d = -inf
-        if (x2 > -0x1p-30) return 1.0 + static_cast<double>(d) / t;
-        const double n = rint(x2);
-        const double e = static_cast<double>(exp2f(static_cast<float>(x2 - n)));
-        const int ni = static_cast<int>(n);  // in [-1080, 0]
-        if (ni >= -1022) return e * __longlong_as_double(static_cast<long long>(ni + 1023) << 52);
-        // Below the normal range: an exact scaling, then one rounding into the subnormals.
-        return (e * __longlong_as_double(static_cast<long long>(ni + 1023 + 64) << 52)) * 0x1p-64;
-    }
-};
+// The rule's unnormalised probability: the f32 difference, then f64.
+__device__ __forceinline__ double weight(float v, float mx, double t) {
+    return exp(static_cast<double>(__fsub_rn(v, mx)) / t);
+}
 
 struct Smem {
     uint32_t keys[LIST_CAP];
@@ -135,17 +107,12 @@ struct Cut {
     double mass;
 };
 
-// Exclusive prefix sum of x over the threads (thread order) and the block's total. Every
-// thread must call it.
-__device__ __forceinline__ int block_exclusive_int(int x, int& total, Smem& sh) {
+// Rank of this thread among the flagged threads before it (thread order) and the number
+// of flagged threads in the block. Every thread must call it.
+__device__ __forceinline__ int block_rank(bool flag, int& total, Smem& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int inc = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(FULL, inc, o);
-        if (lane >= o) inc += y;
-    }
-    if (lane == 31) sh.wcount[warp] = inc;
+    const unsigned bal = __ballot_sync(FULL, flag);
+    if (lane == 0) sh.wcount[warp] = __popc(bal);
     __syncthreads();
     int off = 0, tot = 0;
     for (int w = 0; w < WARPS; ++w) {
@@ -155,7 +122,7 @@ __device__ __forceinline__ int block_exclusive_int(int x, int& total, Smem& sh) 
     }
     __syncthreads();
     total = tot;
-    return off + inc - x;
+    return off + __popc(bal & ((1u << lane) - 1u));
 }
 
 // Sum over the block in a fixed order; every thread gets the same value.
@@ -236,38 +203,20 @@ __device__ __forceinline__ void reduce16(const uint32_t (&c)[16], const double (
 }
 
 // The id of the j-th (1-based) candidate of src, in src order (= id order), whose key is
-// tau; NONE if there are fewer. Tiles of THREADS * RUN, RUN consecutive per thread.
+// tau; NONE if there are fewer.
 template <class Src>
 __device__ int nth_with_key(const Src& src, uint32_t tau, int j, Smem& sh) {
     if (threadIdx.x == 0) sh.found = NONE;
-    int seen = 0;  // the same in every thread
-    for (int base = 0; base < src.n && seen < j; base += THREADS * RUN) {
-        uint32_t fl = 0;
-        int ids[RUN];
-        int c = 0;
-#pragma unroll
-        for (int e = 0; e < RUN; ++e) {
-            const int i = base + threadIdx.x * RUN + e;
-            uint32_t key = 0;
-            float v;
-            ids[e] = 0;
-            const bool f = i < src.n && src.get(i, ids[e], key, v) && key == tau;
-            fl |= f ? 1u << e : 0u;
-            c += f ? 1 : 0;
-        }
+    int seen = 0;
+    for (int base = 0; base < src.n && seen < j; base += THREADS) {
+        const int i = base + threadIdx.x;
+        int id = 0;
+        uint32_t key = 0;
+        float v;
+        const bool f = i < src.n && src.get(i, id, key, v) && key == tau;
         int tile;
-        const int before = seen + block_exclusive_int(c, tile, sh);
-        // This thread's flagged candidates are the (before + 1)-th to the (before + c)-th.
-        int r = j - before;
-        if (r > 0 && r <= c) {
-#pragma unroll
-            for (int e = 0; e < RUN; ++e) {
-                if ((fl >> e) & 1u) {
-                    if (r == 1) sh.found = ids[e];
-                    --r;
-                }
-            }
-        }
+        const int r = block_rank(f, tile, sh);
+        if (f && seen + r + 1 == j) sh.found = id;
         seen += tile;
     }
     __syncthreads();
@@ -280,7 +229,7 @@ __device__ int nth_with_key(const Src& src, uint32_t tau, int j, Smem& sh) {
 // order) or by mass (MASS = true: the smallest such prefix whose weight reaches top_p * Z;
 // Z = the candidates' total weight, summed in the first pass).
 template <bool MASS, class Src>
-__device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want, float top_p) {
+__device__ Cut search(const Src& src, Smem& sh, float mx, double t, uint32_t want, float top_p) {
     uint32_t prefix = 0, mask = 0, above_c = 0;
     double above_m = 0.0, target = 0.0;
     for (int shift = 28;; shift -= 4) {
@@ -291,31 +240,18 @@ __device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want,
             c[j] = 0;
             m[j] = 0.0;
         }
-        // Each thread's elements in ascending order (i = threadIdx.x + n * THREADS), STRIDE
-        // loads in flight before any is used.
-        for (int base = threadIdx.x; base < src.n; base += THREADS * STRIDE) {
-            uint32_t key[STRIDE];
-            float v[STRIDE];
-            bool in[STRIDE];
+        for (int i = threadIdx.x; i < src.n; i += THREADS) {
+            int id;
+            uint32_t key;
+            float v;
+            if (!src.get(i, id, key, v) || (key & mask) != prefix) continue;
+            const uint32_t d = (key >> shift) & 15u;
+            const double w = MASS ? weight(v, mx, t) : 0.0;
 #pragma unroll
-            for (int e = 0; e < STRIDE; ++e) {
-                const int i = base + e * THREADS;
-                int id;
-                key[e] = 0;
-                v[e] = 0.0f;
-                in[e] = i < src.n && src.get(i, id, key[e], v[e]) && (key[e] & mask) == prefix;
-            }
-#pragma unroll
-            for (int e = 0; e < STRIDE; ++e) {
-                if (!in[e]) continue;
-                const uint32_t d = (key[e] >> shift) & 15u;
-                const double w = MASS ? wt(v[e]) : 0.0;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const bool ge = d >= static_cast<uint32_t>(j);
-                    c[j] += ge ? 1u : 0u;
-                    if (MASS) m[j] += ge ? w : 0.0;
-                }
+            for (int j = 0; j < 16; ++j) {
+                const bool ge = d >= static_cast<uint32_t>(j);
+                c[j] += ge ? 1u : 0u;
+                if (MASS) m[j] += ge ? w : 0.0;
             }
         }
         reduce16<MASS>(c, m, sh);
@@ -350,7 +286,7 @@ __device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want,
             int j;
             double q = 0.0;
             if (MASS) {
-                q = wt(key_float(prefix));
+                q = weight(key_float(prefix), mx, t);
                 int lo = 1, hi = static_cast<int>(bin);
                 while (lo < hi) {
                     const int mid = (lo + hi) / 2;
@@ -372,37 +308,21 @@ __device__ Cut search(const Src& src, Smem& sh, const Weight& wt, uint32_t want,
 }
 
 // Compacts src's candidates (at most LIST_CAP) into sh.keys / sh.ids, in id order;
-// returns their number. Tiles of THREADS * RUN, RUN consecutive per thread. src must not
-// be the list itself.
+// returns their number.
 template <class Src>
 __device__ int compact(const Src& src, Smem& sh) {
-    int n = 0;  // the same in every thread
-    for (int base = 0; base < src.n; base += THREADS * RUN) {
-        uint32_t fl = 0;
-        uint32_t keys[RUN];
-        int ids[RUN];
-        int c = 0;
-#pragma unroll
-        for (int e = 0; e < RUN; ++e) {
-            const int i = base + threadIdx.x * RUN + e;
-            float v;
-            keys[e] = 0;
-            ids[e] = 0;
-            const bool f = i < src.n && src.get(i, ids[e], keys[e], v);
-            fl |= f ? 1u << e : 0u;
-            c += f ? 1 : 0;
-        }
+    int n = 0;
+    for (int base = 0; base < src.n; base += THREADS) {
+        const int i = base + threadIdx.x;
+        int id = 0;
+        uint32_t key = 0;
+        float v;
+        const bool f = i < src.n && src.get(i, id, key, v);
         int tile;
-        int at = n + block_exclusive_int(c, tile, sh);
-#pragma unroll
-        for (int e = 0; e < RUN; ++e) {
-            if ((fl >> e) & 1u) {
-                if (at < LIST_CAP) {
-                    sh.keys[at] = keys[e];
-                    sh.ids[at] = ids[e];
-                }
-                ++at;
-            }
+        const int r = block_rank(f, tile, sh);
+        if (f && n + r < LIST_CAP) {
+            sh.keys[n + r] = key;
+            sh.ids[n + r] = id;
         }
         n += tile;
     }
@@ -412,30 +332,22 @@ __device__ int compact(const Src& src, Smem& sh) {
 
 // Top-p, then the inverse-CDF draw in id order, over src's candidates (n_cand of them).
 template <class Src>
-__device__ int draw(const Src& src, int n_cand, const Weight& wt, float top_p, double u, Smem& sh) {
+__device__ int draw(const Src& src, int n_cand, float mx, double t, float top_p, double u, Smem& sh) {
     uint32_t tp_key = 0;
     int tp_id = NONE;
     double z2;
     if (top_p < 1.0f && n_cand > 1) {
-        const Cut c = search<true>(src, sh, wt, 0u, top_p);
+        const Cut c = search<true>(src, sh, mx, t, 0u, top_p);
         tp_key = c.tau;
         tp_id = c.id_cut;
         z2 = c.mass;
     } else {
         double z = 0.0;
-        for (int base = threadIdx.x; base < src.n; base += THREADS * STRIDE) {
-            float v[STRIDE];
-            bool in[STRIDE];
-#pragma unroll
-            for (int e = 0; e < STRIDE; ++e) {
-                const int i = base + e * THREADS;
-                int id;
-                uint32_t key;
-                v[e] = 0.0f;
-                in[e] = i < src.n && src.get(i, id, key, v[e]);
-            }
-#pragma unroll
-            for (int e = 0; e < STRIDE; ++e) z += in[e] ? wt(v[e]) : 0.0;
+        for (int i = threadIdx.x; i < src.n; i += THREADS) {
+            int id;
+            uint32_t key;
+            float v;
+            if (src.get(i, id, key, v)) z += weight(v, mx, t);
         }
         z2 = block_sum(z, sh);
     }
@@ -458,7 +370,7 @@ __device__ int draw(const Src& src, int n_cand, const Weight& wt, float top_p, d
             q[e] = 0.0;
             qid[e] = NONE;
             if (i < src.n && src.get(i, id, key, v) && (key > tp_key || (key == tp_key && id <= tp_id))) {
-                q[e] = wt(v);
+                q[e] = weight(v, mx, t);
                 qid[e] = id;
                 if (q[e] > 0.0) last = id > last ? id : last;
             }
@@ -509,24 +421,14 @@ extern "C" __global__ void __launch_bounds__(smp::THREADS)
     // 1. Candidates: their number, the largest key, and what the argmax rule needs.
     uint32_t mk = 0;
     int nv = 0, first_pinf = NONE, first_valid = NONE;
-    for (int base = threadIdx.x; base < vocab; base += THREADS * STRIDE) {
-        uint32_t bits[STRIDE];
-#pragma unroll
-        for (int e = 0; e < STRIDE; ++e) {
-            const int i = base + e * THREADS;
-            bits[e] = i < vocab ? __float_as_uint(row[i]) : 0x7fc00000u;  // past the end: NaN
-        }
-#pragma unroll
-        for (int e = 0; e < STRIDE; ++e) {
-            const int i = base + e * THREADS;
-            const uint32_t b = bits[e];
-            if (nan_bits(b)) continue;
-            ++nv;
-            const uint32_t k = fkey(b);
-            mk = k > mk ? k : mk;
-            if (b == 0x7f800000u && i < first_pinf) first_pinf = i;
-            if (i < first_valid) first_valid = i;
-        }
+    for (int i = threadIdx.x; i < vocab; i += THREADS) {
+        const uint32_t b = __float_as_uint(row[i]);
+        if (nan_bits(b)) continue;
+        ++nv;
+        const uint32_t k = fkey(b);
+        mk = k > mk ? k : mk;
+        if (b == 0x7f800000u && i < first_pinf) first_pinf = i;
+        if (i < first_valid) first_valid = i;
     }
     mk = __reduce_max_sync(FULL, mk);
     nv = __reduce_add_sync(FULL, nv);
@@ -558,12 +460,12 @@ extern "C" __global__ void __launch_bounds__(smp::THREADS)
     } else if (mk == KEY_NEG_INF) {
         tok = first_valid;  // NaN and -inf only: the first non-NaN
     } else {
-        const Weight wt{key_float(mk), 1.4426950408889634 / t, t};
+        const float mx = key_float(mk);
         // 2. Top-k by count over the whole row, then the candidates it keeps.
         RowSrc src{row, vocab, 0u, NONE};
         int n_cand = nv;
         if (top_k > 0u && top_k < static_cast<uint32_t>(nv)) {
-            const Cut c = search<false>(src, sh, wt, top_k, 0.0f);
+            const Cut c = search<false>(src, sh, mx, t, top_k, 0.0f);
             src.tk_key = c.tau;
             src.tk_id = c.id_cut;
             n_cand = static_cast<int>(top_k);
@@ -571,9 +473,9 @@ extern "C" __global__ void __launch_bounds__(smp::THREADS)
         // 3. Top-p and the draw, over a shared-memory list when the candidates fit.
         if (n_cand <= LIST_CAP) {
             const int n = compact(src, sh);
-            tok = draw(ListSrc{sh.keys, sh.ids, n}, n, wt, top_p, u, sh);
+            tok = draw(ListSrc{sh.keys, sh.ids, n}, n, mx, t, top_p, u, sh);
         } else {
-            tok = draw(src, n_cand, wt, top_p, u, sh);
+            tok = draw(src, n_cand, mx, t, top_p, u, sh);
         }
     }
     if (threadIdx.x == 0) out[blockIdx.x] = tok;

@@ -111,13 +111,11 @@ impl TargetDist {
 /// would hang on the last bit of `exp`, which libm and CUDA do not agree on); and sums are
 /// of the unnormalised weights, compared with `top_p · Z` and `u · mass` (one rounding
 /// each), so rows of equal or integral weights (ties, huge temperatures) are exact on every
-/// backend. What is left is summation order and `exp`: this reference sums in ascending id
-/// order (the walk in its own order) with libm's f64 `exp`; a device sums in another order
-/// and may compute each `p_i` at f32 cost, within 2.5e-7 of it relatively (the CUDA
-/// backend does, keeping `p = 1` and `p = 0` exact). Backends agree except within
-/// `1e-6 · mass` (plus about 1e-11 of f64 summation rounding at 2^17 terms) of a boundary:
-/// where a cumulative sum lies that close to `top_p · Z` (mass `Z`) or to `u · mass`
-/// (mass `Σ kept p_i`). Every comparison of logits is exact.
+/// backend. What is left is summation order: this reference sums in ascending id order
+/// (the walk in its own order), a device in another, and `exp` may differ in its last bit.
+/// Two backends can therefore pick different tokens only where a cumulative sum lies
+/// within rounding (about 1e-11 relative for 2^17 terms summed in order) of `top_p · Z` or
+/// of `u · mass`; every comparison of logits is exact.
 pub fn target_distribution(logits: &[f32], temperature: f32, top_k: u32, top_p: f32) -> TargetDist {
     let t = if temperature > 0.0 && temperature.is_finite() { temperature as f64 } else { 1.0 };
     let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| !logits[i as usize].is_nan()).collect();
