@@ -16,7 +16,6 @@
 mod common;
 
 use common::{require_gpu, require_gpus};
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -51,18 +50,7 @@ fn run<B: Backend>(backend: B, k: usize) -> Vec<Vec<u32>> {
     let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
-    let mut done = 0;
-    while done < ids.len() {
-        for (id, ev) in e.step() {
-            match ev {
-                Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
-                Event::Finished { .. } => done += 1,
-            }
-        }
-    }
-    ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
+    common::run_to_completion(&mut e, &ids)
 }
 
 fn gpu_run(dir: &Path, opts: CudaOptions, k: usize) -> Vec<Vec<u32>> {

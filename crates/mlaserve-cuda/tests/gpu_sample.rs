@@ -421,7 +421,7 @@ fn tiny_v3_backend_samples_match_core_rule() {
 
 #[test]
 fn engine_sampled_k3_equals_k0_batch_invariant() {
-    use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
+    use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams};
     if !require_gpu() {
         return;
     }
@@ -448,18 +448,7 @@ fn engine_sampled_k3_equals_k0_batch_invariant() {
                 e.add_request(Request::new(prompt, sp)).expect("admit")
             })
             .collect();
-        let mut out = std::collections::HashMap::<_, Vec<u32>>::new();
-        let mut done = 0;
-        while done < ids.len() {
-            for (id, ev) in e.step() {
-                match ev {
-                    Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                    Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
-                    Event::Finished { .. } => done += 1,
-                }
-            }
-        }
-        ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect::<Vec<_>>()
+        common::run_to_completion(&mut e, &ids)
     };
     let (k0, k3) = (run(0), run(3));
     let n: usize = k0.iter().map(Vec::len).sum();

@@ -76,6 +76,21 @@ impl SyntheticBackend {
         let v = self.config.vocab_size;
         out.extend((0..v).map(|t| if t as u32 == tok { 1.0 } else { 0.0 }));
     }
+
+    /// The sampled token of each of `batch.sample_rows`, the core rule applied to the row
+    /// that `fill(row index, buffer)` writes.
+    fn sample_rows(&self, batch: &Batch, fill: impl Fn(usize, &mut Vec<f32>)) -> Vec<u32> {
+        let mut row = Vec::with_capacity(self.config.vocab_size);
+        batch
+            .sample_rows
+            .iter()
+            .map(|s| {
+                row.clear();
+                fill(s.row as usize, &mut row);
+                s.sample(&row)
+            })
+            .collect()
+    }
 }
 
 /// Hidden rows: the two tokens before the next one, packed `(older << 32) | newer`.
@@ -126,16 +141,7 @@ impl Backend for SyntheticBackend {
             self.logits_for(row_ctx[r as usize], &mut logits);
         }
         let argmax = batch.argmax_rows.iter().map(|&r| self.greedy(row_ctx[r as usize])).collect();
-        let mut row = Vec::with_capacity(self.config.vocab_size);
-        let sampled = batch
-            .sample_rows
-            .iter()
-            .map(|s| {
-                row.clear();
-                self.logits_for(row_ctx[s.row as usize], &mut row);
-                s.sample(&row)
-            })
-            .collect();
+        let sampled = self.sample_rows(batch, |r, row| self.logits_for(row_ctx[r], row));
         Ok(ForwardOutput { hidden, logits, argmax, sampled })
     }
 
@@ -176,16 +182,7 @@ impl Backend for SyntheticBackend {
         }
         // The argmax of a one-hot row is its hot token.
         let argmax = batch.argmax_rows.iter().map(|&r| preds[r as usize]).collect();
-        let mut row = Vec::with_capacity(self.config.vocab_size);
-        let sampled = batch
-            .sample_rows
-            .iter()
-            .map(|s| {
-                row.clear();
-                self.one_hot(preds[s.row as usize], &mut row);
-                s.sample(&row)
-            })
-            .collect();
+        let sampled = self.sample_rows(batch, |r, row| self.one_hot(preds[r], row));
         Ok(ForwardOutput { hidden, logits, argmax, sampled })
     }
 
