@@ -145,11 +145,16 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c, float s, fl
 extern "C" __global__ void kv_cache_write_bf16(bf16* __restrict__ cache, const float* __restrict__ kv,
                                                const float* __restrict__ norm_w, const float* __restrict__ cos_t,
                                                const float* __restrict__ sin_t, const int* __restrict__ pos,
-                                               const long long* __restrict__ slot, int lora, int rope, float eps) {
+                                               const long long* __restrict__ slot, long long slots, int lora,
+                                               int rope, float eps) {
     __shared__ float red[32];
     const int lat = lora + rope, half = rope / 2;
     const float* x = kv + static_cast<size_t>(blockIdx.x) * lat;
-    bf16* dst = cache + static_cast<size_t>(slot[blockIdx.x]) * lat;
+    // A negative slot is a padding row of a CUDA-graph bucket: nothing to write. Slots
+    // past the cache (bad metadata) are skipped too, never written out of bounds.
+    const long long sl = slot[blockIdx.x];
+    if (sl < 0 || sl >= slots) return;
+    bf16* dst = cache + static_cast<size_t>(sl) * lat;
     float ss = 0.f;
     for (int c = threadIdx.x; c < lora; c += blockDim.x) ss += x[c] * x[c];
     const float inv = rsqrtf(bops::block_sum(ss, red) / lora + eps);

@@ -147,6 +147,8 @@ if [[ "$mode" == tp ]]; then
     for ((n = 1; n <= tp_n; n *= 2)); do
         step "bench step --tp $n" "$out/bench-step.log" timeout 240 "$gpu_dir/bin/mlaserve" bench step --tp "$n"
     done
+    step "bench step --tp $tp_n --eager" "$out/bench-step.log" timeout 240 "$gpu_dir/bin/mlaserve" bench step \
+        --tp "$tp_n" --eager
     step "bench step --tp $tp_n --threads" "$out/bench-step.log" timeout 240 "$gpu_dir/bin/mlaserve" bench step \
         --tp "$tp_n" --threads
     step "bench mla-decode" "$out/bench-mla.log" timeout 150 "$gpu_dir/bin/mlaserve" bench mla-decode
@@ -166,7 +168,7 @@ fi
 # hang in one cannot hide the others), then memcheck on the tests that touch every
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
-    for bin in gpu_backend gpu_engine gpu_ops gpu_kernels gpu_prefill gpu_sample routing_margins mlaserve_cuda; do
+    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_kernels gpu_prefill gpu_sample routing_margins mlaserve_cuda; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
@@ -177,19 +179,21 @@ if [[ "$mode" == backend ]]; then
     for spec in gpu_backend:tiny_v3_matches_cpu_default_options gpu_backend:tiny_v3_matches_cpu_batch_invariant \
         gpu_ops:small_backend_ops_match_reference gpu_prefill:kernel_matches_reference_small_dims \
         gpu_prefill:expanded_path_from_paged_cache_matches_reference gpu_ops:grouped_experts_tensor_core_match_reference \
-        gpu_sample:sample_kernel_matches_core_rule; do
+        gpu_sample:sample_kernel_matches_core_rule gpu_graphs:decode_steps_through_graphs_equal_eager; do
         t="$gpu_dir/tests/${spec%%:*}"
         step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1
     done
-    # One decode step at DeepSeek-V3's dimensions (random weights, 2 MoE layers + MTP).
+    # One decode step at DeepSeek-V3's dimensions (random weights, 2 MoE layers + MTP),
+    # decode steps as CUDA graphs (the default) and launched eagerly.
     step "bench-step" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve-cuda-check" --bench-step
+    step "bench step --eager" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve" bench step --eager
     {
         echo
         echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
         printf '%s\n' "${summary[@]}"
-        echo "---- bench step (from bench-step.log)"
-        grep -vE "^===" "$out/bench-step.log" | tail -12
+        echo "---- bench step (from bench-step.log: graphs, then eager)"
+        grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9] |graph|eager|^bench|ceiling" | head -24
         echo "---- measured (from tests.log)"
         grep -E " rel |differ|tokens in|tokens/s|speed-up|alone ==|ids (exact|DIFFER)|panicked" "$out/tests.log" | head -90
         grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head -10

@@ -48,6 +48,8 @@ pub struct StepBenchOpts {
     /// After each measurement, one more step with every phase timed (a wait for the stream
     /// after each: the phases add up to more than the unprofiled step).
     pub profile: bool,
+    /// Launch every kernel of a step from the host (no CUDA graphs).
+    pub eager: bool,
 }
 
 impl Default for StepBenchOpts {
@@ -62,6 +64,7 @@ impl Default for StepBenchOpts {
             tp: 1,
             profile: false,
             host_logits: false,
+            eager: false,
         }
     }
 }
@@ -243,7 +246,12 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let per_seq = (opts.context + 8).div_ceil(BLOCK_SIZE);
     let ordinal = opts.ordinal + tp.map_or(0, |t| t.rank);
-    let mut be = CudaBackend::random_tp(cfg.clone(), CudaOptions::new(max_b * per_seq, ordinal), 1, tp)?;
+    let mut be = CudaBackend::random_tp(
+        cfg.clone(),
+        CudaOptions { graphs: !opts.eager, ..CudaOptions::new(max_b * per_seq, ordinal) },
+        1,
+        tp,
+    )?;
     be.fill_caches_random(2)?;
     let util = Util::new(be.gpu())?;
     let copy_gbps = measure_copy_bandwidth(be.gpu(), &util, 1 << 30)?;
@@ -329,9 +337,13 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         gpu: be.gpu().name.clone(),
         copy_gbps,
         layers: format!(
-            "1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16; {}",
+            "1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16; {}; {}",
             opts.moe_layers,
-            if opts.host_logits { "every row's logits to the host" } else { "greedy: argmax rows on the device" }
+            if opts.host_logits { "every row's logits to the host" } else { "greedy: argmax rows on the device" },
+            match be.graph_stats() {
+                (0, _) => "eager (no CUDA graph)".to_string(),
+                (n, g) => format!("decode steps as CUDA graphs ({n} launches of {g} graphs)"),
+            }
         ),
         context: opts.context,
         tp: opts.tp.max(1),

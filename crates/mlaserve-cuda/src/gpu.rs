@@ -8,8 +8,9 @@ use cudarc::nvrtc::Ptx;
 
 use crate::error::{CudaError, Result};
 
-/// One GPU as a rank uses it: its context, the stream every kernel of this rank runs on,
-/// and the device facts the wrappers plan with. Owned by one thread.
+/// One GPU as a rank uses it: its context, the stream every kernel of this rank runs on
+/// (the only one: buffers carry no cross-stream events), and the device facts the
+/// wrappers plan with. Owned by one thread.
 #[derive(Debug)]
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -32,6 +33,12 @@ impl Gpu {
             return Err(CudaError::NoDriver);
         }
         let ctx = CudaContext::new(ordinal)?;
+        // Every buffer of this context is used on the one stream below (collectives
+        // included), so cudarc's per-buffer events add nothing but host time (an event
+        // record per argument per launch) — and a stream being captured into a CUDA graph
+        // must not wait on events recorded outside the capture.
+        // SAFETY: set before any buffer exists; nothing here uses a second stream.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let num_sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let max_smem_optin =

@@ -15,6 +15,7 @@
 //! `mlaserve_core::Backend` on one GPU, [`check`] the
 //! kernel-vs-reference checks and [`bench`] / [`bench_prefill`] the roofline benchmarks.
 
+pub mod layout;
 pub mod plan;
 pub mod prefill;
 pub mod reference;

@@ -64,10 +64,16 @@ impl GemmOut for bf16 {
     const BF16: bool = true;
 }
 
+/// Bytes of cuBLAS workspace (what cuBLAS recommends for Hopper).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+
 /// Runs projections on one stream (its cuBLAS handle is bound to that stream).
 #[derive(Debug)]
 pub struct Gemm {
     blas: CudaBlas,
+    /// cuBLAS's workspace, ours for the handle's life: a GEMM then never allocates, which
+    /// a stream being captured into a CUDA graph forbids.
+    _workspace: CudaSlice<u8>,
     inv_f32: CudaFunction,
     inv_bf16: CudaFunction,
     pub mode: GemmMode,
@@ -76,8 +82,19 @@ pub struct Gemm {
 impl Gemm {
     pub fn new(gpu: &Gpu, mode: GemmMode) -> Result<Self> {
         let m = gpu.load_module(kernels::BACKEND_OPS)?;
+        let blas = CudaBlas::new(gpu.stream.clone())?;
+        let workspace = gpu.stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE)?;
+        {
+            let (ptr, _sync) = workspace.device_ptr(&gpu.stream);
+            // SAFETY: the handle is live; the workspace is a device allocation of that many
+            // bytes that lives as long as the handle (both owned by this Gemm) and is used
+            // only on the handle's stream. (Set after the stream: setting a stream resets it.)
+            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, CUBLAS_WORKSPACE) }
+                .result()?;
+        }
         Ok(Gemm {
-            blas: CudaBlas::new(gpu.stream.clone())?,
+            blas,
+            _workspace: workspace,
             inv_f32: m.load_function("linear_inv_bf16_of32")?,
             inv_bf16: m.load_function("linear_inv_bf16_obf16")?,
             mode,

@@ -16,6 +16,8 @@ use crate::gpu::Gpu;
 use crate::kernels;
 use crate::linear::GemmMode;
 
+pub use crate::layout::AttnMeta;
+
 /// Fails with a shape error unless `len >= want`.
 pub(crate) fn need(kernel: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
     if len < want {
@@ -554,7 +556,8 @@ impl Ops {
     }
 
     /// Writes the latent of `n` rows of `kv` (`[n][lora + rope]` f32) into `cache` at
-    /// `slot[r]`: `[RMSNorm(c_kv) * norm_w, RoPE(k_pe, pos[r])]` as bf16.
+    /// `slot[r]`: `[RMSNorm(c_kv) * norm_w, RoPE(k_pe, pos[r])]` as bf16. A row whose slot
+    /// is negative (a CUDA-graph bucket's padding) or past the cache writes nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn kv_write(
         &self,
@@ -565,7 +568,6 @@ impl Ops {
         rope: &RopeTables,
         pos: &CudaSlice<i32>,
         slot: &CudaSlice<i64>,
-        host_max_slot: usize,
         n: usize,
         eps: f32,
     ) -> Result<()> {
@@ -575,15 +577,16 @@ impl Ops {
         need(K, "kv", kv.len(), n * lat)?;
         need(K, "pos", pos.len(), n)?;
         need(K, "slot", slot.len(), n)?;
-        need(K, "cache", cache.len(), (host_max_slot + 1) * lat)?;
         if n == 0 {
             return Ok(());
         }
         let (li, ri) = (i32_of(K, lora)?, i32_of(K, r)?);
+        let slots = (cache.len() / lat) as i64;
         // SAFETY: block r reads kv[r*lat..][..lat], norm_w[..lora], pos[r], slot[r] and the
         // rope tables at pos[r] (positions < the tables' length, validated by the caller
-        // through Batch::validate), writes cache[slot[r]*lat..][..lat] with slot[r] <=
-        // host_max_slot (checked above against the cache length).
+        // through Batch::validate; a padding row's positions are 0..4), and writes
+        // cache[slot[r]*lat..][..lat] only for 0 <= slot[r] < slots = whole latents in the
+        // cache (the kernel skips the others).
         unsafe {
             s.launch_builder(&self.kv_write)
                 .arg(cache)
@@ -593,6 +596,7 @@ impl Ops {
                 .arg(&rope.sin)
                 .arg(pos)
                 .arg(slot)
+                .arg(&slots)
                 .arg(&li)
                 .arg(&ri)
                 .arg(&eps)
@@ -897,14 +901,4 @@ impl RopeTables {
         let (cos, sin) = crate::reference::rope_tables(inv_freq, attention_factor, max_pos);
         Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim: 2 * inv_freq.len() })
     }
-}
-
-/// Host facts about a step's attention metadata that bound what the kernels read.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnMeta {
-    pub n: usize,
-    pub seqs: usize,
-    pub bt_stride: usize,
-    pub max_pos: usize,
-    pub max_block: usize,
 }

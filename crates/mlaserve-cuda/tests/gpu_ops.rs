@@ -332,8 +332,7 @@ fn mla_pieces_match_reference() {
         let mut cache = s.alloc_zeros::<bf16>(num_blocks * 64 * dqk).expect("cache");
         let (kvd, nwd) = (s.clone_htod(&kv).expect("kv"), s.clone_htod(&norm_w).expect("nw"));
         let (posd, slotd) = (s.clone_htod(&pos).expect("pos"), s.clone_htod(&slot).expect("slot"));
-        let max_slot = *slot.iter().max().expect("slots") as usize;
-        ops.kv_write(s, &mut cache, &kvd, &nwd, &tabs, &posd, &slotd, max_slot, n_all, 1e-6).expect("kv_write");
+        ops.kv_write(s, &mut cache, &kvd, &nwd, &tabs, &posd, &slotd, n_all, 1e-6).expect("kv_write");
         let cache_h: Vec<f32> = s.clone_dtoh(&cache).expect("cache").iter().map(|v| v.to_f32()).collect();
         let mut want_c = Vec::new();
         let mut got_c = Vec::new();
@@ -345,6 +344,15 @@ fn mla_pieces_match_reference() {
             got_c.extend_from_slice(&cache_h[slot[r] as usize * dqk..][..dqk]);
         }
         check(&format!("kv_write {tag}"), &got_c, &want_c, 1e-2, &mut fails);
+        // A padding row (slot -1, as CUDA-graph buckets pad) and a slot past the cache
+        // write nothing.
+        let (pad_slot, pad_pos) =
+            (s.clone_htod(&[-1i64, (num_blocks * 64) as i64]).expect("slot"), s.clone_htod(&[0i32, 1]).expect("pos"));
+        ops.kv_write(s, &mut cache, &kvd, &nwd, &tabs, &pad_pos, &pad_slot, 2, 1e-6).expect("kv_write padding");
+        let after: Vec<f32> = s.clone_dtoh(&cache).expect("cache").iter().map(|v| v.to_f32()).collect();
+        if after != cache_h {
+            fails.push(format!("kv_write {tag}: a padding or out-of-range slot changed the cache"));
+        }
 
         // 2. Absorb the window's queries.
         let n = batch * q_len;

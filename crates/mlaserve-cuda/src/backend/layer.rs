@@ -14,6 +14,11 @@ use crate::prefill::{LatentCache, PrefillDims};
 use crate::reference::DecodeDims;
 use crate::MlaDecodeShape;
 
+/// Most routed experts of a layer whose tokens the device sorts (`Ops::moe_sort`); a
+/// layer with more sorts on the host, which waits for the stream mid-step (such a model
+/// runs no CUDA graphs, see `graphs.rs`).
+pub(super) const GROUPED_MAX_EXPERTS: usize = 1024;
+
 /// Rows that take the absorbed form, with the metadata the absorbed kernels read (the
 /// step's own, or a mixed step's compact copy for those rows).
 struct AbsView<'a> {
@@ -24,6 +29,8 @@ struct AbsView<'a> {
     seq_lens: &'a CudaSlice<i32>,
     meta: AttnMeta,
     uniform: Option<usize>,
+    /// The decode kernel's split count when fixed ([`Step::splits`]).
+    splits: Option<usize>,
 }
 
 impl CudaBackend {
@@ -104,7 +111,7 @@ impl CudaBackend {
         let lat = lora + rope;
         let mut kv = s.alloc_zeros::<f32>(n * lat)?;
         self.gemm.forward(s, &a.kv_a, xn, n, &mut kv)?;
-        self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, st.max_slot, n, eps_lat)?;
+        self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, n, eps_lat)?;
         let scale = c.softmax_scale() as f32;
         let mut o = s.alloc_zeros::<bf16>(n * heads * vdim)?;
         match &st.route.abs {
@@ -117,6 +124,7 @@ impl CudaBackend {
                     seq_lens: &st.seq_lens,
                     meta: st.meta,
                     uniform: st.uniform,
+                    splits: st.splits,
                 };
                 self.absorbed(a, &q, cache, &rows, &mut o)?;
             }
@@ -133,6 +141,7 @@ impl CudaBackend {
                     seq_lens: &r.seq_lens,
                     meta: r.meta,
                     uniform: r.uniform,
+                    splits: None,
                 };
                 let mut os = s.alloc_zeros::<bf16>(m * heads * vdim)?;
                 self.absorbed(a, &qs, cache, &rows, &mut os)?;
@@ -189,8 +198,7 @@ impl CudaBackend {
                     drope: rope,
                     bt_stride: rows.meta.bt_stride,
                 };
-                let max_len = rows.meta.max_pos + 1;
-                let num_splits = self.mla.num_splits(&dims, max_len);
+                let num_splits = rows.splits.unwrap_or_else(|| self.mla.num_splits(&dims, rows.meta.max_pos + 1));
                 let mut ws = self.mla.workspace(s, &dims, num_splits)?;
                 let mut lse = s.alloc_zeros::<f32>(n * heads)?;
                 let shape = MlaDecodeShape { dims, num_blocks: self.opts.num_blocks, num_splits, scale };
@@ -272,7 +280,7 @@ impl CudaBackend {
         let mut ys = s.alloc_zeros::<f32>(rows * h)?;
         let inv_d = match &m.grouped {
             // Sorted and run on the device: no host round trip, three expert launches.
-            Some((gate_up, down)) if e <= 1024 => {
+            Some((gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
                 let mut off = s.alloc_zeros::<i32>(e + 1)?;
                 let mut perm = s.alloc_zeros::<i32>(rows)?;
                 let mut inv = s.alloc_zeros::<i32>(rows)?;

@@ -27,6 +27,7 @@
 //! order) so a token's sum never depends on its batch. Every wait for the stream is
 //! bounded ([`DeviceComm::wait`]): a dead peer fails the step instead of hanging it.
 
+mod graphs;
 mod layer;
 mod random;
 mod route;
@@ -42,6 +43,7 @@ use crate::comm::{DeviceComm, TpInit};
 use crate::elementwise::{Argmax, SiluMul};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
+use crate::layout::StepLayout;
 use crate::linear::{Gemm, GemmMode, Linear};
 use crate::ops::{AttnMeta, Ops, RopeTables};
 use crate::prefill::MlaPrefill;
@@ -68,6 +70,11 @@ pub struct CudaOptions {
     pub ordered_all_reduce: bool,
     /// Which sequences take the expanded form of MLA (prefill chunks by default).
     pub prefill: PrefillPath,
+    /// Run decode steps (uniform windows of 1 to 4 tokens) as CUDA graphs, one per batch
+    /// bucket and window length (`graphs.rs`); off, every step is launched kernel by kernel
+    /// (vLLM's `enforce_eager`). They need the decode kernel, so the batch-invariant mode
+    /// runs eagerly either way.
+    pub graphs: bool,
 }
 
 impl CudaOptions {
@@ -79,6 +86,7 @@ impl CudaOptions {
             decode_kernel: true,
             ordered_all_reduce: false,
             prefill: PrefillPath::Auto,
+            graphs: true,
         }
     }
     /// Every token's result independent of its batch: the invariant GEMM, no decode kernel,
@@ -154,6 +162,8 @@ pub struct CudaBackend {
     comm: Option<DeviceComm>,
     /// Phase timings when profiling ([`CudaBackend::set_profile`]).
     prof: Option<std::cell::RefCell<Profile>>,
+    /// The decode steps' CUDA graphs and their persistent buffers.
+    graphs: graphs::Graphs,
 }
 
 /// Wall time per phase of the forward passes since profiling was switched on; each mark
@@ -171,23 +181,31 @@ pub(crate) struct Step {
     pub tokens: CudaSlice<i32>,
     pub pos: CudaSlice<i32>,
     pub slot: CudaSlice<i64>,
-    pub max_slot: usize,
     pub row_seq: CudaSlice<i32>,
     pub tables: CudaSlice<i32>,
     pub seq_lens: CudaSlice<i32>,
     pub meta: AttnMeta,
     /// `Some(q_len)` when every chunk has that many tokens (decode windows).
     pub uniform: Option<usize>,
-    /// The rows whose logits are returned (`Batch::logit_rows`), uploaded with the rest:
-    /// an upload from pageable host memory synchronizes the stream, so none may follow a
-    /// collective inside a step (a stalled peer would block it beyond any deadline).
-    pub logit_rows: CudaSlice<i32>,
-    /// `Batch::argmax_rows`, uploaded with the rest (same reason).
-    pub argmax_rows: CudaSlice<i32>,
-    /// Which rows take the absorbed and the expanded form of MLA, uploaded with the rest.
+    /// Which rows take the absorbed and the expanded form of MLA, uploaded with the rest
+    /// (see [`HeadRows`] for why everything is uploaded first).
     pub route: route::Route,
-    /// `Batch::sample_rows`: their rows and their parameters ([`Sampler::params`]),
-    /// uploaded with the rest (same reason).
+    /// The decode kernel's split count when it is fixed (a step captured into a CUDA
+    /// graph); `None`: planned from the step's longest context.
+    pub splits: Option<usize>,
+}
+
+/// The rows the head serves, on the device. Uploaded before the step's first collective,
+/// like all of a step's metadata: an upload from pageable host memory synchronizes the
+/// stream, so none may follow a collective inside a step (a stalled peer would block it
+/// beyond any deadline).
+#[derive(Debug)]
+pub(crate) struct HeadRows {
+    /// `Batch::logit_rows`.
+    pub logit_rows: CudaSlice<i32>,
+    /// `Batch::argmax_rows`.
+    pub argmax_rows: CudaSlice<i32>,
+    /// `Batch::sample_rows`: their rows and their parameters ([`Sampler::params`]).
     pub sample_rows: CudaSlice<i32>,
     pub sample_params: CudaSlice<f64>,
 }
@@ -291,6 +309,7 @@ impl CudaBackend {
             opts,
             comm,
             prof: None,
+            graphs: graphs::Graphs::default(),
         })
     }
 
@@ -411,47 +430,31 @@ impl CudaBackend {
     /// Builds and uploads the step's row metadata.
     fn step(&self, batch: &Batch) -> Result<Step> {
         let s = &self.gpu.stream;
-        let n = batch.num_tokens();
-        let bt_stride = batch.seqs.iter().map(|c| c.block_table.len()).max().unwrap_or(1).max(1);
-        let (mut tokens, mut pos, mut slot, mut row_seq) = (vec![], vec![], vec![], vec![]);
-        let mut tables = vec![0i32; batch.seqs.len().max(1) * bt_stride];
-        let mut seq_lens = Vec::with_capacity(batch.seqs.len());
-        let (mut max_pos, mut max_block, mut max_slot) = (0usize, 0usize, 0usize);
-        for (i, c) in batch.seqs.iter().enumerate() {
-            for (j, &b) in c.block_table.iter().enumerate() {
-                tables[i * bt_stride + j] = b as i32;
-                max_block = max_block.max(b as usize);
-            }
-            for (j, &t) in c.tokens.iter().enumerate() {
-                let p = c.start_pos + j;
-                let sl = c.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
-                tokens.push(t as i32);
-                pos.push(p as i32);
-                slot.push(sl as i64);
-                row_seq.push(i as i32);
-                max_pos = max_pos.max(p);
-                max_slot = max_slot.max(sl);
-            }
-            seq_lens.push((c.start_pos + c.tokens.len()) as i32);
-        }
-        let first = batch.seqs.first().map(|c| c.tokens.len()).unwrap_or(0);
-        let uniform = (first > 0 && batch.seqs.iter().all(|c| c.tokens.len() == first)).then_some(first);
+        let l = StepLayout::new(batch, None);
         let up = |v: &[i32]| s.clone_htod(if v.is_empty() { &[0][..] } else { v });
         Ok(Step {
-            n,
-            tokens: up(&tokens)?,
-            pos: up(&pos)?,
-            slot: s.clone_htod(if slot.is_empty() { &[0i64][..] } else { &slot })?,
-            max_slot,
-            row_seq: up(&row_seq)?,
-            tables: up(&tables)?,
-            seq_lens: up(&seq_lens)?,
-            meta: AttnMeta { n, seqs: batch.seqs.len(), bt_stride, max_pos, max_block },
-            uniform,
-            logit_rows: up(&batch.logit_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
-            argmax_rows: up(&batch.argmax_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?,
-            route: self.route(batch, bt_stride, max_block)?,
-            sample_rows: up(&batch.sample_rows.iter().map(|r| r.row as i32).collect::<Vec<_>>())?,
+            n: l.meta.n,
+            tokens: up(&l.tokens)?,
+            pos: up(&l.pos)?,
+            slot: s.clone_htod(if l.slot.is_empty() { &[0i64][..] } else { &l.slot })?,
+            row_seq: up(&l.row_seq)?,
+            tables: up(&l.tables)?,
+            seq_lens: up(&l.seq_lens)?,
+            meta: l.meta,
+            uniform: l.uniform,
+            route: self.route(batch, l.meta.bt_stride, l.meta.max_block)?,
+            splits: None,
+        })
+    }
+
+    /// Uploads the rows the head serves.
+    fn head_rows_upload(&self, batch: &Batch) -> Result<HeadRows> {
+        let s = &self.gpu.stream;
+        let up = |v: Vec<i32>| s.clone_htod(if v.is_empty() { &[0][..] } else { &v });
+        Ok(HeadRows {
+            logit_rows: up(batch.logit_rows.iter().map(|&r| r as i32).collect())?,
+            argmax_rows: up(batch.argmax_rows.iter().map(|&r| r as i32).collect())?,
+            sample_rows: up(batch.sample_rows.iter().map(|r| r.row as i32).collect())?,
             sample_params: s.clone_htod(&if batch.sample_rows.is_empty() {
                 vec![0.0; 4]
             } else {
@@ -501,7 +504,7 @@ impl CudaBackend {
     }
 
     /// Vocabulary-parallel head over `rows` of `normed`: logits on the host.
-    fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[u32]) -> Result<Vec<f32>> {
+    fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, st: &HeadRows, rows: &[u32]) -> Result<Vec<f32>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -517,7 +520,13 @@ impl CudaBackend {
     /// uploaded with the step, and one id per row comes to the host. With TP every rank
     /// samples the same all-gathered rows with the same uniforms (the leader's ids are the
     /// ones the engine uses).
-    fn head_sample(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[SampleRow]) -> Result<Vec<u32>> {
+    fn head_sample(
+        &self,
+        head: &Linear,
+        normed: &CudaSlice<f32>,
+        st: &HeadRows,
+        rows: &[SampleRow],
+    ) -> Result<Vec<u32>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -537,7 +546,7 @@ impl CudaBackend {
     /// on the device; one id per row comes to the host (with TP: each rank's best value
     /// and id, all-gathered, the best taken in rank order — lowest id on a tie, as
     /// `mlaserve_core::argmax`).
-    fn head_argmax(&self, head: &Linear, normed: &CudaSlice<f32>, st: &Step, rows: &[u32]) -> Result<Vec<u32>> {
+    fn head_argmax(&self, head: &Linear, normed: &CudaSlice<f32>, st: &HeadRows, rows: &[u32]) -> Result<Vec<u32>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -578,31 +587,50 @@ impl CudaBackend {
 
     fn forward_impl(&mut self, batch: &Batch) -> Result<ForwardOutput<CudaHidden>> {
         self.mark("idle (between calls)")?;
-        let st = self.step(batch)?;
-        self.mark("step metadata upload")?;
         let s = self.gpu.stream.clone();
-        let (h, n) = (self.cfg.hidden_size, st.n);
-        let mut x = s.alloc_zeros::<f32>(n * h)?;
-        let e = &self.embed;
-        self.ops.embed(&s, &mut x, &e.w, &st.tokens, &st.pos, h, e.lo, e.rows, false)?;
-        self.all_reduce(&mut x)?;
-        self.mark("embedding")?;
-        for l in 0..self.blocks.len() {
-            self.run_block(BlockRef::Target(l), &mut x, &st)?;
-        }
-        let mut normed = s.alloc_zeros::<f32>(n * h)?;
-        let eps = self.cfg.rms_norm_eps as f32;
-        self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &self.final_norm, n, eps)?;
-        self.mark("final norm")?;
-        let logits = self.head_logits(&self.lm_head, &normed, &st, &batch.logit_rows)?;
+        let (h, n) = (self.cfg.hidden_size, batch.num_tokens());
+        let rows = self.head_rows_upload(batch)?;
+        let key = self.graph_key(batch, graphs::Stage::Target);
+        let normed = match key {
+            Some(key) if self.ensure_graph(key)? => self.replay(key, batch, None)?.normed,
+            _ => {
+                let st = self.step(batch)?;
+                self.mark("step metadata upload")?;
+                let mut x = s.alloc_zeros::<f32>(n * h)?;
+                let mut normed = s.alloc_zeros::<f32>(n * h)?;
+                self.target_body(&st, &mut x, &mut normed)?;
+                normed
+            }
+        };
+        let logits = self.head_logits(&self.lm_head, &normed, &rows, &batch.logit_rows)?;
         self.mark("head (logits to host)")?;
-        let argmax = self.head_argmax(&self.lm_head, &normed, &st, &batch.argmax_rows)?;
+        let argmax = self.head_argmax(&self.lm_head, &normed, &rows, &batch.argmax_rows)?;
         self.mark("head (argmax)")?;
-        let sampled = self.head_sample(&self.lm_head, &normed, &st, &batch.sample_rows)?;
+        let sampled = self.head_sample(&self.lm_head, &normed, &rows, &batch.sample_rows)?;
         self.mark("head (sample)")?;
         self.settle("forward")?;
         self.gpu.sync()?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits, argmax, sampled })
+    }
+
+    /// The target model over a step's rows (the part of a forward a CUDA graph holds):
+    /// embedding, every block, the final norm into `normed`; `x` (`[n][h]`) is the
+    /// residual stream. Launches only (no host wait, no upload, no allocation that
+    /// outlives it), so it can be captured.
+    pub(crate) fn target_body(&mut self, st: &Step, x: &mut CudaSlice<f32>, normed: &mut CudaSlice<f32>) -> Result<()> {
+        let s = self.gpu.stream.clone();
+        let (h, n) = (self.cfg.hidden_size, st.n);
+        s.memset_zeros(x)?;
+        let e = &self.embed;
+        self.ops.embed(&s, x, &e.w, &st.tokens, &st.pos, h, e.lo, e.rows, false)?;
+        self.all_reduce(x)?;
+        self.mark("embedding")?;
+        for l in 0..self.blocks.len() {
+            self.run_block(BlockRef::Target(l), x, st)?;
+        }
+        let eps = self.cfg.rms_norm_eps as f32;
+        self.ops.rmsnorm_f32(&s, normed, h, x, h, &self.final_norm, n, eps)?;
+        self.mark("final norm")
     }
 
     fn concat_impl(&self, parts: &[(&CudaHidden, &[u32])]) -> Result<CudaHidden> {
@@ -633,41 +661,70 @@ impl CudaBackend {
         hidden_rows: &[u32],
     ) -> Result<ForwardOutput<CudaHidden>> {
         self.mark("idle (between calls)")?;
-        let st = self.step(batch)?;
-        self.mark("step metadata upload")?;
+        let s = self.gpu.stream.clone();
+        let (h, n) = (self.cfg.hidden_size, batch.num_tokens());
+        let rows = self.head_rows_upload(batch)?;
+        // Uploaded before the first collective (see `HeadRows`).
+        let rows_d = s.clone_htod(&hidden_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        let key = self.graph_key(batch, graphs::Stage::Mtp(layer));
+        let (x, normed) = match key {
+            Some(key) if self.ensure_graph(key)? => {
+                let out = self.replay(key, batch, Some((&prev.data, &rows_d, hidden_rows)))?;
+                (out.x.expect("an MTP graph returns its hidden state"), out.normed)
+            }
+            _ => {
+                let st = self.step(batch)?;
+                self.mark("step metadata upload")?;
+                let mut hid = s.alloc_zeros::<f32>(n * h)?;
+                self.ops.gather_f32(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
+                let mut x = s.alloc_zeros::<f32>(n * h)?;
+                let mut normed = s.alloc_zeros::<f32>(n * h)?;
+                self.mtp_body(layer, &st, &hid, &mut x, &mut normed)?;
+                (x, normed)
+            }
+        };
+        let m = &self.mtp[layer];
+        let logits = self.head_logits(&m.head, &normed, &rows, &batch.logit_rows)?;
+        self.mark("head (logits to host)")?;
+        let argmax = self.head_argmax(&m.head, &normed, &rows, &batch.argmax_rows)?;
+        self.mark("head (argmax)")?;
+        let sampled = self.head_sample(&m.head, &normed, &rows, &batch.sample_rows)?;
+        self.mark("head (sample)")?;
+        self.settle("MTP forward")?;
+        self.gpu.sync()?;
+        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax, sampled })
+    }
+
+    /// MTP layer `layer` over a step's rows, `hid` (`[n][h]`) holding each row's previous
+    /// hidden state: the embedding (zero at position 0), the two norms, `eh_proj`, the
+    /// block, the head norm into `normed`; `x` gets the layer's output (the next stage's
+    /// hidden state). Capturable, as [`Self::target_body`].
+    pub(crate) fn mtp_body(
+        &mut self,
+        layer: usize,
+        st: &Step,
+        hid: &CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        normed: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let s = self.gpu.stream.clone();
         let (h, n) = (self.cfg.hidden_size, st.n);
         let eps = self.cfg.rms_norm_eps as f32;
         let m = &self.mtp[layer];
         let table = m.embed.as_ref().unwrap_or(&self.embed);
-        // Uploaded before the first collective (see `Step::logit_rows`).
-        let rows_d = s.clone_htod(&hidden_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
         let mut e = s.alloc_zeros::<f32>(n * h)?;
         // vLLM's convention: the embedding input is zero at position 0.
         self.ops.embed(&s, &mut e, &table.w, &st.tokens, &st.pos, h, table.lo, table.rows, true)?;
         self.all_reduce(&mut e)?;
-        let mut hid = s.alloc_zeros::<f32>(n * h)?;
-        self.ops.gather_f32(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
         // cat[r] = [enorm(e_r), hnorm(h_r)]: embedding first (DESIGN §3).
         let mut cat = s.alloc_zeros::<half::bf16>(n * 2 * h)?;
         self.ops.rmsnorm_bf16(&s, &mut cat, 2 * h, &e, h, &m.enorm, n, eps)?;
-        self.ops.rmsnorm_bf16(&s, &mut cat.slice_mut(h..), 2 * h, &hid, h, &m.hnorm, n, eps)?;
-        let mut x = s.alloc_zeros::<f32>(n * h)?;
-        self.gemm.forward(&s, &m.eh_proj, &cat, n, &mut x)?;
+        self.ops.rmsnorm_bf16(&s, &mut cat.slice_mut(h..), 2 * h, hid, h, &m.hnorm, n, eps)?;
+        self.gemm.forward(&s, &m.eh_proj, &cat, n, x)?;
         self.mark("MTP input (embedding, norms, eh_proj)")?;
-        self.run_block(BlockRef::Mtp(layer), &mut x, &st)?;
+        self.run_block(BlockRef::Mtp(layer), x, st)?;
         let m = &self.mtp[layer];
-        let mut normed = s.alloc_zeros::<f32>(n * h)?;
-        self.ops.rmsnorm_f32(&s, &mut normed, h, &x, h, &m.head_norm, n, eps)?;
-        let logits = self.head_logits(&m.head, &normed, &st, &batch.logit_rows)?;
-        self.mark("head (logits to host)")?;
-        let argmax = self.head_argmax(&m.head, &normed, &st, &batch.argmax_rows)?;
-        self.mark("head (argmax)")?;
-        let sampled = self.head_sample(&m.head, &normed, &st, &batch.sample_rows)?;
-        self.mark("head (sample)")?;
-        self.settle("MTP forward")?;
-        self.gpu.sync()?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax, sampled })
+        self.ops.rmsnorm_f32(&s, normed, h, x, h, &m.head_norm, n, eps)
     }
 }
 

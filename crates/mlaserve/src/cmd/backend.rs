@@ -23,6 +23,21 @@ pub struct BackendArgs {
     /// CUDA device of the group (single-rank groups).
     #[arg(long = "cuda-device", default_value_t = 0)]
     pub cuda_device: usize,
+    /// CUDA backend: launch every kernel of a decode step from the host instead of
+    /// replaying a CUDA graph per batch bucket (vLLM's flag of the same name).
+    #[arg(long)]
+    pub enforce_eager: bool,
+}
+
+impl BackendArgs {
+    /// The CUDA backend's options for a cache of `kv_blocks` on GPU `ordinal`.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_options(&self, kv_blocks: usize, ordinal: usize) -> mlaserve_cuda::CudaOptions {
+        mlaserve_cuda::CudaOptions {
+            graphs: !self.enforce_eager,
+            ..mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal)
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -46,9 +61,10 @@ pub async fn spawn_engine(
         };
         if use_gpu {
             let ordinal = b.cuda_device;
-            tracing::info!(ordinal, "worker group on the CUDA backend");
+            tracing::info!(ordinal, graphs = !b.enforce_eager, "worker group on the CUDA backend");
+            let opts = b.cuda_options(kv_blocks, ordinal);
             let make = move || {
-                mlaserve_cuda::CudaBackend::load_with(&model, mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal))
+                mlaserve_cuda::CudaBackend::load_with(&model, opts)
                     .map_err(|e| mlaserve_core::Error::Backend(e.to_string()))
             };
             return Ok(EngineHandle::spawn(make, cfg).await?);

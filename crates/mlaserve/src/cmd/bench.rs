@@ -54,6 +54,9 @@ struct StepArgs {
     /// each row's argmax, computed on the device (greedy verification and drafting).
     #[arg(long)]
     host_logits: bool,
+    /// Launch every kernel from the host: no CUDA graphs for the decode steps.
+    #[arg(long)]
+    eager: bool,
     /// (Internal) this process is rank R of a `--tp` group started by rank 0.
     #[arg(long, hide = true, requires = "nccl_id")]
     rank: Option<usize>,
@@ -220,6 +223,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         context: a.context,
         profile: a.profile,
         host_logits: a.host_logits,
+        eager: a.eager,
         ..Default::default()
     };
     if a.tp == 1 || a.threads {
@@ -250,6 +254,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(["--rank", &r.to_string(), "--nccl-id", &hex])
                 .args(a.profile.then_some("--profile"))
                 .args(a.host_logits.then_some("--host-logits"))
+                .args(a.eager.then_some("--eager"))
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))
         })

@@ -140,6 +140,7 @@ mod tp {
 
     #[cfg(feature = "cuda")]
     fn cuda_backend(
+        b: &super::super::backend::BackendArgs,
         tp: &TpArgs,
         ids: &[u8],
         model: &Path,
@@ -151,12 +152,18 @@ mod tp {
             id: ids[..ID_BYTES].to_vec(),
             timeout: Duration::from_secs(tp.collective_timeout_s),
         };
-        let opts = mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal(tp)?);
+        let opts = b.cuda_options(kv_blocks, ordinal(tp)?);
         Ok(mlaserve_cuda::CudaBackend::load_tp(model, opts, Some(&init))?)
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn cuda_backend(_: &TpArgs, _: &[u8], _: &Path, _: usize) -> mlaserve_core::Result<CpuBackend> {
+    fn cuda_backend(
+        _: &super::super::backend::BackendArgs,
+        _: &TpArgs,
+        _: &[u8],
+        _: &Path,
+        _: usize,
+    ) -> mlaserve_core::Result<CpuBackend> {
         Err(mlaserve_core::Error::Backend("this build has no CUDA".into()))
     }
 
@@ -188,7 +195,7 @@ mod tp {
             // The backend first: its communicator's init waits for every rank's, in the
             // same order on every rank (backend, then plans).
             return if gpu {
-                follow(&a, cuda_backend(&a.tp, &ids, &model, kv_blocks), &ids)
+                follow(&a, cuda_backend(&a.backend, &a.tp, &ids, &model, kv_blocks), &ids)
             } else {
                 follow(&a, cpu_backend(&a.tp, &ids, &model, kv_blocks), &ids)
             };
@@ -199,7 +206,7 @@ mod tp {
         } else {
             Some(std::net::TcpListener::bind(a.tp.tp_addr).with_context(|| format!("--tp-addr {}", a.tp.tp_addr))?)
         };
-        let (tp, world) = (a.tp.clone(), a.tp.world_size);
+        let (tp, world, backend) = (a.tp.clone(), a.tp.world_size, a.backend.clone());
         let (eps, cluster, lease) = (a.worker.etcd.clone(), a.worker.cluster.clone(), a.worker.lease_ttl_s);
         let (group2, ids2) = (group.clone(), ids.clone());
         let join = move || -> mlaserve_core::Result<()> {
@@ -221,7 +228,7 @@ mod tp {
             let engine = if gpu {
                 let make = move || {
                     join()?;
-                    let b = cuda_backend(&tp, &ids, &model, kv_blocks)?;
+                    let b = cuda_backend(&backend, &tp, &ids, &model, kv_blocks)?;
                     TpLeader::new(b, plans(&tp, &ids)?)
                 };
                 mlaserve_engine::EngineHandle::spawn(make, cfg).await?
