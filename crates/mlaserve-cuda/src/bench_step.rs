@@ -341,8 +341,8 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             opts.moe_layers,
             if opts.host_logits { "every row's logits to the host" } else { "greedy: argmax rows on the device" },
             match be.graph_stats() {
-                (0, _) => "eager (no CUDA graph)".to_string(),
-                (n, g) => format!("decode steps as CUDA graphs ({n} launches of {g} graphs)"),
+                g if g.steps == 0 => "eager (no CUDA graph)".to_string(),
+                g => format!("decode steps as CUDA graphs ({} launches of {} graphs)", g.launches, g.graphs),
             }
         ),
         context: opts.context,

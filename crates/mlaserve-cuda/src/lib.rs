@@ -51,7 +51,7 @@ pub mod ops;
 pub mod sample;
 
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, CudaHidden, CudaOptions, PrefillPath, WeightBytes, ABSORBED_MAX_ROWS};
+pub use backend::{CudaBackend, CudaHidden, CudaOptions, GraphStats, PrefillPath, WeightBytes, ABSORBED_MAX_ROWS};
 #[cfg(feature = "cuda")]
 pub use comm::{DeviceComm, TpInit};
 #[cfg(feature = "cuda")]

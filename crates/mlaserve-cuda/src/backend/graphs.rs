@@ -18,12 +18,12 @@
 //! - The head (logits, argmax, sampling) stays eager: the rows it serves change every
 //!   step, and it is a few launches.
 //!
-//! Eager, always: profiling (its marks wait for the stream), the batch-invariant mode
-//! (no decode kernel), models whose MoE sorts on the host (a mid-step wait), steps with
+//! Eager, always: tensor-parallel ranks (see `graph_key`), profiling (its marks wait for
+//! the stream), the batch-invariant mode (no decode kernel), models whose MoE sorts on the host (a mid-step wait), steps with
 //! prefill chunks or mixed window lengths, and shapes past the buckets. A capture that
 //! fails is logged and not retried for its key; that step runs eagerly.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -88,8 +88,11 @@ pub(crate) struct GraphIo {
 pub(crate) struct Graphs {
     io: Option<GraphIo>,
     map: HashMap<GraphKey, CudaGraph>,
-    failed: HashSet<GraphKey>,
-    /// Graph launches so far (tests and benchmarks read it).
+    /// Keys whose capture failed, with why.
+    failed: HashMap<GraphKey, String>,
+    /// Steps that took the graph path (a key's first one runs eagerly, then is captured).
+    pub steps: u64,
+    /// Graph launches so far.
     pub replays: u64,
 }
 
@@ -98,12 +101,26 @@ impl std::fmt::Debug for Graphs {
         f.debug_struct("Graphs")
             .field("graphs", &self.map.len())
             .field("failed", &self.failed)
+            .field("steps", &self.steps)
             .field("replays", &self.replays)
             .finish()
     }
 }
 
-/// What a replay returns: copies of the graph's outputs for the real rows.
+/// [`CudaBackend::graph_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Decode steps that took the graph path.
+    pub steps: u64,
+    /// Of those, the ones that launched a captured graph (the others were each key's
+    /// first step: run eagerly on the graph's buffers, then captured).
+    pub launches: u64,
+    pub graphs: usize,
+    /// Keys whose capture failed (they run eagerly; the reasons are logged).
+    pub failed: usize,
+}
+
+/// What a graph step returns: copies of the graph's outputs for the real rows.
 pub(crate) struct GraphOut {
     /// The residual stream (MTP stages only: their hidden state).
     pub x: Option<CudaSlice<f32>>,
@@ -172,7 +189,16 @@ impl CudaBackend {
     /// module's list).
     pub(super) fn graph_key(&self, batch: &Batch, stage: Stage) -> Option<GraphKey> {
         let o = &self.opts;
-        if !o.graphs || !o.decode_kernel || o.prefill == PrefillPath::Expanded || self.prof.is_some() {
+        // Single-rank backends only: with a communicator, a step captured with its NCCL
+        // collectives hung on two H200s (ranks as threads and as processes alike, with or
+        // without NCCL_RUNTIME_CONNECT=0, NCCL_GRAPH_REGISTER=0, NCCL_GRAPH_MIXING_SUPPORT=0;
+        // the same steps run eagerly are fine). docs/status.md tracks it.
+        if !o.graphs
+            || !o.decode_kernel
+            || o.prefill == PrefillPath::Expanded
+            || self.prof.is_some()
+            || self.comm.is_some()
+        {
             return None;
         }
         let q_len = batch.seqs.first()?.tokens.len();
@@ -191,7 +217,7 @@ impl CudaBackend {
         let max_len = batch.seqs.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
         let key = GraphKey { stage, seqs, q_len, bt_stride, splits: self.mla.num_splits(&dims, max_len) };
         let known = self.graphs.map.contains_key(&key);
-        (known || (self.graphs.map.len() < MAX_GRAPHS && !self.graphs.failed.contains(&key))).then_some(key)
+        (known || (self.graphs.map.len() < MAX_GRAPHS && !self.graphs.failed.contains_key(&key))).then_some(key)
     }
 
     /// Widest block table a graph takes: the model's longest context.
@@ -208,17 +234,13 @@ impl CudaBackend {
         })
     }
 
-    /// The graph of `key`, captured now if it is new: `Ok(false)` when the capture failed
-    /// (logged; the key runs eagerly from now on).
-    pub(super) fn ensure_graph(&mut self, key: GraphKey) -> Result<bool> {
-        if self.graphs.map.contains_key(&key) {
-            return Ok(true);
-        }
-        self.ensure_io()?;
+    /// Runs the body of `key` over the persistent buffers (their first rows hold the
+    /// step's inputs), eagerly or, with `capture`, into a graph (nothing executes then).
+    fn body_on_io(&mut self, key: GraphKey) -> Result<()> {
         let s = self.gpu.stream.clone();
         let h = self.cfg.hidden_size;
         let rows = key.seqs * key.q_len;
-        let io = self.graphs.io.as_ref().expect("allocated above");
+        let io = self.graphs.io.as_ref().expect("allocated before any graph step");
         let st = AliasStep(Some(Step {
             n: rows,
             tokens: Alias::new(&s, &io.tokens, rows).take(),
@@ -241,14 +263,22 @@ impl CudaBackend {
         let hid = Alias::new(&s, &io.hid, rows * h);
         let mut x = Alias::new(&s, &io.x, rows * h);
         let mut normed = Alias::new(&s, &io.normed, rows * h);
+        let step = st.0.as_ref().expect("step present");
+        match key.stage {
+            Stage::Target => self.target_body(step, &mut x, &mut normed),
+            Stage::Mtp(d) => self.mtp_body(d, step, &hid, &mut x, &mut normed),
+        }
+    }
+
+    /// Captures the graph of `key` (the step just ran eagerly on the same buffers, so
+    /// whatever NCCL and cuBLAS set up lazily exists already): `false` when the capture
+    /// failed (logged; the key runs eagerly from now on).
+    fn capture(&mut self, key: GraphKey) -> Result<bool> {
+        let s = self.gpu.stream.clone();
         // Nothing of earlier work may be pending in the capture's view.
         self.gpu.sync()?;
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let step = st.0.as_ref().expect("step present");
-        let body = match key.stage {
-            Stage::Target => self.target_body(step, &mut x, &mut normed),
-            Stage::Mtp(d) => self.mtp_body(d, step, &hid, &mut x, &mut normed),
-        };
+        let body = self.body_on_io(key);
         // Always ended, so the stream leaves capture mode whatever happened.
         let graph = s.end_capture(CUgraphInstantiate_flags(0));
         let why = match (body, graph) {
@@ -266,7 +296,7 @@ impl CudaBackend {
         // Work freed inside a failed capture records errors on the context: clear them.
         let _ = self.gpu.ctx.check_err();
         tracing::warn!(?key, %why, "CUDA graph capture failed; this shape runs eagerly");
-        self.graphs.failed.insert(key);
+        self.graphs.failed.insert(key, why);
         Ok(false)
     }
 
@@ -291,11 +321,14 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Runs `batch` through the graph of `key` (captured by [`Self::ensure_graph`]):
-    /// uploads its padded metadata, gathers an MTP stage's previous hidden rows (`mtp_in`:
-    /// the previous output, the rows uploaded, the same rows on the host), launches, and
-    /// copies the real rows' outputs out.
-    pub(super) fn replay(
+    /// Runs `batch` as the graph step of `key`: uploads its padded metadata, gathers an
+    /// MTP stage's previous hidden rows (`mtp_in`: the previous output, the rows uploaded,
+    /// the same rows on the host), launches the graph, and copies the real rows' outputs
+    /// out. A key's first step runs the same body eagerly on the same buffers and is then
+    /// captured (vLLM's warm-up before capture): a collective's first use at a message
+    /// size may set up NCCL connections, which must not happen inside a capture (measured:
+    /// tensor-parallel steps captured cold hung on two H200s).
+    pub(super) fn graph_step(
         &mut self,
         key: GraphKey,
         batch: &Batch,
@@ -307,7 +340,8 @@ impl CudaBackend {
         if lay.meta.n != key.seqs * key.q_len || lay.tables.len() != key.seqs * key.bt_stride {
             return Err(CudaError::shape("cuda graph", format!("{key:?} does not fit the step's {} rows", lay.meta.n)));
         }
-        let io = self.graphs.io.as_mut().expect("a graph exists, so its buffers do");
+        self.ensure_io()?;
+        let io = self.graphs.io.as_mut().expect("allocated above");
         s.memcpy_htod(&lay.tokens, &mut io.tokens)?;
         s.memcpy_htod(&lay.pos, &mut io.pos)?;
         s.memcpy_htod(&lay.slot, &mut io.slot)?;
@@ -318,8 +352,17 @@ impl CudaBackend {
             let mut hid = Alias::new(&s, &io.hid, n * h);
             self.ops.gather_f32(&s, &mut *hid, prev, rows_d, rows, h)?;
         }
-        self.graphs.map.get(&key).expect("captured by ensure_graph").launch()?;
-        self.graphs.replays += 1;
+        self.graphs.steps += 1;
+        match self.graphs.map.get(&key) {
+            Some(g) => {
+                g.launch()?;
+                self.graphs.replays += 1;
+            }
+            None => {
+                self.body_on_io(key)?;
+                self.capture(key)?;
+            }
+        }
         let io = self.graphs.io.as_ref().expect("present");
         let x = match key.stage {
             Stage::Target => None,
@@ -328,8 +371,13 @@ impl CudaBackend {
         Ok(GraphOut { x, normed: s.clone_dtod(&io.normed.slice(..n * h))? })
     }
 
-    /// Graph launches so far and graphs held (benchmarks and tests).
-    pub fn graph_stats(&self) -> (u64, usize) {
-        (self.graphs.replays, self.graphs.map.len())
+    /// Graph-path steps, graph launches and graphs held so far (tests and benchmarks).
+    pub fn graph_stats(&self) -> GraphStats {
+        GraphStats {
+            steps: self.graphs.steps,
+            launches: self.graphs.replays,
+            graphs: self.graphs.map.len(),
+            failed: self.graphs.failed.len(),
+        }
     }
 }

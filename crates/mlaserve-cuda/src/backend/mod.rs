@@ -51,6 +51,7 @@ use crate::sample::Sampler;
 use crate::{MlaDecode, MlaKernel};
 use weights::{Block, Embed, Loader, Mtp};
 
+pub use graphs::GraphStats;
 pub use route::{PrefillPath, ABSORBED_MAX_ROWS};
 
 /// Construction options.
@@ -73,7 +74,7 @@ pub struct CudaOptions {
     /// Run decode steps (uniform windows of 1 to 4 tokens) as CUDA graphs, one per batch
     /// bucket and window length (`graphs.rs`); off, every step is launched kernel by kernel
     /// (vLLM's `enforce_eager`). They need the decode kernel, so the batch-invariant mode
-    /// runs eagerly either way.
+    /// runs eagerly either way, and so do tensor-parallel ranks for now.
     pub graphs: bool,
 }
 
@@ -590,10 +591,9 @@ impl CudaBackend {
         let s = self.gpu.stream.clone();
         let (h, n) = (self.cfg.hidden_size, batch.num_tokens());
         let rows = self.head_rows_upload(batch)?;
-        let key = self.graph_key(batch, graphs::Stage::Target);
-        let normed = match key {
-            Some(key) if self.ensure_graph(key)? => self.replay(key, batch, None)?.normed,
-            _ => {
+        let normed = match self.graph_key(batch, graphs::Stage::Target) {
+            Some(key) => self.graph_step(key, batch, None)?.normed,
+            None => {
                 let st = self.step(batch)?;
                 self.mark("step metadata upload")?;
                 let mut x = s.alloc_zeros::<f32>(n * h)?;
@@ -666,13 +666,12 @@ impl CudaBackend {
         let rows = self.head_rows_upload(batch)?;
         // Uploaded before the first collective (see `HeadRows`).
         let rows_d = s.clone_htod(&hidden_rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
-        let key = self.graph_key(batch, graphs::Stage::Mtp(layer));
-        let (x, normed) = match key {
-            Some(key) if self.ensure_graph(key)? => {
-                let out = self.replay(key, batch, Some((&prev.data, &rows_d, hidden_rows)))?;
+        let (x, normed) = match self.graph_key(batch, graphs::Stage::Mtp(layer)) {
+            Some(key) => {
+                let out = self.graph_step(key, batch, Some((&prev.data, &rows_d, hidden_rows)))?;
                 (out.x.expect("an MTP graph returns its hidden state"), out.normed)
             }
-            _ => {
+            None => {
                 let st = self.step(batch)?;
                 self.mark("step metadata upload")?;
                 let mut hid = s.alloc_zeros::<f32>(n * h)?;
