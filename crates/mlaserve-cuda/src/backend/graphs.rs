@@ -127,6 +127,13 @@ pub(crate) struct GraphOut {
     pub normed: CudaSlice<f32>,
 }
 
+/// `MLASERVE_TP_GRAPHS=1` (experimental, for finding why tensor-parallel captures hang):
+/// graphs on TP ranks too, each capture's outcome on stderr. `MLASERVE_GRAPH_CAPTURE=relaxed`
+/// captures in relaxed mode instead of thread-local.
+fn tp_experiment() -> bool {
+    std::env::var_os("MLASERVE_TP_GRAPHS").is_some_and(|v| v == "1")
+}
+
 /// The first `len` elements of `base` as a `CudaSlice` of their own: the kernels'
 /// wrappers take slices of a step's exact length. Never freed (dropping it leaks the
 /// handle, not the memory, which stays `base`'s).
@@ -197,7 +204,7 @@ impl CudaBackend {
             || !o.decode_kernel
             || o.prefill == PrefillPath::Expanded
             || self.prof.is_some()
-            || self.comm.is_some()
+            || (self.comm.is_some() && !tp_experiment())
         {
             return None;
         }
@@ -277,13 +284,21 @@ impl CudaBackend {
         let s = self.gpu.stream.clone();
         // Nothing of earlier work may be pending in the capture's view.
         self.gpu.sync()?;
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let mode = if std::env::var("MLASERVE_GRAPH_CAPTURE").is_ok_and(|v| v == "relaxed") {
+            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED
+        } else {
+            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        };
+        s.begin_capture(mode)?;
         let body = self.body_on_io(key);
         // Always ended, so the stream leaves capture mode whatever happened.
         let graph = s.end_capture(CUgraphInstantiate_flags(0));
         let why = match (body, graph) {
             (Ok(()), Ok(Some(g))) => match g.upload() {
                 Ok(()) => {
+                    if tp_experiment() {
+                        eprintln!("CUDA graph captured: {key:?}");
+                    }
                     self.graphs.map.insert(key, g);
                     return Ok(true);
                 }
@@ -296,6 +311,9 @@ impl CudaBackend {
         // Work freed inside a failed capture records errors on the context: clear them.
         let _ = self.gpu.ctx.check_err();
         tracing::warn!(?key, %why, "CUDA graph capture failed; this shape runs eagerly");
+        if tp_experiment() {
+            eprintln!("CUDA graph capture failed: {key:?}: {why}");
+        }
         self.graphs.failed.insert(key, why);
         Ok(false)
     }
