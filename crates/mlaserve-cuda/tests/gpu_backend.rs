@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{require_gpu, require_gpus};
+use common::{rel, require_gpu, require_gpus};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -27,15 +27,6 @@ use mlaserve_cuda::{CudaBackend, CudaOptions};
 
 const BLOCKS: usize = 32;
 const TOL: f64 = 2e-2;
-
-fn rel(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "shape");
-    if got.iter().any(|v| !v.is_finite()) {
-        return f64::NAN;
-    }
-    let d = got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
-    d / want.iter().map(|v| v.abs() as f64).fold(1e-30, f64::max)
-}
 
 fn toks(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| 2 + (seed.wrapping_mul(7919) + i * 131) % 509).collect()

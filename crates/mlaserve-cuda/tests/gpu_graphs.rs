@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::require_gpu;
+use common::{rel, require_gpu};
 use mlaserve_core::{Backend, Batch, SeqChunk};
 use mlaserve_cuda::{CudaBackend, CudaOptions, GraphStats};
 use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams};
@@ -45,15 +45,6 @@ fn model(v3_attention: bool) -> tempfile::TempDir {
 
 fn toks(seed: usize, n: usize) -> Vec<u32> {
     (0..n).map(|i| 2 + ((seed * 7919 + i * 131) % 509) as u32).collect()
-}
-
-fn rel(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "shape");
-    if got.iter().any(|v| !v.is_finite()) {
-        return f64::NAN;
-    }
-    let d = got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
-    d / want.iter().map(|v| v.abs() as f64).fold(1e-30, f64::max)
 }
 
 /// A step over sequences `which` (each at its current length), `q_len` new tokens each,

@@ -582,6 +582,28 @@ impl CudaBackend {
             .collect())
     }
 
+    /// Everything a call returns from `head` over `normed`: the logits of `logit_rows`
+    /// on the host, the argmax and the sampled ids of their rows; then waits for the
+    /// stream (bounded under TP, `what` names the call).
+    fn head_outputs(
+        &self,
+        head: &Linear,
+        normed: &CudaSlice<f32>,
+        rows: &HeadRows,
+        batch: &Batch,
+        what: &str,
+    ) -> Result<(Vec<f32>, Vec<u32>, Vec<u32>)> {
+        let logits = self.head_logits(head, normed, rows, &batch.logit_rows)?;
+        self.mark("head (logits to host)")?;
+        let argmax = self.head_argmax(head, normed, rows, &batch.argmax_rows)?;
+        self.mark("head (argmax)")?;
+        let sampled = self.head_sample(head, normed, rows, &batch.sample_rows)?;
+        self.mark("head (sample)")?;
+        self.settle(what)?;
+        self.gpu.sync()?;
+        Ok((logits, argmax, sampled))
+    }
+
     fn validate(&self, batch: &Batch) -> mlaserve_core::Result<()> {
         batch.validate(self.cfg.vocab_size, self.opts.num_blocks, self.cfg.max_position_embeddings)
     }
@@ -602,14 +624,7 @@ impl CudaBackend {
                 normed
             }
         };
-        let logits = self.head_logits(&self.lm_head, &normed, &rows, &batch.logit_rows)?;
-        self.mark("head (logits to host)")?;
-        let argmax = self.head_argmax(&self.lm_head, &normed, &rows, &batch.argmax_rows)?;
-        self.mark("head (argmax)")?;
-        let sampled = self.head_sample(&self.lm_head, &normed, &rows, &batch.sample_rows)?;
-        self.mark("head (sample)")?;
-        self.settle("forward")?;
-        self.gpu.sync()?;
+        let (logits, argmax, sampled) = self.head_outputs(&self.lm_head, &normed, &rows, batch, "forward")?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits, argmax, sampled })
     }
 
@@ -682,15 +697,8 @@ impl CudaBackend {
                 (x, normed)
             }
         };
-        let m = &self.mtp[layer];
-        let logits = self.head_logits(&m.head, &normed, &rows, &batch.logit_rows)?;
-        self.mark("head (logits to host)")?;
-        let argmax = self.head_argmax(&m.head, &normed, &rows, &batch.argmax_rows)?;
-        self.mark("head (argmax)")?;
-        let sampled = self.head_sample(&m.head, &normed, &rows, &batch.sample_rows)?;
-        self.mark("head (sample)")?;
-        self.settle("MTP forward")?;
-        self.gpu.sync()?;
+        let (logits, argmax, sampled) =
+            self.head_outputs(&self.mtp[layer].head, &normed, &rows, batch, "MTP forward")?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax, sampled })
     }
 

@@ -143,3 +143,14 @@ pub fn run_to_completion<B: mlaserve_core::Backend>(
     }
     ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
 }
+
+/// Largest absolute difference over the largest |want| (NaN when `got` has a non-finite
+/// value): the backend tests' relative error.
+pub fn rel(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "shape");
+    if got.iter().any(|v| !v.is_finite()) {
+        return f64::NAN;
+    }
+    let d = got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
+    d / want.iter().map(|v| v.abs() as f64).fold(1e-30, f64::max)
+}
