@@ -10,6 +10,12 @@
 # MLASERVE_CHECK_BUDGET_S (default 270) caps the whole run; MLASERVE_CHECK_ONLY (a regex
 # over step names) runs a subset.
 #
+# `--decode`: the decode-kernel loop: checks of each kernel in MLASERVE_KERNELS (default
+# "wgmma+tma wgmma-ss wgmma-t") against the f64 reference, each in its own process under a
+# timeout (a barrier deadlock hangs rather than traps), memcheck on the new kernels' checks,
+# then one `bench mla-decode --kernel` sweep comparing them (MLASERVE_BENCH_ARGS adds
+# flags, e.g. "--heads 16,128").
+#
 # `--tp N`: tensor parallelism on N GPUs (N = 2, 4 or 8; run on a kind with N GPUs): the
 # CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0, a
 # stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
@@ -37,6 +43,7 @@ case "${1:-}" in
     --quick) quick="--quick" ;;
     --backend) mode=backend ;;   # per-test processes + targeted memcheck, no benchmark
     --tp) mode=tp; tp_n="${2:?--tp needs the number of GPUs}" ;;
+    --decode) mode=decode ;;
 esac
 # Every step's time limit is cut to what is left of this budget (a device call has one).
 deadline=$((SECONDS + ${MLASERVE_CHECK_BUDGET_S:-270}))
@@ -78,6 +85,31 @@ step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seco
     nvidia-smi -q | grep -iE "persistence|compute mode|mig mode" | head
     ls -la "$gpu_dir" "$gpu_dir"/* 2>&1
 } >"$out/machine.txt" 2>&1
+
+# Decode-kernel mode (see the header).
+if [[ "$mode" == decode ]]; then
+    kernels="${MLASERVE_KERNELS:-wgmma+tma wgmma-ss wgmma-t}"
+    sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+    for k in $kernels; do
+        step "check $k" "$out/check.log" timeout 120 "$gpu_dir/bin/mlaserve-cuda-check" --kernel "$k" --no-bench
+    done
+    for k in $kernels; do
+        [[ "$k" == wgmma+tma || "$k" == mma.sync || "$k" == wgmma ]] && continue
+        step "memcheck check $k" "$out/memcheck.log" timeout 180 "$sanitizer" --tool memcheck --error-exitcode 1 \
+            --leak-check no "$gpu_dir/bin/mlaserve-cuda-check" --kernel "$k" --no-bench
+    done
+    step "bench mla-decode" "$out/bench-mla.log" timeout 300 "$gpu_dir/bin/mlaserve" bench mla-decode \
+        --kernel "$(tr ' ' ',' <<<"$kernels")" ${MLASERVE_BENCH_ARGS:-}
+    {
+        echo
+        echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
+        printf '%s\n' "${summary[@]}"
+        grep -E "checks:|FAIL|rel_err|Error|error" "$out/check.log" | head -40
+        grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head
+        grep -vE "^===" "$out/bench-mla.log" | head -160
+    } | tee "$out/summary.txt"
+    exit "$failures"
+fi
 
 # TP mode (see the header).
 if [[ "$mode" == tp ]]; then

@@ -142,7 +142,11 @@ impl Default for MlaDecodeBenchOpts {
 /// One configuration's measurement.
 #[derive(Debug, Clone)]
 pub struct MlaDecodeBenchRow {
+    /// The kernel asked for.
     pub kernel: MlaKernel,
+    /// The kernel that ran (`Auto` resolved; a kernel that does not cover the shape
+    /// falls back, printed with a `*`).
+    pub ran: MlaKernel,
     pub batch: usize,
     pub seq_len: usize,
     pub heads: usize,
@@ -223,6 +227,7 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
                             let lens = vec![seq_len; batch];
                             rows_out.push(MlaDecodeBenchRow {
                                 kernel,
+                                ran: mla.effective_kernel(&dims),
                                 batch,
                                 seq_len,
                                 heads,
@@ -253,7 +258,7 @@ impl fmt::Display for MlaDecodeBenchReport {
         )?;
         writeln!(
             f,
-            "{:>8} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>10} {:>8} {:>6} {:>8} {:>6}  bound",
+            "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>10} {:>8} {:>6} {:>8} {:>6}  bound",
             "kernel", "batch", "seq", "heads", "s", "rows", "splits", "median_us", "GB/s", "%copy", "TFLOP/s", "%gemm"
         )?;
         for r in &self.rows {
@@ -262,8 +267,12 @@ impl fmt::Display for MlaDecodeBenchReport {
             let ridge = c.gemm_tflops * 1e12 / (c.copy_gbps * 1e9);
             writeln!(
                 f,
-                "{:>8} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>10.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}%  {}",
-                r.kernel.name(),
+                "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>10.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}%  {}",
+                if r.kernel == MlaKernel::Auto || r.ran == r.kernel {
+                    r.kernel.name().to_string()
+                } else {
+                    format!("{}*", r.ran.name())
+                },
                 r.batch,
                 r.seq_len,
                 r.heads,

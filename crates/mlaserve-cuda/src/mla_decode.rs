@@ -38,6 +38,11 @@ const fn wgmma_smem(qrows: usize) -> usize {
     1024 + qrows * 1152 + stages * 32 * 1152 + 2 * 128 * 8 * 4 + 64
 }
 
+/// Dynamic shared memory of the seesaw kernel (`SMEM_BYTES` in mla_decode_sm90_ss.cu):
+/// 1 KB alignment slack + Q (64 rows) + two 64-token slots + P fragments + two row maxima
+/// + four mbarriers.
+const SEESAW_SMEM: usize = 1024 + 64 * 1152 + 2 * 64 * 1152 + 8192 + 2 * 64 * 4 + 4 * 8;
+
 /// The (function, shared memory) of wgmma variant `v` for the output type.
 fn pick_variant(variants: &[(CudaFunction, CudaFunction)], v: usize, bf: bool) -> (&CudaFunction, usize) {
     let (w_bf16, w_f32) = &variants[v];
@@ -52,15 +57,23 @@ struct TensorMapArg(sys::CUtensorMap);
 // parameter space, which is what the kernels declare.
 unsafe impl DeviceRepr for TensorMapArg {}
 
-/// Tensor map of the latent cache, 3-D so that one box brings a whole 32-token chunk in
-/// the ring's layout: dim 0 = 64 dims (128 bytes, the swizzle span), dim 1 = tokens
-/// (stride 1152 bytes), dim 2 = the 9 blocks of 64 dims (stride 128 bytes); box 64 x 32
-/// x 9 lands as `[block][token][128 B]` with the 128-byte swizzle the wgmma layout expects.
-fn kv_tensor_map(cache_ptr: sys::CUdeviceptr, num_blocks: usize, dqk: usize) -> Result<TensorMapArg> {
+/// Tensor map of the latent cache, 3-D: dim 0 = 64 dims (128 bytes, the swizzle span),
+/// dim 1 = tokens (stride 1152 bytes), dim 2 = the 9 blocks of 64 dims (stride 128
+/// bytes). A box of 64 x `box_tokens` x `box_blocks` lands as `[block][token][128 B]`
+/// with the 128-byte swizzle the wgmma layout expects: 64 x 32 x 9 is a whole 32-token
+/// chunk (the 32-token kernels), 64 x 64 x 1 one 64-dim piece of a page (the 64-token
+/// kernels issue nine per page, so each piece can complete on its own barrier).
+fn kv_tensor_map(
+    cache_ptr: sys::CUdeviceptr,
+    num_blocks: usize,
+    dqk: usize,
+    box_tokens: u32,
+    box_blocks: u32,
+) -> Result<TensorMapArg> {
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     let dims: [u64; 3] = [64, (num_blocks * PAGE) as u64, (dqk / 64) as u64];
     let strides: [u64; 2] = [(dqk * 2) as u64, 128];
-    let boxes: [u32; 3] = [64, 32, (dqk / 64) as u32];
+    let boxes: [u32; 3] = [64, box_tokens, box_blocks];
     let elem_strides: [u32; 3] = [1, 1, 1];
     // SAFETY: every pointer refers to a live local array of the rank (3) the call is
     // given; the global address is a device allocation of num_blocks*64*dqk bf16
@@ -125,19 +138,43 @@ pub enum MlaKernel {
     /// wgmma with the KV chunks brought by TMA (bulk tensor copies on mbarriers): no
     /// per-chunk proxy fence, one issuing thread.
     WgmmaTma,
+    /// The "seesaw" schedule (mla_decode_sm90_ss.cu): 64-token blocks, each warpgroup
+    /// computes S = Q Kᵀ (m64n64) of every other block over all 576 dims and owns half
+    /// of O; P and the running max pass between the two through shared memory.
+    Seesaw,
+    /// Sᵀ = K Qᵀ for single tiles of at most 32 rows (mla_decode_sm90_t.cu): the tokens
+    /// are wgmma's M, so 16 or 32 query rows do not pay for 64. Other shapes run
+    /// [`MlaKernel::WgmmaTma`].
+    Transposed,
     /// The default: per launch, the kernel that measured fastest for its shape on an
-    /// H200 (docs/PERFORMANCE.md): mma.sync for a single tile of at most 16 rows (it
-    /// computes only the live 16-row groups; wgmma always computes 64), wgmma+tma
-    /// otherwise; mma.sync where the GPU has no wgmma.
+    /// H200 (docs/PERFORMANCE.md): the seesaw kernel on sm_90 (faster than every other
+    /// at every shape of the issue's sweep, 16-row tiles included); elsewhere mma.sync.
     Auto,
 }
 
 impl MlaKernel {
+    /// Every selectable kernel, `Auto` last.
+    pub const ALL: [MlaKernel; 6] = [
+        MlaKernel::MmaSync,
+        MlaKernel::Wgmma,
+        MlaKernel::WgmmaTma,
+        MlaKernel::Seesaw,
+        MlaKernel::Transposed,
+        MlaKernel::Auto,
+    ];
+
+    /// The kernel called `name` (as [`MlaKernel::name`] spells it).
+    pub fn from_name(name: &str) -> Option<MlaKernel> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             MlaKernel::MmaSync => "mma.sync",
             MlaKernel::Wgmma => "wgmma",
             MlaKernel::WgmmaTma => "wgmma+tma",
+            MlaKernel::Seesaw => "wgmma-ss",
+            MlaKernel::Transposed => "wgmma-t",
             MlaKernel::Auto => "auto",
         }
     }
@@ -184,6 +221,8 @@ pub struct MlaDecode {
     wgmma: Option<Vec<(CudaFunction, CudaFunction)>>,
     /// The same for the TMA variant (`mla_decode_wgmma_tma_*`).
     wgmma_tma: Option<Vec<(CudaFunction, CudaFunction)>>,
+    /// (bf16 out, f32 out) seesaw kernels (sm_90 only).
+    seesaw: Option<(CudaFunction, CudaFunction)>,
     kernel: MlaKernel,
     num_sms: usize,
 }
@@ -226,10 +265,27 @@ impl MlaDecode {
         } else {
             (None, None)
         };
+        let seesaw = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= SEESAW_SMEM {
+            let m = gpu.load_module(kernels::MLA_DECODE_SM90_SS)?;
+            let pair = (
+                m.load_function("mla_decode_wgmma_ss_d512r64_obf16")?,
+                m.load_function("mla_decode_wgmma_ss_d512r64_of32")?,
+            );
+            for f in [&pair.0, &pair.1] {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    SEESAW_SMEM as i32,
+                )?;
+            }
+            Some(pair)
+        } else {
+            None
+        };
         let kernel = MlaKernel::Auto;
         Ok(MlaDecode {
             wgmma,
             wgmma_tma,
+            seesaw,
             kernel,
             splitkv_bf16,
             splitkv_f32,
@@ -255,16 +311,35 @@ impl MlaDecode {
         if self.wgmma_tma.is_some() {
             v.push(MlaKernel::WgmmaTma);
         }
+        if self.seesaw.is_some() {
+            v.push(MlaKernel::Seesaw);
+        }
         v
     }
 
     /// Selects the fast-path kernel (for comparisons and tests).
     pub fn set_kernel(&mut self, k: MlaKernel) -> Result<()> {
-        if (k == MlaKernel::Wgmma && self.wgmma.is_none()) || (k == MlaKernel::WgmmaTma && self.wgmma_tma.is_none()) {
+        if (k == MlaKernel::Wgmma && self.wgmma.is_none())
+            || (k == MlaKernel::WgmmaTma && self.wgmma_tma.is_none())
+            || (k == MlaKernel::Seesaw && self.seesaw.is_none())
+            || k == MlaKernel::Transposed
+        {
             return Err(CudaError::shape(NAME, "wgmma needs an sm_90 GPU"));
         }
         self.kernel = k;
         Ok(())
+    }
+
+    /// The concrete kernel a launch with `dims` runs (the fast path's; `Auto` resolved).
+    pub fn effective_kernel(&self, dims: &DecodeDims) -> MlaKernel {
+        let tiles = plan::tiles(dims.heads, dims.q_len);
+        let rows = dims.rows();
+        match self.kernel {
+            MlaKernel::Auto if self.seesaw.is_some() => MlaKernel::Seesaw,
+            MlaKernel::Auto if self.wgmma_tma.is_none() || (tiles == 1 && rows <= 16) => MlaKernel::MmaSync,
+            MlaKernel::Auto => MlaKernel::WgmmaTma,
+            k => k,
+        }
     }
 
     /// Whether `dims` run on the tensor-core kernel (else the generic one).
@@ -277,7 +352,11 @@ impl MlaDecode {
         if !Self::is_fast_path(dims) {
             return 1;
         }
-        plan::num_splits(dims.batch, plan::tiles(dims.heads, dims.q_len), max_seq_len, self.num_sms)
+        let chunk = match self.effective_kernel(dims) {
+            MlaKernel::Seesaw | MlaKernel::Transposed => plan::BLOCK_TOKENS,
+            _ => plan::CHUNK_TOKENS,
+        };
+        plan::num_splits(dims.batch, plan::tiles(dims.heads, dims.q_len), max_seq_len, self.num_sms, chunk)
     }
 
     /// Allocates the split-KV workspace for `dims` and up to `num_splits` splits (empty
@@ -388,27 +467,26 @@ impl MlaDecode {
         let tiles = plan::tiles(d.heads, d.q_len);
         // The smallest wgmma variant that stores every row of the (single) tile.
         let v = if tiles > 1 { 2 } else { WGMMA_QROWS.iter().position(|&qr| rows <= qr).unwrap_or(2) };
-        let kernel = match self.kernel {
-            MlaKernel::Auto if self.wgmma_tma.is_none() || (tiles == 1 && rows <= 16) => MlaKernel::MmaSync,
-            MlaKernel::Auto => MlaKernel::WgmmaTma,
-            k => k,
-        };
-        let (f, smem, tma) = match (kernel, &self.wgmma, &self.wgmma_tma) {
-            (MlaKernel::Wgmma, Some(w), _) => {
+        let kernel = self.effective_kernel(d);
+        // (function, shared memory, TMA box: tokens x 64-dim blocks, or none for cp.async)
+        let (f, smem, tma_box) = match (kernel, &self.wgmma, &self.wgmma_tma, &self.seesaw) {
+            (MlaKernel::Wgmma, Some(w), _, _) => {
                 let (f, sm) = pick_variant(w, v, bf);
-                (f, sm, false)
+                (f, sm, None)
             }
-            (MlaKernel::WgmmaTma, _, Some(w)) => {
+            (MlaKernel::WgmmaTma, _, Some(w), _) => {
                 let (f, sm) = pick_variant(w, v, bf);
-                (f, sm, true)
+                (f, sm, Some((32, 9)))
             }
-            _ => (if bf { &self.splitkv_bf16 } else { &self.splitkv_f32 }, FAST_SMEM, false),
+            (MlaKernel::Seesaw, _, _, Some((fb, ff))) => (if bf { fb } else { ff }, SEESAW_SMEM, Some((64, 1))),
+            _ => (if bf { &self.splitkv_bf16 } else { &self.splitkv_f32 }, FAST_SMEM, None),
         };
-        let tmap = if tma {
-            let (ptr, _sync) = cache.device_ptr(stream);
-            Some(kv_tensor_map(ptr, shape.num_blocks, dqk)?)
-        } else {
-            None
+        let tmap = match tma_box {
+            Some((box_tokens, box_blocks)) => {
+                let (ptr, _sync) = cache.device_ptr(stream);
+                Some(kv_tensor_map(ptr, shape.num_blocks, dqk, box_tokens, box_blocks)?)
+            }
+            None => None,
         };
         let splits_i = splits as i32;
         let cfg = LaunchConfig {
@@ -430,7 +508,9 @@ impl MlaDecode {
         // stores at least the tile's valid rows (the rest of its 64 rows are computed from
         // other shared bytes inside the allocation and never written out). The TMA
         // kernels take the cache's tensor map first; it describes exactly the `cache`
-        // allocation (num_blocks pages, checked above), so every box is in bounds.
+        // allocation (num_blocks pages, checked above), so every box is in bounds. The
+        // seesaw kernel has the same signature and reads the cache only through the map
+        // (64 stored query rows, zero-filled past `rows`).
         unsafe {
             let mut b = stream.launch_builder(f);
             if let Some(t) = &tmap {

@@ -5,8 +5,11 @@
 pub const PAGE: usize = mlaserve_core::BLOCK_SIZE;
 /// Query rows per tile: `rows = q_len * heads`, packed `row = s_idx * heads + head`.
 pub const TILE_ROWS: usize = 64;
-/// Cache tokens per pipeline step of the fast kernel (half a page); splits are made of these.
+/// Cache tokens per pipeline step of the 32-token kernels (half a page); their splits are
+/// made of these.
 pub const CHUNK_TOKENS: usize = 32;
+/// The 64-token kernels (seesaw, transposed) split at page boundaries.
+pub const BLOCK_TOKENS: usize = PAGE;
 /// Upper bound on splits per request (bounds the workspace and the combine's loop).
 pub const MAX_SPLITS: usize = 64;
 /// A CTA's fixed cost (Q tile load, pipeline fill, epilogue) in chunk-equivalents,
@@ -20,9 +23,10 @@ pub fn tiles(heads: usize, q_len: usize) -> usize {
 
 /// Splits per request so that `batch * tiles * splits` CTAs (one per SM at a time) fill
 /// `num_sms` with the least tail: minimises `waves * (chunks per split + overhead)`, ties
-/// to fewer splits (each split adds a partial write and the combine's read).
-pub fn num_splits(batch: usize, tiles: usize, max_seq_len: usize, num_sms: usize) -> usize {
-    let chunks = max_seq_len.div_ceil(CHUNK_TOKENS).max(1);
+/// to fewer splits (each split adds a partial write and the combine's read). A split is
+/// made of whole chunks of `chunk_tokens` ([`CHUNK_TOKENS`] or [`BLOCK_TOKENS`]).
+pub fn num_splits(batch: usize, tiles: usize, max_seq_len: usize, num_sms: usize, chunk_tokens: usize) -> usize {
+    let chunks = max_seq_len.div_ceil(chunk_tokens.max(1)).max(1);
     let ctas_per_split = (batch * tiles).max(1);
     let sms = num_sms.max(1);
     let mut best = (usize::MAX, 1);
@@ -65,14 +69,18 @@ mod tests {
     #[test]
     fn splits_fill_the_chip_for_small_batches() {
         // 64 requests x 1 tile on 132 SMs: 2 splits make 128 CTAs, one wave.
-        assert_eq!(num_splits(64, 1, 4096, 132), 2);
+        assert_eq!(num_splits(64, 1, 4096, 132, CHUNK_TOKENS), 2);
+        assert_eq!(num_splits(64, 1, 4096, 132, BLOCK_TOKENS), 2);
         // Already many waves: no split.
-        assert_eq!(num_splits(128, 8, 4096, 132), 1);
+        assert_eq!(num_splits(128, 8, 4096, 132, CHUNK_TOKENS), 1);
         // One request: split wide, but never past the chunk count or MAX_SPLITS.
-        let s = num_splits(1, 1, 8192, 132);
+        let s = num_splits(1, 1, 8192, 132, CHUNK_TOKENS);
         assert!(s > 16 && s <= MAX_SPLITS, "{s}");
-        assert_eq!(num_splits(1, 1, 40, 132), 2);
-        assert_eq!(num_splits(4, 1, 0, 132), 1);
+        assert_eq!(num_splits(1, 1, 40, 132, CHUNK_TOKENS), 2);
+        assert_eq!(num_splits(4, 1, 0, 132, CHUNK_TOKENS), 1);
+        // Page-sized splits never outnumber the pages.
+        assert_eq!(num_splits(1, 1, 40, 132, BLOCK_TOKENS), 1);
+        assert!(num_splits(1, 1, 8192, 132, BLOCK_TOKENS) <= 128);
     }
 
     #[test]

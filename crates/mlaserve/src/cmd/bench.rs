@@ -80,6 +80,16 @@ struct MlaArgs {
     /// planner's choice (tuning the planner).
     #[arg(long, value_delimiter = ',')]
     splits: Vec<usize>,
+    /// Compare these tensor-core kernels (comma-separated: mma.sync, wgmma, wgmma+tma,
+    /// wgmma-ss, wgmma-t, auto; default auto, the production choice).
+    #[arg(long, value_delimiter = ',')]
+    kernel: Vec<String>,
+    /// Only these batch sizes (comma-separated; default 64,128).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Only these cached lengths in tokens (comma-separated; default 4096,8192).
+    #[arg(long, value_delimiter = ',')]
+    seq: Vec<usize>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -185,6 +195,28 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
     if !g.splits.is_empty() {
         anyhow::ensure!(g.splits.iter().all(|&x| x >= 1), "--splits: each must be at least 1");
         opts.splits = Some(g.splits);
+    }
+    if !g.batch.is_empty() {
+        anyhow::ensure!(g.batch.iter().all(|&x| x >= 1), "--batch: each must be at least 1");
+        opts.batches = g.batch;
+    }
+    if !g.seq.is_empty() {
+        anyhow::ensure!(g.seq.iter().all(|&x| x >= 1), "--seq: each must be at least 1");
+        opts.seq_lens = g.seq;
+    }
+    if !g.kernel.is_empty() {
+        let kernels = g
+            .kernel
+            .iter()
+            .map(|k| {
+                mlaserve_cuda::MlaKernel::from_name(k).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--kernel: unknown kernel {k:?} (mma.sync, wgmma, wgmma+tma, wgmma-ss, wgmma-t, auto)"
+                    )
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        opts.kernels = Some(kernels);
     }
     println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
     Ok(())
