@@ -2,8 +2,10 @@
 // blocks, each warpgroup computes S for every other block over all 576 dims.
 //
 // Same contract, grid and split-KV partial format as mla_decode_wgmma_* in
-// mla_decode_sm90.cu (the combine kernel in mla_decode.cu merges the splits), except
-// that a split is made of whole 64-token blocks (pages) instead of 32-token chunks.
+// mla_decode_sm90.cu, except that a split is made of whole 64-token blocks (pages)
+// instead of 32-token chunks, and that with `counters` (not null) the splits are merged
+// here by the last CTA of each (request, tile) (see combine_last) instead of by the
+// combine kernel.
 //
 // Why: the 32-token kernel splits S's 576 dims between its two warpgroups, swaps the
 // partial S through shared memory (four barriers per chunk), runs the same softmax in
@@ -94,12 +96,73 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, float s) {
 // its max and subtracts 0 (so exp2(-inf - 0) = 0, never NaN).
 __device__ __forceinline__ float msub(float m) { return m == -MLAS_INF ? 0.f : m; }
 
+// The split-KV merge, fused: every CTA of a (request, tile) has written its partial; the
+// last one to finish (an atomic counter per (request, tile), zero before the launch and
+// reset to zero here) merges them, so no second kernel launch and no pass over the
+// partials by a separate grid. out = sum_k exp(lse_k - lse) o_k, lse = log sum_k exp(lse_k).
+template <typename OutT>
+__device__ __forceinline__ void combine_last(OutT* __restrict__ out, float* __restrict__ lse,
+                                             const float* __restrict__ o_acc, const float* __restrict__ lse_acc,
+                                             unsigned* __restrict__ counters, int rows, int row0, int valid_rows,
+                                             int num_splits) {
+    __shared__ int is_last;
+    const int b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    __threadfence();  // this CTA's partials before its arrival
+    __syncthreads();
+    if (tid == 0) {
+        unsigned* c = counters + static_cast<size_t>(b) * gridDim.x + blockIdx.x;
+        is_last = atomicAdd(c, 1u) == static_cast<unsigned>(num_splits - 1);
+        if (is_last) *c = 0u;  // every other CTA of this tile has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();  // the other CTAs' partials (written on other SMs) after their arrivals
+    // A warp per row, float4 over the 512 dims; __ldcg reads L2, never a stale L1 line.
+    for (int lr = warp; lr < valid_rows; lr += NTHREADS / 32) {
+        const int row = row0 + lr;
+        const size_t base = static_cast<size_t>(b) * num_splits * rows + row;  // split k at base + k*rows
+        float mx = -MLAS_INF;
+        for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, __ldcg(lse_acc + base + static_cast<size_t>(k) * rows));
+        mx = warp_max(mx);
+        float sum = 0.f;
+        if (mx != -MLAS_INF)
+            for (int k = lane; k < num_splits; k += 32)
+                sum += __expf(__ldcg(lse_acc + base + static_cast<size_t>(k) * rows) - mx);
+        sum = warp_sum(sum);
+        const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
+        float4 acc[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (total != -MLAS_INF) {
+            for (int k = 0; k < num_splits; ++k) {
+                const size_t pr = base + static_cast<size_t>(k) * rows;
+                const float wk = __expf(__ldcg(lse_acc + pr) - total);
+                if (wk == 0.f) continue;  // an empty split (its partial O is 0, its lse -inf)
+                const float4* src = reinterpret_cast<const float4*>(o_acc + pr * DLAT);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float4 v = __ldcg(src + lane + 32 * j);
+                    acc[j].x += wk * v.x, acc[j].y += wk * v.y, acc[j].z += wk * v.z, acc[j].w += wk * v.w;
+                }
+            }
+        }
+        OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DLAT;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int d = 4 * (lane + 32 * j);
+            store2(ob + d, acc[j].x, acc[j].y);
+            store2(ob + d + 2, acc[j].z, acc[j].w);
+        }
+        if (lane == 0) lse[static_cast<size_t>(b) * rows + row] = total;
+    }
+}
+
 template <typename OutT>
 __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __restrict__ q,
                                      const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                                      OutT* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_acc,
-                                     float* __restrict__ lse_acc, int heads, int q_len, int bt_stride, int num_blocks,
-                                     int num_splits, float scale_log2) {
+                                     float* __restrict__ lse_acc, unsigned* __restrict__ counters, int heads,
+                                     int q_len, int bt_stride, int num_blocks, int num_splits, float scale_log2) {
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms start on 1024-byte boundaries
@@ -456,6 +519,8 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
             if (wg == 0 && (lane & 3) == 0) lse_acc[pr] = row_lse;
         }
     }
+    // Without counters the host merges the splits with the combine kernel.
+    if (num_splits > 1 && counters != nullptr) combine_last(out, lse, o_acc, lse_acc, counters, rows, row0, valid_rows, num_splits);
 }
 
 }  // namespace mlass
@@ -465,16 +530,16 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 // tokens (stride 1152 B) x 9 dim blocks (stride 128 B), box 64 x 64 x 1, 128-byte swizzle.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLASS_BODY(OUT)                                                                                       \
-    mlass::body<OUT>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, heads, q_len, bt_stride,     \
-                     num_blocks, num_splits, scale_log2);
+    mlass::body<OUT>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, counters, heads, q_len,       \
+                     bt_stride, num_blocks, num_splits, scale_log2);
 #else
 #define MLASS_BODY(OUT) __trap();
 #endif
 #define MLASS_ENTRY(OUT, SUFFIX)                                                                              \
     extern "C" __global__ void __launch_bounds__(mla::NTHREADS, 1) mla_decode_wgmma_ss_d512r64_##SUFFIX(      \
         const __grid_constant__ CUtensorMap tmap, const bf16* q, const bf16* kv, const int* block_table,      \
-        const int* seq_lens, OUT* out, float* lse, float* o_acc, float* lse_acc, int heads, int q_len,        \
-        int bt_stride, int num_blocks, int num_splits, float scale_log2) {                                    \
+        const int* seq_lens, OUT* out, float* lse, float* o_acc, float* lse_acc, unsigned* counters,          \
+        int heads, int q_len, int bt_stride, int num_blocks, int num_splits, float scale_log2) {              \
         (void)kv;                                                                                             \
         MLASS_BODY(OUT)                                                                                       \
     }

@@ -120,6 +120,8 @@ pub struct MlaDecodeBenchOpts {
     /// Split-KV counts to time each configuration with (tuning the planner); `None` =
     /// the planner's choice.
     pub splits: Option<Vec<usize>>,
+    /// Let the 64-token kernels merge their own splits ([`MlaDecode::set_fused_combine`]).
+    pub fused_combine: bool,
 }
 
 impl Default for MlaDecodeBenchOpts {
@@ -135,6 +137,7 @@ impl Default for MlaDecodeBenchOpts {
             iters: 30,
             kernels: None,
             splits: None,
+            fused_combine: false,
         }
     }
 }
@@ -171,6 +174,7 @@ pub struct MlaDecodeBenchReport {
 pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecodeBenchReport> {
     let util = Util::new(gpu)?;
     let mut mla = MlaDecode::new(gpu)?;
+    mla.set_fused_combine(opts.fused_combine);
     let ceilings = measure_ceilings(gpu, &util)?;
     let s = &gpu.stream;
     let (dlat, drope) = (512usize, 64usize);

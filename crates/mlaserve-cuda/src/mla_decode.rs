@@ -43,6 +43,11 @@ const fn wgmma_smem(qrows: usize) -> usize {
 /// + four mbarriers.
 const SEESAW_SMEM: usize = 1024 + 64 * 1152 + 2 * 64 * 1152 + 8192 + 2 * 64 * 4 + 4 * 8;
 
+/// Dynamic shared memory of the transposed kernel per stored query rows (16, 32):
+/// `SMEM_BYTES` in mla_decode_sm90_t.cu (pinned there by a static_assert).
+const TRANSPOSED_QROWS: [usize; 2] = [16, 32];
+const TRANSPOSED_SMEM: [usize; 2] = [172_176, 195_856];
+
 /// The (function, shared memory) of wgmma variant `v` for the output type.
 fn pick_variant(variants: &[(CudaFunction, CudaFunction)], v: usize, bf: bool) -> (&CudaFunction, usize) {
     let (w_bf16, w_f32) = &variants[v];
@@ -147,8 +152,9 @@ pub enum MlaKernel {
     /// [`MlaKernel::WgmmaTma`].
     Transposed,
     /// The default: per launch, the kernel that measured fastest for its shape on an
-    /// H200 (docs/PERFORMANCE.md): the seesaw kernel on sm_90 (faster than every other
-    /// at every shape of the sweep, 16-row tiles included); elsewhere mma.sync.
+    /// H200 (docs/PERFORMANCE.md): on sm_90 the transposed kernel for one tile of at
+    /// most 32 rows and the seesaw kernel for everything else (each faster than every
+    /// 32-token kernel at every shape of the sweep); elsewhere mma.sync.
     Auto,
 }
 
@@ -197,6 +203,9 @@ pub struct MlaDecodeShape {
 pub struct MlaWorkspace {
     o_acc: CudaSlice<f32>,
     lse_acc: CudaSlice<f32>,
+    /// One arrival counter per (request, tile) for the kernels that merge their own
+    /// splits (seesaw, transposed): zero between launches (the merging CTA resets it).
+    counters: CudaSlice<u32>,
 }
 
 impl MlaWorkspace {
@@ -223,7 +232,11 @@ pub struct MlaDecode {
     wgmma_tma: Option<Vec<(CudaFunction, CudaFunction)>>,
     /// (bf16 out, f32 out) seesaw kernels (sm_90 only).
     seesaw: Option<(CudaFunction, CudaFunction)>,
+    /// (bf16 out, f32 out) transposed kernels per [`TRANSPOSED_QROWS`] (sm_90 only).
+    transposed: Option<Vec<(CudaFunction, CudaFunction)>>,
     kernel: MlaKernel,
+    /// Whether the 64-token kernels merge their own splits (off: the combine kernel).
+    fused_combine: bool,
     num_sms: usize,
 }
 
@@ -281,12 +294,34 @@ impl MlaDecode {
         } else {
             None
         };
+        let transposed = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= TRANSPOSED_SMEM[1] {
+            let m = gpu.load_module(kernels::MLA_DECODE_SM90_T)?;
+            let mut variants = Vec::new();
+            for (qrows, smem) in TRANSPOSED_QROWS.into_iter().zip(TRANSPOSED_SMEM) {
+                let pair = (
+                    m.load_function(&format!("mla_decode_wgmma_t_d512r64_q{qrows}_obf16"))?,
+                    m.load_function(&format!("mla_decode_wgmma_t_d512r64_q{qrows}_of32"))?,
+                );
+                for f in [&pair.0, &pair.1] {
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )?;
+                }
+                variants.push(pair);
+            }
+            Some(variants)
+        } else {
+            None
+        };
         let kernel = MlaKernel::Auto;
         Ok(MlaDecode {
             wgmma,
             wgmma_tma,
             seesaw,
+            transposed,
             kernel,
+            fused_combine: false,
             splitkv_bf16,
             splitkv_f32,
             combine_bf16: m.load_function("mla_decode_combine_obf16")?,
@@ -314,7 +349,18 @@ impl MlaDecode {
         if self.seesaw.is_some() {
             v.push(MlaKernel::Seesaw);
         }
+        if self.transposed.is_some() {
+            v.push(MlaKernel::Transposed);
+        }
         v
+    }
+
+    /// Lets the seesaw and transposed kernels merge their own splits (the last CTA of a
+    /// tile, through the workspace's counters) instead of launching the combine kernel.
+    /// Off by default: on the H200 it was slower for 64-row tiles at batch 64 x 4096
+    /// (the last CTA merges alone) and within noise for 16/32 rows (docs/PERFORMANCE.md).
+    pub fn set_fused_combine(&mut self, on: bool) {
+        self.fused_combine = on;
     }
 
     /// Selects the fast-path kernel (for comparisons and tests).
@@ -322,7 +368,7 @@ impl MlaDecode {
         if (k == MlaKernel::Wgmma && self.wgmma.is_none())
             || (k == MlaKernel::WgmmaTma && self.wgmma_tma.is_none())
             || (k == MlaKernel::Seesaw && self.seesaw.is_none())
-            || k == MlaKernel::Transposed
+            || (k == MlaKernel::Transposed && (self.transposed.is_none() || self.seesaw.is_none()))
         {
             return Err(CudaError::shape(NAME, "wgmma needs an sm_90 GPU"));
         }
@@ -335,6 +381,10 @@ impl MlaDecode {
         let tiles = plan::tiles(dims.heads, dims.q_len);
         let rows = dims.rows();
         match self.kernel {
+            MlaKernel::Transposed if !(tiles == 1 && rows <= 32) => MlaKernel::Seesaw,
+            MlaKernel::Auto if self.transposed.is_some() && self.seesaw.is_some() && tiles == 1 && rows <= 32 => {
+                MlaKernel::Transposed
+            }
             MlaKernel::Auto if self.seesaw.is_some() => MlaKernel::Seesaw,
             MlaKernel::Auto if self.wgmma_tma.is_none() || (tiles == 1 && rows <= 16) => MlaKernel::MmaSync,
             MlaKernel::Auto => MlaKernel::WgmmaTma,
@@ -363,9 +413,11 @@ impl MlaDecode {
     /// when no split is needed). Allocate once per batch-size bucket, reuse every step.
     pub fn workspace(&self, stream: &Arc<CudaStream>, dims: &DecodeDims, num_splits: usize) -> Result<MlaWorkspace> {
         let n = if num_splits > 1 { dims.batch * num_splits * dims.rows() } else { 0 };
+        let c = if num_splits > 1 { dims.batch * plan::tiles(dims.heads, dims.q_len) } else { 0 };
         Ok(MlaWorkspace {
             o_acc: stream.alloc_zeros::<f32>((n * dims.dlat).max(1))?,
             lse_acc: stream.alloc_zeros::<f32>(n.max(1))?,
+            counters: stream.alloc_zeros::<u32>(c.max(1))?,
         })
     }
 
@@ -461,6 +513,11 @@ impl MlaDecode {
                 ws.lse_acc.len() >= need && ws.o_acc.len() >= need * d.dlat,
                 format!("workspace holds {} rows of partials, need {need}", ws.lse_acc.len()),
             )?;
+            let tiles = plan::tiles(d.heads, d.q_len);
+            check(
+                ws.counters.len() >= d.batch * tiles,
+                format!("workspace holds {} split counters, need {}", ws.counters.len(), d.batch * tiles),
+            )?;
         }
         let bf = T::SUFFIX == "obf16";
         let comb = if bf { &self.combine_bf16 } else { &self.combine_f32 };
@@ -479,8 +536,18 @@ impl MlaDecode {
                 (f, sm, Some((32, 9)))
             }
             (MlaKernel::Seesaw, _, _, Some((fb, ff))) => (if bf { fb } else { ff }, SEESAW_SMEM, Some((64, 1))),
+            (MlaKernel::Transposed, _, _, _) if self.transposed.is_some() => {
+                let t = usize::from(rows > TRANSPOSED_QROWS[0]);
+                let (fb, ff) = &self.transposed.as_ref().expect("checked")[t];
+                (if bf { fb } else { ff }, TRANSPOSED_SMEM[t], Some((64, 1)))
+            }
             _ => (if bf { &self.splitkv_bf16 } else { &self.splitkv_f32 }, FAST_SMEM, None),
         };
+        // The 64-token kernels can merge their own splits (the last CTA of a tile, through
+        // the workspace's counters) when `fused_combine` is set; otherwise, like the
+        // others, they leave it to the combine kernel.
+        let own_splits = matches!(kernel, MlaKernel::Seesaw | MlaKernel::Transposed);
+        let fused_combine = own_splits && self.fused_combine;
         let tmap = match tma_box {
             Some((box_tokens, box_blocks)) => {
                 let (ptr, _sync) = cache.device_ptr(stream);
@@ -509,8 +576,15 @@ impl MlaDecode {
         // other shared bytes inside the allocation and never written out). The TMA
         // kernels take the cache's tensor map first; it describes exactly the `cache`
         // allocation (num_blocks pages, checked above), so every box is in bounds. The
-        // seesaw kernel has the same signature and reads the cache only through the map
-        // (64 stored query rows, zero-filled past `rows`).
+        // seesaw and transposed kernels take `counters` after lse_acc: null (no merge), or
+        // batch * tiles of them (checked above when splits > 1, zero between launches:
+        // the merging CTA resets its own, and only it writes out/lse); they read the
+        // cache only through the
+        // map (64, resp. 16 or 32 >= rows, stored query rows, zero-filled past
+        // `rows`; the transposed kernel is chosen only for one tile of <= 32 rows).
+        // A null `counters` asks the 64-token kernels to leave the merge to the combine
+        // kernel below.
+        let no_counters: u64 = 0;
         unsafe {
             let mut b = stream.launch_builder(f);
             if let Some(t) = &tmap {
@@ -523,16 +597,15 @@ impl MlaDecode {
                 .arg(&mut *out)
                 .arg(&mut *lse)
                 .arg(&mut ws.o_acc)
-                .arg(&mut ws.lse_acc)
-                .arg(&heads)
-                .arg(&q_len)
-                .arg(&bt_stride)
-                .arg(&num_blocks)
-                .arg(&splits_i)
-                .arg(&scale_log2)
-                .launch(cfg)
+                .arg(&mut ws.lse_acc);
+            if fused_combine {
+                b.arg(&mut ws.counters);
+            } else if own_splits {
+                b.arg(&no_counters);
+            }
+            b.arg(&heads).arg(&q_len).arg(&bt_stride).arg(&num_blocks).arg(&splits_i).arg(&scale_log2).launch(cfg)
         }?;
-        if splits > 1 {
+        if splits > 1 && !fused_combine {
             let (rows_i, dv) = (rows as i32, d.dlat as i32);
             let cfg = LaunchConfig {
                 grid_dim: (rows.div_ceil(4) as u32, d.batch as u32, 1),

@@ -6,7 +6,8 @@
 //! if any check fails.
 //!
 //! Usage: mlaserve-cuda-check [--no-bench] [--no-check] [--quick] [--device N]
-//!        [--kernel mma.sync|wgmma|wgmma+tma|auto]   (default: checks of every kernel, bench of auto)
+//!        [--kernel mma.sync|wgmma|wgmma+tma|wgmma-ss|wgmma-t|auto]   (default: checks of every
+//!        kernel, bench of auto) [--fused-combine] (the 64-token kernels merge their own splits)
 //!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--device N]
 //!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
 
@@ -61,6 +62,7 @@ fn main() -> Result<()> {
     if !flag("--no-check") {
         let util = Util::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
+        mla.set_fused_combine(flag("--fused-combine"));
         println!("== mla_decode vs CPU reference (fresh random inputs, NaN-poisoned outputs and cache padding)");
         let mut total = 0;
         let kernels = if only.as_deref() == Some("auto") { vec![MlaKernel::Auto] } else { mla.available_kernels() };
@@ -90,7 +92,7 @@ fn main() -> Result<()> {
         }
     }
     if !flag("--no-bench") {
-        let mut opts = MlaDecodeBenchOpts::default();
+        let mut opts = MlaDecodeBenchOpts { fused_combine: flag("--fused-combine"), ..Default::default() };
         if let Some(k) = &only {
             let mla = MlaDecode::new(&gpu)?;
             let mut all = mla.available_kernels();

@@ -90,6 +90,10 @@ struct MlaArgs {
     /// Only these cached lengths in tokens (comma-separated; default 4096,8192).
     #[arg(long, value_delimiter = ',')]
     seq: Vec<usize>,
+    /// Let the 64-token kernels (wgmma-ss, wgmma-t) merge their own splits instead of
+    /// launching the combine kernel.
+    #[arg(long)]
+    fused_combine: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -196,6 +200,7 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
         anyhow::ensure!(g.splits.iter().all(|&x| x >= 1), "--splits: each must be at least 1");
         opts.splits = Some(g.splits);
     }
+    opts.fused_combine = g.fused_combine;
     if !g.batch.is_empty() {
         anyhow::ensure!(g.batch.iter().all(|&x| x >= 1), "--batch: each must be at least 1");
         opts.batches = g.batch;
