@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUfunction_attribute};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use half::bf16;
 
@@ -47,6 +48,16 @@ const SEESAW_SMEM: usize = 1024 + 64 * 1152 + 2 * 64 * 1152 + 8192 + 2 * 64 * 4 
 /// `SMEM_BYTES` in mla_decode_sm90_t.cu (pinned there by a static_assert).
 const TRANSPOSED_QROWS: [usize; 2] = [16, 32];
 const TRANSPOSED_SMEM: [usize; 2] = [172_176, 195_856];
+
+/// Loads `{name}_obf16` and `{name}_of32` from `m` and opts both into `smem` bytes of
+/// dynamic shared memory.
+fn load_pair(m: &Arc<CudaModule>, name: &str, smem: usize) -> Result<(CudaFunction, CudaFunction)> {
+    let pair = (m.load_function(&format!("{name}_obf16"))?, m.load_function(&format!("{name}_of32"))?);
+    for f in [&pair.0, &pair.1] {
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+    }
+    Ok(pair)
+}
 
 /// The (function, shared memory) of wgmma variant `v` for the output type.
 fn pick_variant(variants: &[(CudaFunction, CudaFunction)], v: usize, bf: bool) -> (&CudaFunction, usize) {
@@ -149,7 +160,7 @@ pub enum MlaKernel {
     Seesaw,
     /// Sᵀ = K Qᵀ for single tiles of at most 32 rows (mla_decode_sm90_t.cu): the tokens
     /// are wgmma's M, so 16 or 32 query rows do not pay for 64. Other shapes run
-    /// [`MlaKernel::WgmmaTma`].
+    /// [`MlaKernel::Seesaw`].
     Transposed,
     /// The default: per launch, the kernel that measured fastest for its shape on an
     /// H200 (docs/PERFORMANCE.md): on sm_90 the transposed kernel for one tile of at
@@ -258,21 +269,7 @@ impl MlaDecode {
         let (wgmma, wgmma_tma) = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= wgmma_smem(64) {
             let m90 = gpu.load_module(kernels::MLA_DECODE_SM90)?;
             let load = |prefix: &str| -> Result<Vec<(CudaFunction, CudaFunction)>> {
-                let mut variants = Vec::new();
-                for qrows in WGMMA_QROWS {
-                    let pair = (
-                        m90.load_function(&format!("{prefix}_q{qrows}_obf16"))?,
-                        m90.load_function(&format!("{prefix}_q{qrows}_of32"))?,
-                    );
-                    for f in [&pair.0, &pair.1] {
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            wgmma_smem(qrows) as i32,
-                        )?;
-                    }
-                    variants.push(pair);
-                }
-                Ok(variants)
+                WGMMA_QROWS.iter().map(|&qr| load_pair(&m90, &format!("{prefix}_q{qr}"), wgmma_smem(qr))).collect()
             };
             (Some(load("mla_decode_wgmma_d512r64")?), Some(load("mla_decode_wgmma_tma_d512r64")?))
         } else {
@@ -280,37 +277,20 @@ impl MlaDecode {
         };
         let seesaw = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= SEESAW_SMEM {
             let m = gpu.load_module(kernels::MLA_DECODE_SM90_SS)?;
-            let pair = (
-                m.load_function("mla_decode_wgmma_ss_d512r64_obf16")?,
-                m.load_function("mla_decode_wgmma_ss_d512r64_of32")?,
-            );
-            for f in [&pair.0, &pair.1] {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    SEESAW_SMEM as i32,
-                )?;
-            }
-            Some(pair)
+            Some(load_pair(&m, "mla_decode_wgmma_ss_d512r64", SEESAW_SMEM)?)
         } else {
             None
         };
         let transposed = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= TRANSPOSED_SMEM[1] {
             let m = gpu.load_module(kernels::MLA_DECODE_SM90_T)?;
-            let mut variants = Vec::new();
-            for (qrows, smem) in TRANSPOSED_QROWS.into_iter().zip(TRANSPOSED_SMEM) {
-                let pair = (
-                    m.load_function(&format!("mla_decode_wgmma_t_d512r64_q{qrows}_obf16"))?,
-                    m.load_function(&format!("mla_decode_wgmma_t_d512r64_q{qrows}_of32"))?,
-                );
-                for f in [&pair.0, &pair.1] {
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )?;
-                }
-                variants.push(pair);
-            }
-            Some(variants)
+            let names = TRANSPOSED_QROWS.map(|qr| format!("mla_decode_wgmma_t_d512r64_q{qr}"));
+            Some(
+                names
+                    .iter()
+                    .zip(TRANSPOSED_SMEM)
+                    .map(|(n, smem)| load_pair(&m, n, smem))
+                    .collect::<Result<Vec<_>>>()?,
+            )
         } else {
             None
         };
@@ -357,8 +337,8 @@ impl MlaDecode {
 
     /// Lets the seesaw and transposed kernels merge their own splits (the last CTA of a
     /// tile, through the workspace's counters) instead of launching the combine kernel.
-    /// Off by default: on the H200 it was slower for 64-row tiles at batch 64 x 4096
-    /// (the last CTA merges alone) and within noise for 16/32 rows (docs/PERFORMANCE.md).
+    /// Off by default: two H200 runs at batch 64 x 4096 disagreed (one slower for 64-row
+    /// tiles, where the last CTA merges alone; one faster for 16 rows; docs/PERFORMANCE.md).
     pub fn set_fused_combine(&mut self, on: bool) {
         self.fused_combine = on;
     }
