@@ -3,9 +3,12 @@
 //
 // Same contract, grid and split-KV partial format as mla_decode_wgmma_* in
 // mla_decode_sm90.cu, except that a split is made of whole 64-token blocks (pages)
-// instead of 32-token chunks, and that with `counters` (not null) the splits are merged
-// here by the last CTA of each (request, tile) (see combine_last) instead of by the
-// combine kernel.
+// instead of 32-token chunks, and that the splits can be merged in this launch instead
+// of by the combine kernel:
+//   - with `counters` (not null), by the last CTA of each (request, tile) (combine_last);
+//   - in the _c2 entries (exactly two splits), by the two CTAs of a cluster (1 x 2 x 1:
+//     the two splits of one request and tile) through distributed shared memory
+//     (pair_epilogue): no partial goes to global memory and no combine kernel runs.
 //
 // Why: the 32-token kernel splits S's 576 dims between its two warpgroups, swaps the
 // partial S through shared memory (four barriers per chunk), runs the same softmax in
@@ -157,7 +160,58 @@ __device__ __forceinline__ void combine_last(OutT* __restrict__ out, float* __re
     }
 }
 
+// The two-split merge inside a cluster of two CTAs (rank = split). Warpgroup g holds
+// O[:, 256g .. 256g + 256) of its split; CTA r keeps the columns of warpgroup r and
+// receives the other split's same columns: warpgroup 1 - r of each CTA sends its
+// normalised partial (thread t's 128 floats, as 32 float4 at [k][t], conflict-free) and
+// its rows' lse into the peer's first slot, and warpgroup r merges and writes them out.
 template <typename OutT>
+__device__ __forceinline__ void pair_epilogue(uint8_t* smem, const float (&o)[128], const float (&inv)[2],
+                                              const float (&row_lse)[2], OutT* __restrict__ out,
+                                              float* __restrict__ lse, int b, int rows, int row0, int valid_rows,
+                                              int wg, int w, int lane) {
+    const int rank = static_cast<int>(cluster_ctarank());
+    const int wtid = threadIdx.x & 127;
+    float* recv = reinterpret_cast<float*>(smem + OFF_SLOT);  // [32][128 threads] float4, then lse [64]
+    float* recv_lse = recv + 32 * 128 * 4;
+    const int r0 = w * 16 + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    cluster_sync();  // both CTAs are past their loops: the peer's slots are free
+    if (wg != rank) {
+        const uint32_t peer = cluster_map(smem_u32(recv), static_cast<uint32_t>(rank ^ 1));
+#pragma unroll
+        for (int k = 0; k < 32; ++k)
+            st_cluster_f32x4(peer + (k * 128 + wtid) * 16, o[4 * k] * inv[0], o[4 * k + 1] * inv[0],
+                             o[4 * k + 2] * inv[1], o[4 * k + 3] * inv[1]);
+        if ((lane & 3) == 0) {
+            st_cluster_f32(peer + (32 * 128 * 4 + r0) * 4, row_lse[0]);
+            st_cluster_f32(peer + (32 * 128 * 4 + r0 + 8) * 4, row_lse[1]);
+        }
+    }
+    cluster_sync();  // the other split's half is here
+    if (wg != rank) return;
+    float wm[2], wp[2], total[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        total[i] = merge2_lse(row_lse[i], recv_lse[r0 + 8 * i], wm[i], wp[i]);
+        wm[i] *= inv[i];
+    }
+    const float4* pr = reinterpret_cast<const float4*>(recv) + wtid;
+    OutT* ob0 = out + (static_cast<size_t>(b) * rows + row0 + r0) * DLAT + wg * 256 + 2 * (lane & 3);
+    OutT* ob1 = ob0 + 8 * DLAT;
+    const bool ok0 = r0 < valid_rows, ok1 = r0 + 8 < valid_rows;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+        const float4 v = pr[n * 128];
+        if (ok0) store2(ob0 + n * 8, o[4 * n] * wm[0] + v.x * wp[0], o[4 * n + 1] * wm[0] + v.y * wp[0]);
+        if (ok1) store2(ob1 + n * 8, o[4 * n + 2] * wm[1] + v.z * wp[1], o[4 * n + 3] * wm[1] + v.w * wp[1]);
+    }
+    if (rank == 0 && (lane & 3) == 0) {
+        if (ok0) lse[static_cast<size_t>(b) * rows + row0 + r0] = total[0];
+        if (ok1) lse[static_cast<size_t>(b) * rows + row0 + r0 + 8] = total[1];
+    }
+}
+
+template <typename OutT, bool PAIR>
 __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __restrict__ q,
                                      const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                                      OutT* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_acc,
@@ -498,29 +552,40 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
     l[0] += l_peer[w * 16 + (lane >> 2)];
     l[1] += l_peer[w * 16 + (lane >> 2) + 8];
 
+    if constexpr (PAIR) {
+        float inv[2], row_lse[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int lr = w * 16 + (lane >> 2) + 8 * i;
-        if (lr >= valid_rows) continue;
-        const int row = row0 + lr;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
-        const int d0 = wg * 256 + 2 * (lane & 3);
-        if (num_splits == 1) {
-            OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DLAT + d0;
-#pragma unroll
-            for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
-            if (wg == 0 && (lane & 3) == 0) lse[static_cast<size_t>(b) * rows + row] = row_lse;
-        } else {
-            const size_t pr = (static_cast<size_t>(b) * num_splits + split) * rows + row;
-            float* ob = o_acc + pr * DLAT + d0;
-#pragma unroll
-            for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
-            if (wg == 0 && (lane & 3) == 0) lse_acc[pr] = row_lse;
+        for (int i = 0; i < 2; ++i) {
+            inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+            row_lse[i] = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
         }
+        pair_epilogue(smem, o, inv, row_lse, out, lse, b, rows, row0, valid_rows, wg, w, lane);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int lr = w * 16 + (lane >> 2) + 8 * i;
+            if (lr >= valid_rows) continue;
+            const int row = row0 + lr;
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+            const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
+            const int d0 = wg * 256 + 2 * (lane & 3);
+            if (num_splits == 1) {
+                OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DLAT + d0;
+#pragma unroll
+                for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+                if (wg == 0 && (lane & 3) == 0) lse[static_cast<size_t>(b) * rows + row] = row_lse;
+            } else {
+                const size_t pr = (static_cast<size_t>(b) * num_splits + split) * rows + row;
+                float* ob = o_acc + pr * DLAT + d0;
+#pragma unroll
+                for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+                if (wg == 0 && (lane & 3) == 0) lse_acc[pr] = row_lse;
+            }
+        }
+        // Without counters the host merges the splits with the combine kernel.
+        if (num_splits > 1 && counters != nullptr)
+            combine_last(out, lse, o_acc, lse_acc, counters, rows, row0, valid_rows, num_splits);
     }
-    // Without counters the host merges the splits with the combine kernel.
-    if (num_splits > 1 && counters != nullptr) combine_last(out, lse, o_acc, lse_acc, counters, rows, row0, valid_rows, num_splits);
 }
 
 }  // namespace mlass
@@ -529,19 +594,32 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 // launches these there). The tensor map views the cache as 64 dims x (num_blocks * 64)
 // tokens (stride 1152 B) x 9 dim blocks (stride 128 B), box 64 x 64 x 1, 128-byte swizzle.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MLASS_BODY(OUT)                                                                                       \
-    mlass::body<OUT>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, counters, heads, q_len,       \
-                     bt_stride, num_blocks, num_splits, scale_log2);
+#define MLASS_BODY(OUT, PAIR)                                                                                 \
+    mlass::body<OUT, PAIR>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, counters, heads, q_len, \
+                           bt_stride, num_blocks, num_splits, scale_log2);
 #else
-#define MLASS_BODY(OUT) __trap();
+#define MLASS_BODY(OUT, PAIR) __trap();
 #endif
+#define MLASS_ARGS                                                                                            \
+    const __grid_constant__ CUtensorMap tmap, const bf16 *q, const bf16 *kv, const int *block_table,           \
+        const int *seq_lens, OUT_T *out, float *lse, float *o_acc, float *lse_acc, unsigned *counters,          \
+        int heads, int q_len, int bt_stride, int num_blocks, int num_splits, float scale_log2
 #define MLASS_ENTRY(OUT, SUFFIX)                                                                              \
     extern "C" __global__ void __launch_bounds__(mla::NTHREADS, 1) mla_decode_wgmma_ss_d512r64_##SUFFIX(      \
-        const __grid_constant__ CUtensorMap tmap, const bf16* q, const bf16* kv, const int* block_table,      \
-        const int* seq_lens, OUT* out, float* lse, float* o_acc, float* lse_acc, unsigned* counters,          \
-        int heads, int q_len, int bt_stride, int num_blocks, int num_splits, float scale_log2) {              \
+        MLASS_ARGS) {                                                                                         \
         (void)kv;                                                                                             \
-        MLASS_BODY(OUT)                                                                                       \
+        MLASS_BODY(OUT, false)                                                                                \
+    }                                                                                                         \
+    /* Exactly two splits, merged by the cluster of the two (grid.y = 2); o_acc, lse_acc and */               \
+    /* counters are unused. */                                                                                \
+    extern "C" __global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(mla::NTHREADS, 1)                  \
+        mla_decode_wgmma_ss_c2_d512r64_##SUFFIX(MLASS_ARGS) {                                                 \
+        (void)kv;                                                                                             \
+        MLASS_BODY(OUT, true)                                                                                 \
     }
+#define OUT_T bf16
 MLASS_ENTRY(bf16, obf16)
+#undef OUT_T
+#define OUT_T float
 MLASS_ENTRY(float, of32)
+#undef OUT_T

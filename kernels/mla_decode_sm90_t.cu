@@ -3,9 +3,12 @@
 //
 // Same contract and split-KV partial format as mla_decode_wgmma_tma_d512r64_q*_* in
 // mla_decode_sm90.cu, except that a split's unit here is the 64-token page (block), not
-// the 32-token chunk, and that the splits are merged in this launch (no separate
-// mla_decode_combine): the last CTA of a (tile, request) to finish, found through an
-// atomic counter, combines all the partials (see the end of body()).
+// the 32-token chunk, and that the splits can be merged in this launch instead of by
+// mla_decode_combine: with `counters` (not null) the last CTA of a (tile, request) to
+// finish, found through an atomic counter, combines all the partials (see the end of
+// body()); in the _c2 entries (exactly two splits) the two CTAs of a cluster (1 x 2 x 1:
+// the two splits of one request and tile) merge them through distributed shared memory,
+// and no partial goes to global memory.
 //
 // Why: with 16 heads x q_len 1-2 (or 32 heads x q_len 1) the tile has 16-32 rows, and
 // S = Q K^T as wgmma m64 computes 64 rows, 2-4x the useful tensor work, while the
@@ -131,7 +134,7 @@ __device__ __forceinline__ float ld_cg_f32(const float* p) {
     return v;
 }
 
-template <int QROWS, typename OutT>
+template <int QROWS, typename OutT, bool PAIR>
 __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __restrict__ q,
                                      const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                                      OutT* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_acc,
@@ -461,95 +464,138 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
     }
     __syncthreads();
 
-    // Row-major, 4 dims per thread: each warp writes 512 contiguous bytes (f32).
-    for (int idx = tid; idx < valid_rows * (DLAT / 4); idx += NTHREADS) {
-        const int r = idx / (DLAT / 4), d = (idx % (DLAT / 4)) * 4;
-        const float4 a = *reinterpret_cast<const float4*>(sO + r * O_STRIDE + d);
-        const float4 c = *reinterpret_cast<const float4*>(sO + (QROWS + r) * O_STRIDE + d);
-        const float4 v = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
-        if (num_splits == 1) {
-            OutT* ob = out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT + d;
-            store2(ob, v.x, v.y);
-            store2(ob + 2, v.z, v.w);
-        } else {
-            float* ob = o_acc + ((static_cast<size_t>(b) * num_splits + split) * rows + row0 + r) * DLAT + d;
-            store2(ob, v.x, v.y);
-            store2(ob + 2, v.z, v.w);
+    if constexpr (PAIR) {
+        // Two splits in a cluster (rank = split): CTA r writes out dims [256r, 256r + 256).
+        // Each CTA sends the other half of its normalised partial, and its rows' lse, into
+        // the peer's Q bytes (free once the peer's loop is done), then merges its own half.
+        const int rank = static_cast<int>(cluster_ctarank());
+        float* recv = reinterpret_cast<float*>(smem);  // [QROWS][256] f32, then lse [QROWS]
+        float* recv_lse = recv + QROWS * 256;
+        float* wts = reinterpret_cast<float*>(smem + G::OFF_RED);  // [2][QROWS]: own, peer weight
+        static_assert(QROWS * 257 * 4 <= G::Q_BYTES, "the received half must fit in Q's bytes");
+        cluster_sync();  // both loops done: the peer's Q bytes are free
+        const uint32_t peer = cluster_map(smem_u32(recv), static_cast<uint32_t>(rank ^ 1));
+        const int dp = 256 * (rank ^ 1), dm = 256 * rank;
+        for (int idx = tid; idx < valid_rows * 64; idx += NTHREADS) {
+            const int r = idx / 64, d = 4 * (idx % 64);
+            const float4 a = *reinterpret_cast<const float4*>(sO + r * O_STRIDE + dp + d);
+            const float4 c = *reinterpret_cast<const float4*>(sO + (QROWS + r) * O_STRIDE + dp + d);
+            st_cluster_f32x4(peer + (r * 256 + d) * 4, a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
         }
-    }
-    if (tid < valid_rows) {
-        float mm, ll, f0, f1;
-        col_stats(tid, mm, ll, f0, f1);
-        // Natural-log LSE of s * scale: (M + log2 L) * ln 2; -inf for an empty split.
-        const float row_lse = ll > 0.f ? (mm + __log2f(ll)) * 0.69314718055994531f : -MLAS_INF;
-        if (num_splits == 1) {
-            lse[static_cast<size_t>(b) * rows + row0 + tid] = row_lse;
-        } else {
-            lse_acc[(static_cast<size_t>(b) * num_splits + split) * rows + row0 + tid] = row_lse;
+        float own_lse = -MLAS_INF;
+        if (tid < valid_rows) {
+            float mm, ll, f0, f1;
+            col_stats(tid, mm, ll, f0, f1);
+            own_lse = ll > 0.f ? (mm + __log2f(ll)) * 0.69314718055994531f : -MLAS_INF;
+            st_cluster_f32(peer + (QROWS * 256 + tid) * 4, own_lse);
         }
-    }
-    // Without counters the host merges the splits with the combine kernel.
-    if (num_splits == 1 || counters == nullptr) return;
-
-    // ---- Split-KV combine, fused: the last CTA of (tile, request) merges the splits. ----
-    // counters[b * gridDim.x + tile] counts the splits that have published their partial;
-    // zero at launch, and the last CTA sets it back to zero for the next launch / replay.
-    unsigned int* counter = counters + static_cast<size_t>(b) * gridDim.x + blockIdx.x;
-    int* s_last = reinterpret_cast<int*>(smem + G::OFF_RED);  // red is free after the loop
-    __threadfence();  // release: this thread's o_acc / lse_acc stores, before the count
-    __syncthreads();
-    if (tid == 0) {
-        const unsigned int old = atomicAdd(counter, 1u);
-        const int last = old == static_cast<unsigned int>(num_splits - 1);
-        if (last) *counter = 0u;  // all num_splits increments are in: nobody else touches it
-        *s_last = last;
-    }
-    __syncthreads();
-    if (!*s_last) return;
-    __threadfence();  // acquire: the other splits' partials, read below through L2 only
-
-    // Same math as mla_decode_combine: lse = max + log sum_k exp(lse_k - max),
-    // out = sum_k exp(lse_k - lse) o_k; an all -inf row gives lse -inf and out 0.
-    // A warp per row, lane: dims 4 lane + 128 t (float4), the 4 t's loads in flight at once.
-    const int warp = tid >> 5;
-    const size_t rstride = static_cast<size_t>(rows);                  // between splits, in rows
-    const size_t rbase = static_cast<size_t>(b) * num_splits * rows + row0;  // split 0, row0
-    for (int r = warp; r < valid_rows; r += NTHREADS / 32) {
-        const float* la = lse_acc + rbase + r;
-        float mx = -MLAS_INF;
-        for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, ld_cg_f32(la + k * rstride));
-        mx = warp_max(mx);
-        float sum = 0.f;
-        if (mx != -MLAS_INF)
-            for (int k = lane; k < num_splits; k += 32) sum += __expf(ld_cg_f32(la + k * rstride) - mx);
-        sum = warp_sum(sum);
-        const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
-        float4 acc[DLAT / 128];
-#pragma unroll
-        for (int t = 0; t < DLAT / 128; ++t) acc[t] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int k = 0; k < num_splits; ++k) {
-            const float lk = ld_cg_f32(la + k * rstride);
-            if (lk == -MLAS_INF) continue;  // empty split: its partial may be all zeros
-            const float wk = __expf(lk - total);
-            const float* ok = o_acc + (rbase + r + k * rstride) * DLAT + 4 * lane;
-            float4 v[DLAT / 128];
-#pragma unroll
-            for (int t = 0; t < DLAT / 128; ++t) v[t] = ld_cg_f4(ok + 128 * t);
-#pragma unroll
-            for (int t = 0; t < DLAT / 128; ++t) {
-                acc[t].x += wk * v[t].x;
-                acc[t].y += wk * v[t].y;
-                acc[t].z += wk * v[t].z;
-                acc[t].w += wk * v[t].w;
+        cluster_sync();  // the peer's half and lse are here
+        if (tid < valid_rows) {
+            const float total = merge2_lse(own_lse, recv_lse[tid], wts[tid], wts[QROWS + tid]);
+            if (rank == 0) lse[static_cast<size_t>(b) * rows + row0 + tid] = total;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < valid_rows * 64; idx += NTHREADS) {
+            const int r = idx / 64, d = 4 * (idx % 64);
+            const float4 a = *reinterpret_cast<const float4*>(sO + r * O_STRIDE + dm + d);
+            const float4 c = *reinterpret_cast<const float4*>(sO + (QROWS + r) * O_STRIDE + dm + d);
+            const float4 p = *reinterpret_cast<const float4*>(recv + r * 256 + d);
+            const float wm = wts[r], wp = wts[QROWS + r];
+            OutT* ob = out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT + dm + d;
+            store2(ob, (a.x + c.x) * wm + p.x * wp, (a.y + c.y) * wm + p.y * wp);
+            store2(ob + 2, (a.z + c.z) * wm + p.z * wp, (a.w + c.w) * wm + p.w * wp);
+        }
+    } else {
+        // Row-major, 4 dims per thread: each warp writes 512 contiguous bytes (f32).
+        for (int idx = tid; idx < valid_rows * (DLAT / 4); idx += NTHREADS) {
+            const int r = idx / (DLAT / 4), d = (idx % (DLAT / 4)) * 4;
+            const float4 a = *reinterpret_cast<const float4*>(sO + r * O_STRIDE + d);
+            const float4 c = *reinterpret_cast<const float4*>(sO + (QROWS + r) * O_STRIDE + d);
+            const float4 v = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
+            if (num_splits == 1) {
+                OutT* ob = out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT + d;
+                store2(ob, v.x, v.y);
+                store2(ob + 2, v.z, v.w);
+            } else {
+                float* ob = o_acc + ((static_cast<size_t>(b) * num_splits + split) * rows + row0 + r) * DLAT + d;
+                store2(ob, v.x, v.y);
+                store2(ob + 2, v.z, v.w);
             }
         }
-        OutT* ob = out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT + 4 * lane;
-#pragma unroll
-        for (int t = 0; t < DLAT / 128; ++t) {
-            store2(ob + 128 * t, acc[t].x, acc[t].y);
-            store2(ob + 128 * t + 2, acc[t].z, acc[t].w);
+        if (tid < valid_rows) {
+            float mm, ll, f0, f1;
+            col_stats(tid, mm, ll, f0, f1);
+            // Natural-log LSE of s * scale: (M + log2 L) * ln 2; -inf for an empty split.
+            const float row_lse = ll > 0.f ? (mm + __log2f(ll)) * 0.69314718055994531f : -MLAS_INF;
+            if (num_splits == 1) {
+                lse[static_cast<size_t>(b) * rows + row0 + tid] = row_lse;
+            } else {
+                lse_acc[(static_cast<size_t>(b) * num_splits + split) * rows + row0 + tid] = row_lse;
+            }
         }
-        if (lane == 0) lse[static_cast<size_t>(b) * rows + row0 + r] = total;
+        // Without counters the host merges the splits with the combine kernel.
+        if (num_splits == 1 || counters == nullptr) return;
+
+        // ---- Split-KV combine, fused: the last CTA of (tile, request) merges the splits. ----
+        // counters[b * gridDim.x + tile] counts the splits that have published their partial;
+        // zero at launch, and the last CTA sets it back to zero for the next launch / replay.
+        unsigned int* counter = counters + static_cast<size_t>(b) * gridDim.x + blockIdx.x;
+        int* s_last = reinterpret_cast<int*>(smem + G::OFF_RED);  // red is free after the loop
+        __threadfence();  // release: this thread's o_acc / lse_acc stores, before the count
+        __syncthreads();
+        if (tid == 0) {
+            const unsigned int old = atomicAdd(counter, 1u);
+            const int last = old == static_cast<unsigned int>(num_splits - 1);
+            if (last) *counter = 0u;  // all num_splits increments are in: nobody else touches it
+            *s_last = last;
+        }
+        __syncthreads();
+        if (!*s_last) return;
+        __threadfence();  // acquire: the other splits' partials, read below through L2 only
+
+        // Same math as mla_decode_combine: lse = max + log sum_k exp(lse_k - max),
+        // out = sum_k exp(lse_k - lse) o_k; an all -inf row gives lse -inf and out 0.
+        // A warp per row, lane: dims 4 lane + 128 t (float4), the 4 t's loads in flight at once.
+        const int warp = tid >> 5;
+        const size_t rstride = static_cast<size_t>(rows);                  // between splits, in rows
+        const size_t rbase = static_cast<size_t>(b) * num_splits * rows + row0;  // split 0, row0
+        for (int r = warp; r < valid_rows; r += NTHREADS / 32) {
+            const float* la = lse_acc + rbase + r;
+            float mx = -MLAS_INF;
+            for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, ld_cg_f32(la + k * rstride));
+            mx = warp_max(mx);
+            float sum = 0.f;
+            if (mx != -MLAS_INF)
+                for (int k = lane; k < num_splits; k += 32) sum += __expf(ld_cg_f32(la + k * rstride) - mx);
+            sum = warp_sum(sum);
+            const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
+            float4 acc[DLAT / 128];
+#pragma unroll
+            for (int t = 0; t < DLAT / 128; ++t) acc[t] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int k = 0; k < num_splits; ++k) {
+                const float lk = ld_cg_f32(la + k * rstride);
+                if (lk == -MLAS_INF) continue;  // empty split: its partial may be all zeros
+                const float wk = __expf(lk - total);
+                const float* ok = o_acc + (rbase + r + k * rstride) * DLAT + 4 * lane;
+                float4 v[DLAT / 128];
+#pragma unroll
+                for (int t = 0; t < DLAT / 128; ++t) v[t] = ld_cg_f4(ok + 128 * t);
+#pragma unroll
+                for (int t = 0; t < DLAT / 128; ++t) {
+                    acc[t].x += wk * v[t].x;
+                    acc[t].y += wk * v[t].y;
+                    acc[t].z += wk * v[t].z;
+                    acc[t].w += wk * v[t].w;
+                }
+            }
+            OutT* ob = out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT + 4 * lane;
+#pragma unroll
+            for (int t = 0; t < DLAT / 128; ++t) {
+                store2(ob + 128 * t, acc[t].x, acc[t].y);
+                store2(ob + 128 * t + 2, acc[t].z, acc[t].w);
+            }
+            if (lane == 0) lse[static_cast<size_t>(b) * rows + row0 + r] = total;
+        }
     }
 }
 
@@ -566,17 +612,23 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 // num_blocks*64 tokens at 1152 B x 9 pieces at 128 B; box 64 x 64 x 1; 128-byte
 // swizzle); it stays for the same argument list as the other decode kernels.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MLA90T_BODY(QR, OUT)                                                                                  \
+#define MLA90T_BODY(QR, OUT, PAIR)                                                                            \
     (void)kv;                                                                                                 \
-    mla90t::body<QR, OUT>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, counters, heads, q_len,  \
-                          bt_stride, num_blocks, num_splits, scale_log2);
+    mla90t::body<QR, OUT, PAIR>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, counters, heads,   \
+                                q_len, bt_stride, num_blocks, num_splits, scale_log2);
 #else
-#define MLA90T_BODY(QR, OUT) __trap();
+#define MLA90T_BODY(QR, OUT, PAIR) __trap();
 #endif
 #define MLA90T_ENTRY(QR, OUT, SUFFIX)                                                                     \
     extern "C" __global__ void __launch_bounds__(mla::NTHREADS, 1)                                        \
         mla_decode_wgmma_t_d512r64_q##QR##_##SUFFIX(MLA90T_ARGS) {                                        \
-        MLA90T_BODY(QR, OUT)                                                                              \
+        MLA90T_BODY(QR, OUT, false)                                                                       \
+    }                                                                                                     \
+    /* Exactly two splits, merged by the cluster of the two (grid.y = 2); o_acc, lse_acc */               \
+    /* and counters are unused. */                                                                        \
+    extern "C" __global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(mla::NTHREADS, 1)              \
+        mla_decode_wgmma_t_c2_d512r64_q##QR##_##SUFFIX(MLA90T_ARGS) {                                     \
+        MLA90T_BODY(QR, OUT, true)                                                                        \
     }
 #define OUT_T bf16
 MLA90T_ENTRY(16, bf16, obf16)

@@ -5,18 +5,23 @@
 //! synchronised and checked for errors after every timed call. Inputs are random
 //! (device-side fills), never zeros, and each configuration's cache is several times
 //! the L2.
+//!
+//! The decode sweep times each configuration twice: once per call as above (the GPU
+//! waits for the host's launch, so a call of ~100 µs carries its launch latency), and
+//! as the replay of a CUDA graph of [`GRAPH_CALLS`] calls, divided by that count: the
+//! way a decode step runs it, inside the step's graph, behind other kernels.
 
 use std::fmt;
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::bf16;
 
-use crate::error::Result;
+use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels::Util;
-use crate::mla_decode::{MlaDecode, MlaDecodeShape, MlaKernel};
+use crate::mla_decode::{MlaDecode, MlaDecodeShape, MlaKernel, SplitMerge};
 use crate::plan::{self, PAGE};
 use crate::reference::DecodeDims;
 use crate::rng::Rng;
@@ -38,6 +43,54 @@ pub fn time_calls(gpu: &Gpu, warmup: usize, iters: usize, mut f: impl FnMut() ->
         end.synchronize()?;
         gpu.ctx.check_err()?;
         times.push(start.elapsed_ms(&end)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times)
+}
+
+/// Calls per captured graph in [`time_graph`].
+pub const GRAPH_CALLS: usize = 8;
+
+/// Times `f` as a CUDA graph: `calls` calls of `f` are captured once, the graph is
+/// replayed `warmup` times, then `iters` times each between two events. Returns the
+/// per-call times (replay time / `calls`) in ms, sorted.
+pub fn time_graph(
+    gpu: &Gpu,
+    calls: usize,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    let s = &gpu.stream;
+    gpu.sync()?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let mut body = Ok(());
+    for _ in 0..calls {
+        body = f();
+        if body.is_err() {
+            break;
+        }
+    }
+    // Always ended, so the stream leaves capture mode whatever happened.
+    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+    body?;
+    let graph = graph?.ok_or_else(|| CudaError::shape("bench", "empty graph capture"))?;
+    graph.upload()?;
+    for _ in 0..warmup.max(1) {
+        graph.launch()?;
+    }
+    gpu.sync()?;
+    gpu.ctx.check_err()?;
+    let start = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        start.record(s)?;
+        graph.launch()?;
+        end.record(s)?;
+        end.synchronize()?;
+        gpu.ctx.check_err()?;
+        times.push(start.elapsed_ms(&end)? as f64 / calls as f64);
     }
     times.sort_by(f64::total_cmp);
     Ok(times)
@@ -120,8 +173,9 @@ pub struct MlaDecodeBenchOpts {
     /// Split-KV counts to time each configuration with (tuning the planner); `None` =
     /// the planner's choice.
     pub splits: Option<Vec<usize>>,
-    /// Let the 64-token kernels merge their own splits ([`MlaDecode::set_fused_combine`]).
-    pub fused_combine: bool,
+    /// Split merges to time each configuration with ([`MlaDecode::set_split_merge`]);
+    /// `None` = the default, [`SplitMerge::Cluster`].
+    pub merges: Option<Vec<SplitMerge>>,
 }
 
 impl Default for MlaDecodeBenchOpts {
@@ -137,7 +191,7 @@ impl Default for MlaDecodeBenchOpts {
             iters: 30,
             kernels: None,
             splits: None,
-            fused_combine: false,
+            merges: None,
         }
     }
 }
@@ -155,10 +209,16 @@ pub struct MlaDecodeBenchRow {
     pub heads: usize,
     pub q_len: usize,
     pub num_splits: usize,
+    /// The merge that ran (`None`: one split).
+    pub merge: Option<SplitMerge>,
     pub median_us: f64,
     pub min_us: f64,
     pub gbps: f64,
     pub tflops: f64,
+    /// Median per call of a replayed graph of [`GRAPH_CALLS`] calls, and its rates.
+    pub graph_us: f64,
+    pub graph_gbps: f64,
+    pub graph_tflops: f64,
 }
 
 /// A sweep's result; `Display` prints the table with the ceilings.
@@ -174,7 +234,6 @@ pub struct MlaDecodeBenchReport {
 pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecodeBenchReport> {
     let util = Util::new(gpu)?;
     let mut mla = MlaDecode::new(gpu)?;
-    mla.set_fused_combine(opts.fused_combine);
     let ceilings = measure_ceilings(gpu, &util)?;
     let s = &gpu.stream;
     let (dlat, drope) = (512usize, 64usize);
@@ -196,8 +255,10 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
 
     let mut rows_out = Vec::new();
     let kernels = opts.kernels.clone().unwrap_or_else(|| vec![MlaKernel::Auto]);
-    for &kernel in &kernels {
+    let merges = opts.merges.clone().unwrap_or_else(|| vec![SplitMerge::Cluster]);
+    for (&kernel, &merge) in kernels.iter().flat_map(|k| merges.iter().map(move |m| (k, m))) {
         mla.set_kernel(kernel)?;
+        mla.set_split_merge(merge);
         for &batch in &opts.batches {
             for &seq_len in &opts.seq_lens {
                 for &heads in &opts.heads {
@@ -221,14 +282,25 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
                         };
                         tries.dedup();
                         for splits in tries {
+                            // Timed once per merge that runs: under the first listed
+                            // merge that resolves to it here.
+                            let ran_merge = mla.merge_with(merge, &dims, splits);
+                            if merges.iter().find(|&&m| mla.merge_with(m, &dims, splits) == ran_merge) != Some(&merge) {
+                                continue;
+                            }
                             let mut ws = mla.workspace(s, &dims, splits)?;
                             let shape =
                                 MlaDecodeShape { dims, num_blocks, num_splits: splits, scale: 1.0 / (192f32).sqrt() };
                             let t = time_calls(gpu, opts.warmup, opts.iters, || {
                                 mla.launch(s, &shape, &q, &cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
                             })?;
-                            let med = median(&t);
+                            let tg = time_graph(gpu, GRAPH_CALLS, opts.warmup, opts.iters, || {
+                                mla.launch(s, &shape, &q, &cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
+                            })?;
+                            let (med, gmed) = (median(&t), median(&tg));
                             let lens = vec![seq_len; batch];
+                            let bytes = plan::min_bytes(rows, &lens, dqk, dlat, 2);
+                            let flops = plan::flops(rows, &lens, dqk, dlat);
                             rows_out.push(MlaDecodeBenchRow {
                                 kernel,
                                 ran: mla.effective_kernel(&dims),
@@ -237,10 +309,14 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
                                 heads,
                                 q_len,
                                 num_splits: splits,
+                                merge: ran_merge,
                                 median_us: med * 1e3,
                                 min_us: t[0] * 1e3,
-                                gbps: plan::min_bytes(rows, &lens, dqk, dlat, 2) / (med * 1e-3) / 1e9,
-                                tflops: plan::flops(rows, &lens, dqk, dlat) / (med * 1e-3) / 1e12,
+                                gbps: bytes / (med * 1e-3) / 1e9,
+                                tflops: flops / (med * 1e-3) / 1e12,
+                                graph_us: gmed * 1e3,
+                                graph_gbps: bytes / (gmed * 1e-3) / 1e9,
+                                graph_tflops: flops / (gmed * 1e-3) / 1e12,
                             });
                         }
                     }
@@ -262,8 +338,29 @@ impl fmt::Display for MlaDecodeBenchReport {
         )?;
         writeln!(
             f,
-            "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>10} {:>8} {:>6} {:>8} {:>6}  bound",
-            "kernel", "batch", "seq", "heads", "s", "rows", "splits", "median_us", "GB/s", "%copy", "TFLOP/s", "%gemm"
+            "(per call: events around one call, launch latency included; graph: replay of {GRAPH_CALLS} calls)"
+        )?;
+        writeln!(
+            f,
+            "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>8} {:>10} {:>8} {:>6} {:>8} {:>6} {:>9} {:>8} {:>6} {:>8} {:>6}  bound",
+            "kernel",
+            "batch",
+            "seq",
+            "heads",
+            "s",
+            "rows",
+            "splits",
+            "merge",
+            "median_us",
+            "GB/s",
+            "%copy",
+            "TFLOP/s",
+            "%gemm",
+            "graph_us",
+            "GB/s",
+            "%copy",
+            "TFLOP/s",
+            "%gemm"
         )?;
         for r in &self.rows {
             // FLOP per byte ≈ 1.89 × rows; the ridge is gemm / copy.
@@ -271,7 +368,7 @@ impl fmt::Display for MlaDecodeBenchReport {
             let ridge = c.gemm_tflops * 1e12 / (c.copy_gbps * 1e9);
             writeln!(
                 f,
-                "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>10.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}%  {}",
+                "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>8} {:>10.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}% {:>9.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}%  {}",
                 if r.kernel == MlaKernel::Auto || r.ran == r.kernel {
                     r.kernel.name().to_string()
                 } else {
@@ -283,11 +380,17 @@ impl fmt::Display for MlaDecodeBenchReport {
                 r.q_len,
                 r.heads * r.q_len,
                 r.num_splits,
+                r.merge.map_or("-", |m| m.name()),
                 r.median_us,
                 r.gbps,
                 100.0 * r.gbps / c.copy_gbps,
                 r.tflops,
                 100.0 * r.tflops / c.gemm_tflops,
+                r.graph_us,
+                r.graph_gbps,
+                100.0 * r.graph_gbps / c.copy_gbps,
+                r.graph_tflops,
+                100.0 * r.graph_tflops / c.gemm_tflops,
                 if intensity < ridge { "memory" } else { "compute" }
             )?;
         }

@@ -63,6 +63,8 @@ pub struct CaseReport {
     pub kernel: &'static str,
     pub fast_path: bool,
     pub num_splits: usize,
+    /// How the splits were merged ("-" for one split).
+    pub merge: &'static str,
     pub out: ErrStats,
     pub lse_max_abs: f64,
     pub tol_rel_l2: f64,
@@ -79,10 +81,11 @@ impl fmt::Display for CaseReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:<44} {:>8} splits={:<2} rel_l2={:.2e} (tol {:.0e}) max_abs={:.2e} lse_err={:.2e} (tol {:.0e}) {}",
+            "{:<52} {:>9} splits={:<2} {:>8} rel_l2={:.2e} (tol {:.0e}) max_abs={:.2e} lse_err={:.2e} (tol {:.0e}) {}",
             self.name,
             self.kernel,
             self.num_splits,
+            self.merge,
             self.out.rel_l2,
             self.tol_rel_l2,
             self.out.max_abs,
@@ -176,9 +179,10 @@ fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCa
     let (tol_rel_l2, tol_lse) = tolerances(MlaDecode::is_fast_path(&d), case.out_f32);
     Ok(CaseReport {
         name: case.name.clone(),
-        kernel: if MlaDecode::is_fast_path(&d) { mla.kernel().name() } else { "generic" },
+        kernel: if MlaDecode::is_fast_path(&d) { mla.effective_kernel(&d).name() } else { "generic" },
         fast_path: MlaDecode::is_fast_path(&d),
         num_splits: splits,
+        merge: mla.effective_merge(&d, splits).map_or("-", |m| m.name()),
         out: reference::err_stats(&got_out, &want_out),
         lse_max_abs: reference::lse_max_abs(&got_lse, &want_lse),
         tol_rel_l2,
@@ -223,6 +227,13 @@ pub fn standard_cases() -> Vec<DecodeCase> {
             false,
             None,
         ),
+        // Exactly two splits: the 64-token kernels merge them in a cluster of two CTAs
+        // (SplitMerge::Cluster, the default), the others with the combine kernel. Lengths
+        // of one page or less leave the second split empty.
+        c("v3 h16 s1 2 splits (one split empty) f32", 16, 1, 512, 64, &[1, 63, 64, 65, 129, 1000], 1.0, true, Some(2)),
+        c("v3 h16 s2 2 splits bf16", 16, 2, 512, 64, &[2, 64, 130, 777], 1.0, false, Some(2)),
+        c("v3 h16 s4 (64 rows) 2 splits bf16", 16, 4, 512, 64, &[4, 65, 128, 2049], 1.0, false, Some(2)),
+        c("v3 h32 s3 (96 rows, partial tile) 2 splits f32 peaky", 32, 3, 512, 64, &[3, 300, 901], 8.0, true, Some(2)),
     ]
 }
 

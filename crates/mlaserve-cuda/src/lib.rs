@@ -59,4 +59,4 @@ pub use error::{CudaError, Result};
 #[cfg(feature = "cuda")]
 pub use gpu::Gpu;
 #[cfg(feature = "cuda")]
-pub use mla_decode::{MlaDecode, MlaDecodeShape, MlaKernel, MlaOut, MlaWorkspace};
+pub use mla_decode::{MlaDecode, MlaDecodeShape, MlaKernel, MlaOut, MlaWorkspace, SplitMerge};

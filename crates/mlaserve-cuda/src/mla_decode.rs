@@ -18,6 +18,7 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
+pub use crate::plan::SplitMerge;
 use crate::plan::{self, MAX_SPLITS, PAGE, TILE_ROWS};
 use crate::reference::DecodeDims;
 
@@ -241,13 +242,17 @@ pub struct MlaDecode {
     wgmma: Option<Vec<(CudaFunction, CudaFunction)>>,
     /// The same for the TMA variant (`mla_decode_wgmma_tma_*`).
     wgmma_tma: Option<Vec<(CudaFunction, CudaFunction)>>,
-    /// (bf16 out, f32 out) seesaw kernels (sm_90 only).
+    /// (bf16 out, f32 out) seesaw kernels (sm_90 only), and their two-split cluster
+    /// entries (`_c2`, [`SplitMerge::Cluster`]).
     seesaw: Option<(CudaFunction, CudaFunction)>,
-    /// (bf16 out, f32 out) transposed kernels per [`TRANSPOSED_QROWS`] (sm_90 only).
+    seesaw_c2: Option<(CudaFunction, CudaFunction)>,
+    /// (bf16 out, f32 out) transposed kernels per [`TRANSPOSED_QROWS`] (sm_90 only), and
+    /// their cluster entries.
     transposed: Option<Vec<(CudaFunction, CudaFunction)>>,
+    transposed_c2: Option<Vec<(CudaFunction, CudaFunction)>>,
     kernel: MlaKernel,
-    /// Whether the 64-token kernels merge their own splits (off: the combine kernel).
-    fused_combine: bool,
+    /// How the 64-token kernels merge their splits.
+    merge: SplitMerge,
     num_sms: usize,
 }
 
@@ -275,33 +280,39 @@ impl MlaDecode {
         } else {
             (None, None)
         };
-        let seesaw = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= SEESAW_SMEM {
+        let (seesaw, seesaw_c2) = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= SEESAW_SMEM {
             let m = gpu.load_module(kernels::MLA_DECODE_SM90_SS)?;
-            Some(load_pair(&m, "mla_decode_wgmma_ss_d512r64", SEESAW_SMEM)?)
-        } else {
-            None
-        };
-        let transposed = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= TRANSPOSED_SMEM[1] {
-            let m = gpu.load_module(kernels::MLA_DECODE_SM90_T)?;
-            let names = TRANSPOSED_QROWS.map(|qr| format!("mla_decode_wgmma_t_d512r64_q{qr}"));
-            Some(
-                names
-                    .iter()
-                    .zip(TRANSPOSED_SMEM)
-                    .map(|(n, smem)| load_pair(&m, n, smem))
-                    .collect::<Result<Vec<_>>>()?,
+            (
+                Some(load_pair(&m, "mla_decode_wgmma_ss_d512r64", SEESAW_SMEM)?),
+                Some(load_pair(&m, "mla_decode_wgmma_ss_c2_d512r64", SEESAW_SMEM)?),
             )
         } else {
-            None
+            (None, None)
         };
+        let (transposed, transposed_c2) =
+            if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= TRANSPOSED_SMEM[1] {
+                let m = gpu.load_module(kernels::MLA_DECODE_SM90_T)?;
+                let load = |prefix: &str| -> Result<Vec<(CudaFunction, CudaFunction)>> {
+                    TRANSPOSED_QROWS
+                        .iter()
+                        .zip(TRANSPOSED_SMEM)
+                        .map(|(qr, smem)| load_pair(&m, &format!("{prefix}_q{qr}"), smem))
+                        .collect()
+                };
+                (Some(load("mla_decode_wgmma_t_d512r64")?), Some(load("mla_decode_wgmma_t_c2_d512r64")?))
+            } else {
+                (None, None)
+            };
         let kernel = MlaKernel::Auto;
         Ok(MlaDecode {
             wgmma,
             wgmma_tma,
             seesaw,
+            seesaw_c2,
             transposed,
+            transposed_c2,
             kernel,
-            fused_combine: false,
+            merge: SplitMerge::Cluster,
             splitkv_bf16,
             splitkv_f32,
             combine_bf16: m.load_function("mla_decode_combine_obf16")?,
@@ -335,12 +346,23 @@ impl MlaDecode {
         v
     }
 
-    /// Lets the seesaw and transposed kernels merge their own splits (the last CTA of a
-    /// tile, through the workspace's counters) instead of launching the combine kernel.
-    /// Off by default: two H200 runs at batch 64 x 4096 disagreed (one slower for 64-row
-    /// tiles, where the last CTA merges alone; one faster for 16 rows; docs/PERFORMANCE.md).
-    pub fn set_fused_combine(&mut self, on: bool) {
-        self.fused_combine = on;
+    /// How the seesaw and transposed kernels merge their splits ([`SplitMerge::Cluster`]
+    /// unless set).
+    pub fn set_split_merge(&mut self, merge: SplitMerge) {
+        self.merge = merge;
+    }
+
+    /// The merge a launch with `dims` and `splits` splits uses (`None`: one split, nothing
+    /// to merge).
+    pub fn effective_merge(&self, dims: &DecodeDims, splits: usize) -> Option<SplitMerge> {
+        self.merge_with(self.merge, dims, splits)
+    }
+
+    /// The merge a launch with `dims` and `splits` splits would use with `merge` set.
+    pub fn merge_with(&self, merge: SplitMerge, dims: &DecodeDims, splits: usize) -> Option<SplitMerge> {
+        let own = Self::is_fast_path(dims)
+            && matches!(self.effective_kernel(dims), MlaKernel::Seesaw | MlaKernel::Transposed);
+        merge.resolve(own, splits)
     }
 
     /// Selects the fast-path kernel (for comparisons and tests).
@@ -505,6 +527,7 @@ impl MlaDecode {
         // The smallest wgmma variant that stores every row of the (single) tile.
         let v = if tiles > 1 { 2 } else { WGMMA_QROWS.iter().position(|&qr| rows <= qr).unwrap_or(2) };
         let kernel = self.effective_kernel(d);
+        let merge = self.effective_merge(d, splits);
         // (function, shared memory, TMA box: tokens x 64-dim blocks, or none for cp.async)
         let (f, smem, tma_box) = match (kernel, &self.wgmma, &self.wgmma_tma, &self.seesaw) {
             (MlaKernel::Wgmma, Some(w), _, _) => {
@@ -515,19 +538,29 @@ impl MlaDecode {
                 let (f, sm) = pick_variant(w, v, bf);
                 (f, sm, Some((32, 9)))
             }
-            (MlaKernel::Seesaw, _, _, Some((fb, ff))) => (if bf { fb } else { ff }, SEESAW_SMEM, Some((64, 1))),
+            (MlaKernel::Seesaw, _, _, Some((fb, ff))) => {
+                let (fb, ff) = match (merge, &self.seesaw_c2) {
+                    (Some(SplitMerge::Cluster), Some((cb, cf))) => (cb, cf),
+                    _ => (fb, ff),
+                };
+                (if bf { fb } else { ff }, SEESAW_SMEM, Some((64, 1)))
+            }
             (MlaKernel::Transposed, _, _, _) if self.transposed.is_some() => {
                 let t = usize::from(rows > TRANSPOSED_QROWS[0]);
-                let (fb, ff) = &self.transposed.as_ref().expect("checked")[t];
+                let set = match (merge, &self.transposed_c2) {
+                    (Some(SplitMerge::Cluster), Some(c2)) => c2,
+                    _ => self.transposed.as_ref().expect("checked"),
+                };
+                let (fb, ff) = &set[t];
                 (if bf { fb } else { ff }, TRANSPOSED_SMEM[t], Some((64, 1)))
             }
             _ => (if bf { &self.splitkv_bf16 } else { &self.splitkv_f32 }, FAST_SMEM, None),
         };
-        // The 64-token kernels can merge their own splits (the last CTA of a tile, through
-        // the workspace's counters) when `fused_combine` is set; otherwise, like the
-        // others, they leave it to the combine kernel.
+        // The 64-token kernels can merge their own splits: in a cluster of the two (their
+        // _c2 entries, chosen above), or by the last CTA of a tile through the workspace's
+        // counters; otherwise, like the others, they leave it to the combine kernel.
         let own_splits = matches!(kernel, MlaKernel::Seesaw | MlaKernel::Transposed);
-        let fused_combine = own_splits && self.fused_combine;
+        let last_cta = merge == Some(SplitMerge::LastCta);
         let tmap = match tma_box {
             Some((box_tokens, box_blocks)) => {
                 let (ptr, _sync) = cache.device_ptr(stream);
@@ -559,11 +592,12 @@ impl MlaDecode {
         // seesaw and transposed kernels take `counters` after lse_acc: null (no merge), or
         // batch * tiles of them (checked above when splits > 1, zero between launches:
         // the merging CTA resets its own, and only it writes out/lse); they read the
-        // cache only through the
-        // map (64, resp. 16 or 32 >= rows, stored query rows, zero-filled past
-        // `rows`; the transposed kernel is chosen only for one tile of <= 32 rows).
-        // A null `counters` asks the 64-token kernels to leave the merge to the combine
-        // kernel below.
+        // cache only through the map (64, resp. 16 or 32 >= rows, stored query rows,
+        // zero-filled past `rows`; the transposed kernel is chosen only for one tile of
+        // <= 32 rows). A null `counters` asks the 64-token kernels to leave the merge to
+        // the combine kernel below. Their _c2 entries (compile-time cluster 1 x 2 x 1) are
+        // chosen only with exactly two splits, so grid.y = 2 is one cluster; they write
+        // out/lse only, never the workspace.
         let no_counters: u64 = 0;
         unsafe {
             let mut b = stream.launch_builder(f);
@@ -578,14 +612,14 @@ impl MlaDecode {
                 .arg(&mut *lse)
                 .arg(&mut ws.o_acc)
                 .arg(&mut ws.lse_acc);
-            if fused_combine {
+            if last_cta {
                 b.arg(&mut ws.counters);
             } else if own_splits {
                 b.arg(&no_counters);
             }
             b.arg(&heads).arg(&q_len).arg(&bt_stride).arg(&num_blocks).arg(&splits_i).arg(&scale_log2).launch(cfg)
         }?;
-        if splits > 1 && !fused_combine {
+        if merge == Some(SplitMerge::Kernel) {
             let (rows_i, dv) = (rows as i32, d.dlat as i32);
             let cfg = LaunchConfig {
                 grid_dim: (rows.div_ceil(4) as u32, d.batch as u32, 1),

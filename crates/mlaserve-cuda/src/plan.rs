@@ -54,9 +54,71 @@ pub fn min_bytes(rows: usize, seq_lens: &[usize], dqk: usize, dv: usize, out_ele
     (cache + seq_lens.len() * per_req) as f64
 }
 
+/// How the 64-token kernels (seesaw, transposed) merge a request's split-KV partials.
+/// The other kernels always leave it to the combine kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitMerge {
+    /// A second launch, `mla_decode_combine` (any split count).
+    Kernel,
+    /// The last CTA of a (request, tile) to finish merges every split's partial, found
+    /// through an atomic counter in the workspace (any split count).
+    LastCta,
+    /// The default: exactly two splits run as the two CTAs of a thread-block cluster,
+    /// which swap half of their normalised partials through distributed shared memory and
+    /// each write half of the output; no partial goes to global memory and no second
+    /// kernel runs. Other split counts use the combine kernel.
+    Cluster,
+}
+
+impl SplitMerge {
+    pub const ALL: [SplitMerge; 3] = [SplitMerge::Kernel, SplitMerge::LastCta, SplitMerge::Cluster];
+
+    /// The merge called `name` (as [`SplitMerge::name`] spells it).
+    pub fn from_name(name: &str) -> Option<SplitMerge> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitMerge::Kernel => "kernel",
+            SplitMerge::LastCta => "last-cta",
+            SplitMerge::Cluster => "cluster",
+        }
+    }
+
+    /// The merge that runs when this one is asked for: `None` with one split (nothing
+    /// to merge); the combine kernel where the kernel (`own_merge`: seesaw or
+    /// transposed) cannot merge its own splits, or where a cluster pair would need
+    /// other than two.
+    pub fn resolve(self, own_merge: bool, splits: usize) -> Option<SplitMerge> {
+        match self {
+            _ if splits <= 1 => None,
+            SplitMerge::Cluster if own_merge && splits == 2 => Some(SplitMerge::Cluster),
+            SplitMerge::LastCta if own_merge => Some(SplitMerge::LastCta),
+            _ => Some(SplitMerge::Kernel),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_merge_resolves_to_what_runs() {
+        use SplitMerge::*;
+        for m in SplitMerge::ALL {
+            assert_eq!(SplitMerge::from_name(m.name()), Some(m));
+            assert_eq!(m.resolve(true, 1), None, "one split: nothing to merge");
+        }
+        assert_eq!(Cluster.resolve(true, 2), Some(Cluster));
+        assert_eq!(Cluster.resolve(true, 3), Some(Kernel), "a cluster pair holds two splits only");
+        assert_eq!(Cluster.resolve(false, 2), Some(Kernel), "32-token kernels have no cluster entry");
+        assert_eq!(LastCta.resolve(true, 7), Some(LastCta));
+        assert_eq!(LastCta.resolve(false, 7), Some(Kernel));
+        assert_eq!(Kernel.resolve(true, 2), Some(Kernel));
+        assert_eq!(SplitMerge::from_name("fused"), None);
+    }
 
     #[test]
     fn tiles_pad_to_64_rows() {

@@ -7,7 +7,8 @@
 //!
 //! Usage: mlaserve-cuda-check [--no-bench] [--no-check] [--quick] [--device N]
 //!        [--kernel mma.sync|wgmma|wgmma+tma|wgmma-ss|wgmma-t|auto]   (default: checks of every
-//!        kernel, bench of auto) [--fused-combine] (the 64-token kernels merge their own splits)
+//!        kernel, bench of auto) [--merge cluster|last-cta|kernel] (how the 64-token kernels
+//!        merge split-KV partials; default cluster)
 //!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--device N]
 //!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
 
@@ -15,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use mlaserve_cuda::bench::{bench_mla_decode, MlaDecodeBenchOpts};
 use mlaserve_cuda::check::{run_decode_case, run_op_checks, standard_cases};
 use mlaserve_cuda::kernels::Util;
-use mlaserve_cuda::{Gpu, MlaDecode, MlaKernel};
+use mlaserve_cuda::{Gpu, MlaDecode, MlaKernel, SplitMerge};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -29,6 +30,14 @@ fn main() -> Result<()> {
     let only = match args.iter().position(|a| a == "--kernel") {
         Some(i) => Some(args.get(i + 1).context("--kernel needs a name")?.clone()),
         None => None,
+    };
+    let merge = match args.iter().position(|a| a == "--merge") {
+        Some(i) => {
+            let name = args.get(i + 1).context("--merge needs a name")?;
+            SplitMerge::from_name(name)
+                .with_context(|| format!("--merge: unknown merge {name:?} (cluster, last-cta, kernel)"))?
+        }
+        None => SplitMerge::Cluster,
     };
     if flag("--bench-step") {
         let num = |name: &str, default: usize| -> Result<usize> {
@@ -62,7 +71,7 @@ fn main() -> Result<()> {
     if !flag("--no-check") {
         let util = Util::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
-        mla.set_fused_combine(flag("--fused-combine"));
+        mla.set_split_merge(merge);
         println!("== mla_decode vs CPU reference (fresh random inputs, NaN-poisoned outputs and cache padding)");
         let mut total = 0;
         let kernels = if only.as_deref() == Some("auto") { vec![MlaKernel::Auto] } else { mla.available_kernels() };
@@ -92,7 +101,7 @@ fn main() -> Result<()> {
         }
     }
     if !flag("--no-bench") {
-        let mut opts = MlaDecodeBenchOpts { fused_combine: flag("--fused-combine"), ..Default::default() };
+        let mut opts = MlaDecodeBenchOpts { merges: Some(vec![merge]), ..Default::default() };
         if let Some(k) = &only {
             let mla = MlaDecode::new(&gpu)?;
             let mut all = mla.available_kernels();

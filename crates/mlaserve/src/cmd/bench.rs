@@ -90,10 +90,11 @@ struct MlaArgs {
     /// Only these cached lengths in tokens (comma-separated; default 4096,8192).
     #[arg(long, value_delimiter = ',')]
     seq: Vec<usize>,
-    /// Let the 64-token kernels (wgmma-ss, wgmma-t) merge their own splits instead of
-    /// launching the combine kernel.
-    #[arg(long)]
-    fused_combine: bool,
+    /// How the 64-token kernels (wgmma-ss, wgmma-t) merge split-KV partials, each timed
+    /// (comma-separated): cluster (default; two splits as a CTA pair), last-cta, kernel
+    /// (the combine kernel).
+    #[arg(long, value_delimiter = ',')]
+    merge: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -200,7 +201,17 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
         anyhow::ensure!(g.splits.iter().all(|&x| x >= 1), "--splits: each must be at least 1");
         opts.splits = Some(g.splits);
     }
-    opts.fused_combine = g.fused_combine;
+    if !g.merge.is_empty() {
+        let merges = g
+            .merge
+            .iter()
+            .map(|m| {
+                mlaserve_cuda::SplitMerge::from_name(m)
+                    .ok_or_else(|| anyhow::anyhow!("--merge: unknown merge {m:?} (cluster, last-cta, kernel)"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        opts.merges = Some(merges);
+    }
     if !g.batch.is_empty() {
         anyhow::ensure!(g.batch.iter().all(|&x| x >= 1), "--batch: each must be at least 1");
         opts.batches = g.batch;
