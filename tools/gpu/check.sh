@@ -20,7 +20,8 @@
 # CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0, a
 # stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
 # rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
-# TP 1 .. N, and `bench mla-decode`.
+# TP 1 .. N, and `bench mla-decode`. CUDA graphs on TP ranks (experimental) get their own
+# test and a `bench step --tp N` with MLASERVE_TP_GRAPHS=1.
 #
 # Runs every GPU test binary in .gpu/tests/, compute-sanitizer memcheck on the kernel
 # tests, a SASS summary of the embedded kernels, and the checks + decode benchmark of
@@ -122,6 +123,11 @@ if [[ "$mode" == tp ]]; then
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
             --nocapture --test-threads=1
     done
+    # CUDA graphs on TP ranks (experimental: a hang here is the fourth session's bug).
+    step "gpu_graphs::tp2_decode_steps_through_graphs_equal_eager" "$out/tests.log" timeout 120 \
+        "$gpu_dir/tests/gpu_graphs" --exact tp2_decode_steps_through_graphs_equal_eager --nocapture --test-threads=1
+    step "bench step --tp $tp_n, graphs on TP ranks" "$out/bench-step.log" env MLASERVE_TP_GRAPHS=1 timeout 120 \
+        "$gpu_dir/bin/mlaserve" bench step --tp "$tp_n"
     # Processes over real NCCL (CPU compute: exact equality with TP = 1), tiny-v3 and the
     # bundled model, then a killed rank.
     step "tp_group processes (TP $worlds)" "$out/tp-group.log" env MLASERVE_TP_WORLDS="$worlds" timeout 300 \

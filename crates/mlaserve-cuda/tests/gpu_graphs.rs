@@ -17,6 +17,9 @@
 //!
 //! Then the engine on each: greedy output with graphs equals eager output, 8 requests
 //! decoding together (k = 0, every step a full bucket); k = 3 is reported.
+//!
+//! With two GPUs, the decode rounds also run on tensor-parallel groups of two ranks,
+//! graphs on (`CudaOptions::tp_graphs`) against eager.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -62,6 +65,77 @@ fn step(lens: &[usize], which: &[usize], q_len: usize, round: usize) -> Batch {
     Batch { seqs, logit_rows: (0..n).collect(), ..Default::default() }
 }
 
+/// The prefill, then the decode rounds, on a graph backend `g` and an eager one `e` of
+/// the same model: each difference beyond what the round allows, and the graph side's
+/// decode calls.
+fn run_rounds(g: &mut CudaBackend, e: &mut CudaBackend, name: &str, quiet: bool) -> (Vec<String>, u64) {
+    let mut fails = Vec::new();
+    let mut lens = [37usize, 90, 5, 150, 64, 120, 11, 200];
+    let all: Vec<usize> = (0..SEQS).collect();
+    let prefill = Batch {
+        seqs: all
+            .iter()
+            .map(|&i| SeqChunk {
+                tokens: toks(i, lens[i]),
+                start_pos: 0,
+                block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
+            })
+            .collect(),
+        logit_rows: vec![0],
+        ..Default::default()
+    };
+    g.forward(&prefill).expect("prefill");
+    e.forward(&prefill).expect("prefill");
+    let mut decode_calls = 0u64;
+    // (sequences, window, exact?): full buckets, padded ones, then full buckets again.
+    let five = [0usize, 2, 3, 5, 7];
+    let plan: Vec<(&[usize], usize, bool)> = vec![
+        (&all, 1, true),
+        (&all, 1, true),
+        (&all, 4, true),
+        (&all, 4, true),
+        (&five, 1, false),
+        (&five, 4, false),
+        (&five[..3], 4, false),
+        (&all, 1, false),
+        (&all, 4, false),
+    ];
+    for (round, &(which, q_len, exact)) in plan.iter().enumerate() {
+        let b = step(&lens, which, q_len, round);
+        let og = g.forward(&b).expect("graph forward");
+        let oe = e.forward(&b).expect("eager forward");
+        let rows: Vec<u32> = (0..b.num_tokens() as u32).collect();
+        let mg = g.mtp_forward(0, &b, &og.hidden, &rows).expect("graph mtp");
+        let me = e.mtp_forward(0, &b, &oe.hidden, &rows).expect("eager mtp");
+        decode_calls += 2;
+        let hg = g.hidden_to_host(&mg.hidden).expect("hidden");
+        let he = e.hidden_to_host(&me.hidden).expect("hidden");
+        let pairs = [
+            ("target logits", &og.logits, &oe.logits),
+            ("MTP logits", &mg.logits, &me.logits),
+            ("MTP hidden", &hg, &he),
+        ];
+        for (what, got, want) in pairs {
+            let r = rel(got, want);
+            let tag = format!("{name}, round {round} ({} seqs, q_len {q_len}): {what}", which.len());
+            let ok = if exact { got == want } else { r <= 1e-2 };
+            if !quiet {
+                println!("{tag:<64} rel {r:.2e} {}", if ok { "ok" } else { "FAIL" });
+            }
+            if !ok {
+                fails.push(format!("{tag}: rel {r:.3e}{}", if exact { " (must be bit-identical)" } else { "" }));
+            }
+        }
+        for &i in which {
+            lens[i] += q_len;
+        }
+    }
+    if e.graph_stats() != GraphStats::default() {
+        fails.push(format!("{name}: the eager backend ran graphs: {:?}", e.graph_stats()));
+    }
+    (fails, decode_calls)
+}
+
 #[test]
 fn decode_steps_through_graphs_equal_eager() {
     if !require_gpu() {
@@ -74,64 +148,8 @@ fn decode_steps_through_graphs_equal_eager() {
         let mut g = CudaBackend::load_with(t.path(), CudaOptions::new(BLOCKS, 0)).expect("load");
         let mut e = CudaBackend::load_with(t.path(), CudaOptions { graphs: false, ..CudaOptions::new(BLOCKS, 0) })
             .expect("load");
-        let mut lens = [37usize, 90, 5, 150, 64, 120, 11, 200];
-        let all: Vec<usize> = (0..SEQS).collect();
-        let prefill = Batch {
-            seqs: all
-                .iter()
-                .map(|&i| SeqChunk {
-                    tokens: toks(i, lens[i]),
-                    start_pos: 0,
-                    block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
-                })
-                .collect(),
-            logit_rows: vec![0],
-            ..Default::default()
-        };
-        g.forward(&prefill).expect("prefill");
-        e.forward(&prefill).expect("prefill");
-        let mut decode_calls = 0u64;
-        // (sequences, window, exact?): full buckets, padded ones, then full buckets again.
-        let five = [0usize, 2, 3, 5, 7];
-        let plan: Vec<(&[usize], usize, bool)> = vec![
-            (&all, 1, true),
-            (&all, 1, true),
-            (&all, 4, true),
-            (&all, 4, true),
-            (&five, 1, false),
-            (&five, 4, false),
-            (&five[..3], 4, false),
-            (&all, 1, false),
-            (&all, 4, false),
-        ];
-        for (round, &(which, q_len, exact)) in plan.iter().enumerate() {
-            let b = step(&lens, which, q_len, round);
-            let og = g.forward(&b).expect("graph forward");
-            let oe = e.forward(&b).expect("eager forward");
-            let rows: Vec<u32> = (0..b.num_tokens() as u32).collect();
-            let mg = g.mtp_forward(0, &b, &og.hidden, &rows).expect("graph mtp");
-            let me = e.mtp_forward(0, &b, &oe.hidden, &rows).expect("eager mtp");
-            decode_calls += 2;
-            let hg = g.hidden_to_host(&mg.hidden).expect("hidden");
-            let he = e.hidden_to_host(&me.hidden).expect("hidden");
-            let pairs = [
-                ("target logits", &og.logits, &oe.logits),
-                ("MTP logits", &mg.logits, &me.logits),
-                ("MTP hidden", &hg, &he),
-            ];
-            for (what, got, want) in pairs {
-                let r = rel(got, want);
-                let tag = format!("{name}, round {round} ({} seqs, q_len {q_len}): {what}", which.len());
-                let ok = if exact { got == want } else { r <= 1e-2 };
-                println!("{tag:<64} rel {r:.2e} {}", if ok { "ok" } else { "FAIL" });
-                if !ok {
-                    fails.push(format!("{tag}: rel {r:.3e}{}", if exact { " (must be bit-identical)" } else { "" }));
-                }
-            }
-            for &i in which {
-                lens[i] += q_len;
-            }
-        }
+        let (f, decode_calls) = run_rounds(&mut g, &mut e, name, false);
+        fails.extend(f);
         let st = g.graph_stats();
         println!("{name}: {decode_calls} decode calls: {st:?}");
         // Every decode call on the graph path; each graph's first step runs eagerly (the
@@ -143,8 +161,51 @@ fn decode_steps_through_graphs_equal_eager() {
         {
             fails.push(format!("{name}: {decode_calls} decode calls, {st:?}"));
         }
-        if e.graph_stats() != GraphStats::default() {
-            fails.push(format!("{name}: the eager backend ran graphs: {:?}", e.graph_stats()));
+    }
+    assert!(fails.is_empty(), "{fails:#?}");
+}
+
+/// The same rounds on tensor-parallel groups of two ranks (threads, GPUs 0 and 1, NCCL):
+/// a group with graphs on its ranks (`tp_graphs`) against an eager group. Each rank holds
+/// one backend of each group and makes the same calls, so both communicators see the
+/// same collectives in the same order. Full buckets must be bit-identical, as on one
+/// rank, and both ranks' outputs agree. On a TP rank each capture is launched at once, so
+/// every decode call launches a graph.
+#[test]
+fn tp2_decode_steps_through_graphs_equal_eager() {
+    if !common::require_gpus(2) {
+        return;
+    }
+    let t = model(true);
+    let dir = t.path();
+    let (gid, eid) =
+        (mlaserve_cuda::TpInit::new_id().expect("NCCL id"), mlaserve_cuda::TpInit::new_id().expect("NCCL id"));
+    let results: Vec<(Vec<String>, u64, GraphStats)> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (gid, eid) = (gid.clone(), eid.clone());
+                s.spawn(move || {
+                    let timeout = std::time::Duration::from_secs(60);
+                    let gi = mlaserve_cuda::TpInit { rank, world: 2, id: gid, timeout };
+                    let ei = mlaserve_cuda::TpInit { rank, world: 2, id: eid, timeout };
+                    let base = CudaOptions::new(BLOCKS, rank);
+                    let mut g = CudaBackend::load_tp(dir, CudaOptions { tp_graphs: true, ..base }, Some(&gi))
+                        .expect("load graph rank");
+                    let mut e = CudaBackend::load_tp(dir, CudaOptions { graphs: false, ..base }, Some(&ei))
+                        .expect("load eager rank");
+                    let (f, calls) = run_rounds(&mut g, &mut e, &format!("TP2 rank {rank}"), rank != 0);
+                    (f, calls, g.graph_stats())
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().expect("rank thread")).collect()
+    });
+    let mut fails = Vec::new();
+    for (rank, (f, calls, st)) in results.into_iter().enumerate() {
+        println!("TP2 rank {rank}: {calls} decode calls: {st:?}");
+        fails.extend(f);
+        if st.steps != calls || st.launches != calls || st.graphs == 0 || st.failed != 0 {
+            fails.push(format!("TP2 rank {rank}: {calls} decode calls, {st:?}"));
         }
     }
     assert!(fails.is_empty(), "{fails:#?}");

@@ -127,8 +127,9 @@ pub(crate) struct GraphOut {
     pub normed: CudaSlice<f32>,
 }
 
-/// `MLASERVE_TP_GRAPHS=1` (experimental, for finding why tensor-parallel captures hang):
-/// graphs on TP ranks too, each capture's outcome on stderr. `MLASERVE_GRAPH_CAPTURE=relaxed`
+/// `MLASERVE_TP_GRAPHS=1` (experimental until it has run on two GPUs): graphs on TP
+/// ranks too, each launched right after its capture, and each capture's outcome on
+/// stderr. `MLASERVE_GRAPH_CAPTURE=relaxed`
 /// captures in relaxed mode instead of thread-local.
 fn tp_experiment() -> bool {
     std::env::var_os("MLASERVE_TP_GRAPHS").is_some_and(|v| v == "1")
@@ -196,15 +197,16 @@ impl CudaBackend {
     /// module's list).
     pub(super) fn graph_key(&self, batch: &Batch, stage: Stage) -> Option<GraphKey> {
         let o = &self.opts;
-        // Single-rank backends only: with a communicator, a step captured with its NCCL
-        // collectives hung on two H200s (ranks as threads and as processes alike, with or
-        // without NCCL_RUNTIME_CONNECT=0, NCCL_GRAPH_REGISTER=0, NCCL_GRAPH_MIXING_SUPPORT=0;
-        // the same steps run eagerly are fine). docs/status.md tracks it.
+        // Single-rank backends unless `tp_graphs`: with a communicator, a step captured with
+        // its NCCL collectives hung on two H200s (ranks as threads and as processes alike,
+        // with or without NCCL_RUNTIME_CONNECT=0, NCCL_GRAPH_REGISTER=0,
+        // NCCL_GRAPH_MIXING_SUPPORT=0; the same steps run eagerly are fine) while captures
+        // were not launched at once (graph_step). docs/status.md tracks it.
         if !o.graphs
             || !o.decode_kernel
             || o.prefill == PrefillPath::Expanded
             || self.prof.is_some()
-            || (self.comm.is_some() && !tp_experiment())
+            || (self.comm.is_some() && !(o.tp_graphs || tp_experiment()))
         {
             return None;
         }
@@ -378,7 +380,16 @@ impl CudaBackend {
             }
             None => {
                 self.body_on_io(key)?;
-                self.capture(key)?;
+                // A tensor-parallel rank launches the new graph at once: its captured
+                // collectives then run before the communicator's next eager one (the
+                // head's all-gather). Left unlaunched, they are what the fourth
+                // session's TP captures hung on (the likely cause; not yet confirmed on
+                // two GPUs). The launch recomputes the step from the same inputs and
+                // writes the same latents; a single rank needs no second run.
+                if self.capture(key)? && self.comm.is_some() {
+                    self.graphs.map.get(&key).expect("just captured").launch()?;
+                    self.graphs.replays += 1;
+                }
             }
         }
         let io = self.graphs.io.as_ref().expect("present");

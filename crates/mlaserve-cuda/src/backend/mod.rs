@@ -74,8 +74,11 @@ pub struct CudaOptions {
     /// Run decode steps (uniform windows of 1 to 4 tokens) as CUDA graphs, one per batch
     /// bucket and window length (`graphs.rs`); off, every step is launched kernel by kernel
     /// (vLLM's `enforce_eager`). They need the decode kernel, so the batch-invariant mode
-    /// runs eagerly either way, and so do tensor-parallel ranks for now.
+    /// runs eagerly either way, and so do tensor-parallel ranks unless `tp_graphs`.
     pub graphs: bool,
+    /// Graphs on tensor-parallel ranks too (experimental, off: not yet run on two GPUs
+    /// since each capture is launched at once; `MLASERVE_TP_GRAPHS=1` also turns it on).
+    pub tp_graphs: bool,
 }
 
 impl CudaOptions {
@@ -88,6 +91,7 @@ impl CudaOptions {
             ordered_all_reduce: false,
             prefill: PrefillPath::Auto,
             graphs: true,
+            tp_graphs: false,
         }
     }
     /// Every token's result independent of its batch: the invariant GEMM, no decode kernel,
