@@ -286,36 +286,12 @@ template <typename OutT>
 __device__ __forceinline__ void combine_body(const float* __restrict__ o_acc, const float* __restrict__ lse_acc,
                                              OutT* __restrict__ out, float* __restrict__ lse, int rows,
                                              int num_splits, int dv) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b = blockIdx.y;
-    const int row = blockIdx.x * 4 + warp;
+    const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= rows) return;
     const size_t base = static_cast<size_t>(b) * num_splits * rows + row;  // split k at base + k*rows
-    float mx = -MLAS_INF;
-    for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, lse_acc[base + static_cast<size_t>(k) * rows]);
-    mx = warp_max(mx);
-    float sum = 0.f;
-    if (mx != -MLAS_INF)
-        for (int k = lane; k < num_splits; k += 32) sum += __expf(lse_acc[base + static_cast<size_t>(k) * rows] - mx);
-    sum = warp_sum(sum);
-    const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
-    OutT* ob = out + (static_cast<size_t>(b) * rows + row) * dv;
-    for (int d = lane * 4; d < dv; d += 128) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int k = 0; k < num_splits; ++k) {
-            const float lk = lse_acc[base + static_cast<size_t>(k) * rows];
-            if (lk == -MLAS_INF) continue;  // empty split: its partial may be all zeros
-            const float w = __expf(lk - total);
-            const float4 v = *reinterpret_cast<const float4*>(o_acc + (base + static_cast<size_t>(k) * rows) * dv + d);
-            acc.x += w * v.x;
-            acc.y += w * v.y;
-            acc.z += w * v.z;
-            acc.w += w * v.w;
-        }
-        store2(ob + d, acc.x, acc.y);
-        store2(ob + d + 2, acc.z, acc.w);
-    }
-    if (lane == 0) lse[static_cast<size_t>(b) * rows + row] = total;
+    merge_splits_row(o_acc, lse_acc, base, static_cast<size_t>(rows), num_splits, dv,
+                     out + (static_cast<size_t>(b) * rows + row) * dv, lse + static_cast<size_t>(b) * rows + row);
 }
 
 // Generic reference-grade kernel: block (row, request), 128 threads, f32 throughout.

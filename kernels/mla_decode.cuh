@@ -13,7 +13,78 @@ constexpr int PAGE = 64;      // tokens per cache page (FlashMLA's block size)
 constexpr int STAGES = 3;     // cp.async ring depth, in chunks
 constexpr int NTHREADS = 256; // 8 warps = 2 warpgroups
 
-// The merge of two splits of one row, as mla_decode_combine does it for any count:
+// L2 loads of partials other CTAs may have written in this launch: .cg bypasses L1 (no
+// stale line), and the memory clobber keeps them after the fence that orders them.
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+// The split-KV merge of one (request, row), by one warp (every lane calls it): partial k
+// is o_acc[(base + k * rstride) * dv ..] with its natural-log LSE at lse_acc[base + k *
+// rstride]. lse = log sum_k exp(lse_k), out = sum_k exp(lse_k - lse) o_k; an empty split
+// (lse -inf, its partial possibly never written) is skipped, and a row with no split
+// gives lse -inf and zeros. dv is a multiple of 4. Used by mla_decode_combine and by the
+// 64-token kernels' last-CTA merge.
+template <typename OutT>
+__device__ __forceinline__ void merge_splits_row(const float* __restrict__ o_acc, const float* __restrict__ lse_acc,
+                                                 size_t base, size_t rstride, int num_splits, int dv,
+                                                 OutT* __restrict__ out_row, float* __restrict__ lse_out) {
+    const int lane = threadIdx.x & 31;
+    float mx = -MLAS_INF;
+    for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, ld_cg_f32(lse_acc + base + k * rstride));
+    mx = warp_max(mx);
+    float sum = 0.f;
+    if (mx != -MLAS_INF)
+        for (int k = lane; k < num_splits; k += 32) sum += __expf(ld_cg_f32(lse_acc + base + k * rstride) - mx);
+    sum = warp_sum(sum);
+    const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
+    // 512 dims per pass (DeepSeek's dv: one pass), four float4 loads in flight per split.
+    for (int d0 = 0; d0 < dv; d0 += 512) {
+        float4 acc[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k = 0; k < num_splits; ++k) {
+            const size_t pr = base + k * rstride;
+            const float lk = ld_cg_f32(lse_acc + pr);
+            if (lk == -MLAS_INF) continue;
+            const float w = __expf(lk - total);
+            float4 v[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int d = d0 + 128 * c + 4 * lane;
+                v[c] = d < dv ? ld_cg_f4(o_acc + pr * dv + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                acc[c].x += w * v[c].x;
+                acc[c].y += w * v[c].y;
+                acc[c].z += w * v[c].z;
+                acc[c].w += w * v[c].w;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int d = d0 + 128 * c + 4 * lane;
+            if (d < dv) {
+                store2(out_row + d, acc[c].x, acc[c].y);
+                store2(out_row + d + 2, acc[c].z, acc[c].w);
+            }
+        }
+    }
+    if (lane == 0) *lse_out = total;
+}
+
+// The merge of two splits of one row, as merge_splits_row does it for any count:
 // lse = log(e^a + e^b), and the weights e^(a - lse), e^(b - lse) of the two normalised
 // partials. Two empty splits (-inf, -inf) give lse -inf and zero weights.
 __device__ __forceinline__ float merge2_lse(float a, float b, float& wa, float& wb) {

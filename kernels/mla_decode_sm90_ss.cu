@@ -101,15 +101,15 @@ __device__ __forceinline__ float msub(float m) { return m == -MLAS_INF ? 0.f : m
 
 // The split-KV merge, fused: every CTA of a (request, tile) has written its partial; the
 // last one to finish (an atomic counter per (request, tile), zero before the launch and
-// reset to zero here) merges them, so no second kernel launch and no pass over the
-// partials by a separate grid. out = sum_k exp(lse_k - lse) o_k, lse = log sum_k exp(lse_k).
+// reset to zero here) merges them (merge_splits_row, a warp per row), so no second
+// kernel launch and no pass over the partials by a separate grid.
 template <typename OutT>
 __device__ __forceinline__ void combine_last(OutT* __restrict__ out, float* __restrict__ lse,
                                              const float* __restrict__ o_acc, const float* __restrict__ lse_acc,
                                              unsigned* __restrict__ counters, int rows, int row0, int valid_rows,
                                              int num_splits) {
     __shared__ int is_last;
-    const int b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5;
     __threadfence();  // this CTA's partials before its arrival
     __syncthreads();
     if (tid == 0) {
@@ -120,51 +120,14 @@ __device__ __forceinline__ void combine_last(OutT* __restrict__ out, float* __re
     __syncthreads();
     if (!is_last) return;
     __threadfence();  // the other CTAs' partials (written on other SMs) after their arrivals
-    // A warp per row, float4 over the 512 dims; __ldcg reads L2, never a stale L1 line.
     for (int lr = warp; lr < valid_rows; lr += NTHREADS / 32) {
         const int row = row0 + lr;
-        const size_t base = static_cast<size_t>(b) * num_splits * rows + row;  // split k at base + k*rows
-        float mx = -MLAS_INF;
-        for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, __ldcg(lse_acc + base + static_cast<size_t>(k) * rows));
-        mx = warp_max(mx);
-        float sum = 0.f;
-        if (mx != -MLAS_INF)
-            for (int k = lane; k < num_splits; k += 32)
-                sum += __expf(__ldcg(lse_acc + base + static_cast<size_t>(k) * rows) - mx);
-        sum = warp_sum(sum);
-        const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
-        float4 acc[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (total != -MLAS_INF) {
-            for (int k = 0; k < num_splits; ++k) {
-                const size_t pr = base + static_cast<size_t>(k) * rows;
-                const float wk = __expf(__ldcg(lse_acc + pr) - total);
-                if (wk == 0.f) continue;  // an empty split (its partial O is 0, its lse -inf)
-                const float4* src = reinterpret_cast<const float4*>(o_acc + pr * DLAT);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float4 v = __ldcg(src + lane + 32 * j);
-                    acc[j].x += wk * v.x, acc[j].y += wk * v.y, acc[j].z += wk * v.z, acc[j].w += wk * v.w;
-                }
-            }
-        }
-        OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DLAT;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int d = 4 * (lane + 32 * j);
-            store2(ob + d, acc[j].x, acc[j].y);
-            store2(ob + d + 2, acc[j].z, acc[j].w);
-        }
-        if (lane == 0) lse[static_cast<size_t>(b) * rows + row] = total;
+        merge_splits_row(o_acc, lse_acc, static_cast<size_t>(b) * num_splits * rows + row, static_cast<size_t>(rows),
+                         num_splits, DLAT, out + (static_cast<size_t>(b) * rows + row) * DLAT,
+                         lse + static_cast<size_t>(b) * rows + row);
     }
 }
 
-// The two-split merge inside a cluster of two CTAs (rank = split). Warpgroup g holds
-// O[:, 256g .. 256g + 256) of its split; CTA r keeps the columns of warpgroup r and
-// receives the other split's same columns: warpgroup 1 - r of each CTA sends its
-// normalised partial (thread t's 128 floats, as 32 float4 at [k][t], conflict-free) and
-// its rows' lse into the peer's first slot, and warpgroup r merges and writes them out.
 template <typename OutT>
 __device__ __forceinline__ void pair_epilogue(uint8_t* smem, const float (&o)[128], const float (&inv)[2],
                                               const float (&row_lse)[2], OutT* __restrict__ out,

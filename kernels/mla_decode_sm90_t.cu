@@ -118,22 +118,6 @@ __device__ __forceinline__ void mma_o(float (&d)[QROWS / 2], uint64_t da, uint64
     }
 }
 
-// L2 loads of data other CTAs wrote in this launch: .cg bypasses L1 (no stale line),
-// and the memory clobber keeps them after the fence and the counter check.
-__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-__device__ __forceinline__ float ld_cg_f32(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
-
 template <int QROWS, typename OutT, bool PAIR>
 __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __restrict__ q,
                                      const int* __restrict__ block_table, const int* __restrict__ seq_lens,
@@ -553,49 +537,13 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         if (!*s_last) return;
         __threadfence();  // acquire: the other splits' partials, read below through L2 only
 
-        // Same math as mla_decode_combine: lse = max + log sum_k exp(lse_k - max),
-        // out = sum_k exp(lse_k - lse) o_k; an all -inf row gives lse -inf and out 0.
-        // A warp per row, lane: dims 4 lane + 128 t (float4), the 4 t's loads in flight at once.
+        // A warp per row, as mla_decode_combine does it (merge_splits_row).
         const int warp = tid >> 5;
-        const size_t rstride = static_cast<size_t>(rows);                  // between splits, in rows
         const size_t rbase = static_cast<size_t>(b) * num_splits * rows + row0;  // split 0, row0
-        for (int r = warp; r < valid_rows; r += NTHREADS / 32) {
-            const float* la = lse_acc + rbase + r;
-            float mx = -MLAS_INF;
-            for (int k = lane; k < num_splits; k += 32) mx = fmaxf(mx, ld_cg_f32(la + k * rstride));
-            mx = warp_max(mx);
-            float sum = 0.f;
-            if (mx != -MLAS_INF)
-                for (int k = lane; k < num_splits; k += 32) sum += __expf(ld_cg_f32(la + k * rstride) - mx);
-            sum = warp_sum(sum);
-            const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
-            float4 acc[DLAT / 128];
-#pragma unroll
-            for (int t = 0; t < DLAT / 128; ++t) acc[t] = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int k = 0; k < num_splits; ++k) {
-                const float lk = ld_cg_f32(la + k * rstride);
-                if (lk == -MLAS_INF) continue;  // empty split: its partial may be all zeros
-                const float wk = __expf(lk - total);
-                const float* ok = o_acc + (rbase + r + k * rstride) * DLAT + 4 * lane;
-                float4 v[DLAT / 128];
-#pragma unroll
-                for (int t = 0; t < DLAT / 128; ++t) v[t] = ld_cg_f4(ok + 128 * t);
-#pragma unroll
-                for (int t = 0; t < DLAT / 128; ++t) {
-                    acc[t].x += wk * v[t].x;
-                    acc[t].y += wk * v[t].y;
-                    acc[t].z += wk * v[t].z;
-                    acc[t].w += wk * v[t].w;
-                }
-            }
-            OutT* ob = out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT + 4 * lane;
-#pragma unroll
-            for (int t = 0; t < DLAT / 128; ++t) {
-                store2(ob + 128 * t, acc[t].x, acc[t].y);
-                store2(ob + 128 * t + 2, acc[t].z, acc[t].w);
-            }
-            if (lane == 0) lse[static_cast<size_t>(b) * rows + row0 + r] = total;
-        }
+        for (int r = warp; r < valid_rows; r += NTHREADS / 32)
+            merge_splits_row(o_acc, lse_acc, rbase + r, static_cast<size_t>(rows), num_splits, DLAT,
+                             out + (static_cast<size_t>(b) * rows + row0 + r) * DLAT,
+                             lse + static_cast<size_t>(b) * rows + row0 + r);
     }
 }
 
