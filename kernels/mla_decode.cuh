@@ -84,6 +84,41 @@ __device__ __forceinline__ void merge_splits_row(const float* __restrict__ o_acc
     if (lane == 0) *lse_out = total;
 }
 
+// The output of the 64-row wgmma kernels (dv = 512): the thread (row group rg = warp
+// within its warpgroup, lane) holds O's rows 16 rg + lane/4 and + 8, columns 256 wg + 8n
+// + 2(lane%4) and + 1 (n < 32), in the m64n256 accumulator layout, with those rows' sums
+// l and reference maxima m (log2 units, scaled). Writes the normalised rows past none of
+// valid_rows: to out / lse with one split, else to this split's partial in o_acc /
+// lse_acc (natural-log LSE, -inf for a row that saw no token).
+template <typename OutT>
+__device__ __forceinline__ void store_o_rows(const float (&o)[128], const float (&l)[2], const float (&m)[2], int rg,
+                                             int wg, int lane, int b, int rows, int row0, int valid_rows, int split,
+                                             int num_splits, OutT* __restrict__ out, float* __restrict__ lse,
+                                             float* __restrict__ o_acc, float* __restrict__ lse_acc) {
+    constexpr int DV = 512;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int lr = rg * 16 + (lane >> 2) + 8 * i;
+        if (lr >= valid_rows) continue;
+        const int row = row0 + lr;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
+        const int d0 = wg * 256 + 2 * (lane & 3);
+        if (num_splits == 1) {
+            OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DV + d0;
+#pragma unroll
+            for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+            if (wg == 0 && (lane & 3) == 0) lse[static_cast<size_t>(b) * rows + row] = row_lse;
+        } else {
+            const size_t pr = (static_cast<size_t>(b) * num_splits + split) * rows + row;
+            float* ob = o_acc + pr * DV + d0;
+#pragma unroll
+            for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+            if (wg == 0 && (lane & 3) == 0) lse_acc[pr] = row_lse;
+        }
+    }
+}
+
 // The merge of two splits of one row, as merge_splits_row does it for any count:
 // lse = log(e^a + e^b), and the weights e^(a - lse), e^(b - lse) of the two normalised
 // partials. Two empty splits (-inf, -inf) give lse -inf and zero weights.

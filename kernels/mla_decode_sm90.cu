@@ -327,27 +327,7 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int lr = rg * 16 + (lane >> 2) + 8 * i;
-        if (lr >= valid_rows) continue;
-        const int row = row0 + lr;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
-        const int d0 = wg * 256 + 2 * (lane & 3);
-        if (num_splits == 1) {
-            OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DLAT + d0;
-#pragma unroll
-            for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
-            if (wg == 0 && (lane & 3) == 0) lse[static_cast<size_t>(b) * rows + row] = row_lse;
-        } else {
-            const size_t pr = (static_cast<size_t>(b) * num_splits + split) * rows + row;
-            float* ob = o_acc + pr * DLAT + d0;
-#pragma unroll
-            for (int n = 0; n < 32; ++n) store2(ob + n * 8, o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
-            if (wg == 0 && (lane & 3) == 0) lse_acc[pr] = row_lse;
-        }
-    }
+    store_o_rows(o, l, m, rg, wg, lane, b, rows, row0, valid_rows, split, num_splits, out, lse, o_acc, lse_acc);
 }
 
 }  // namespace mla90
