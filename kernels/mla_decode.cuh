@@ -84,6 +84,13 @@ __device__ __forceinline__ void merge_splits_row(const float* __restrict__ o_acc
     if (lane == 0) *lse_out = total;
 }
 
+// A finished row's 1 / sum and natural-log LSE from its sum l and reference max m (log2
+// units, scaled): 0 and -inf for a row that saw no token.
+__device__ __forceinline__ float row_inv_lse(float l, float m, float& inv) {
+    inv = l > 0.f ? 1.f / l : 0.f;
+    return l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : -MLAS_INF;
+}
+
 // The output of the 64-row wgmma kernels (dv = 512): the thread (row group rg = warp
 // within its warpgroup, lane) holds O's rows 16 rg + lane/4 and + 8, columns 256 wg + 8n
 // + 2(lane%4) and + 1 (n < 32), in the m64n256 accumulator layout, with those rows' sums
@@ -101,8 +108,8 @@ __device__ __forceinline__ void store_o_rows(const float (&o)[128], const float 
         const int lr = rg * 16 + (lane >> 2) + 8 * i;
         if (lr >= valid_rows) continue;
         const int row = row0 + lr;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
+        float inv;
+        const float row_lse = row_inv_lse(l[i], m[i], inv);
         const int d0 = wg * 256 + 2 * (lane & 3);
         if (num_splits == 1) {
             OutT* ob = out + (static_cast<size_t>(b) * rows + row) * DV + d0;

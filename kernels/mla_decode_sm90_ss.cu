@@ -518,10 +518,7 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
     if constexpr (PAIR) {
         float inv[2], row_lse[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-            row_lse[i] = l[i] > 0.f ? (m[i] + __log2f(l[i])) * 0.69314718055994531f : -MLAS_INF;
-        }
+        for (int i = 0; i < 2; ++i) row_lse[i] = row_inv_lse(l[i], m[i], inv[i]);
         pair_epilogue(smem, o, inv, row_lse, out, lse, b, rows, row0, valid_rows, wg, w, lane);
     } else {
         store_o_rows(o, l, m, w, wg, lane, b, rows, row0, valid_rows, split, num_splits, out, lse, o_acc, lse_acc);
