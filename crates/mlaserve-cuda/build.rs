@@ -5,9 +5,9 @@
 //! picks the best image at load time. `OUT_DIR/kernels.rs` embeds every fatbin with
 //! `include_bytes!`. The build fails on any compile error, and on any spill that ptxas
 //! reports for the attention kernels (`mla_decode_splitkv*`, `mla_decode_wgmma*`,
-//! `mla_decode_combine*`, `mla_prefill_fwd*`) and the tensor-core expert GEMM
-//! (`moe_grouped_tc*`): a spill there means an accumulator left registers, a silent
-//! several-fold slowdown.
+//! `mla_decode_combine*`, `mla_prefill_fwd*`) and the tensor-core GEMMs (`moe_grouped_tc*`,
+//! `linear_tc*`): a spill there means an accumulator left registers, a silent several-fold
+//! slowdown.
 //!
 //! nvcc is found through `NVCC` (the binary), `CUDA_HOME`/`CUDA_PATH` (`bin/nvcc` below
 //! it), `PATH`, `/usr/local/cuda`, and last the pip toolkit that
@@ -24,7 +24,7 @@ use std::process::Command;
 
 /// Kernels whose ptxas report must show no spill.
 const NO_SPILL_PREFIXES: &[&str] =
-    &["mla_decode_splitkv", "mla_decode_wgmma", "mla_decode_combine", "mla_prefill_fwd", "moe_grouped_tc"];
+    &["mla_decode_splitkv", "mla_decode_wgmma", "mla_decode_combine", "mla_prefill_fwd", "moe_grouped_tc", "linear_tc"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -1,12 +1,12 @@
 //! Dense projections `y = x Wᵀ` with bf16 weights and f32 accumulation: [`Linear`] (a
-//! weight on the device) and [`Gemm`] (cuBLAS, or the batch-invariant kernel of
-//! `backend_ops.cu`).
+//! weight on the device) and [`Gemm`] (cuBLAS, or one of the batch-invariant kernels).
 //!
 //! cuBLAS picks its algorithm (tile shape, split-K) per problem size, so a token's output
 //! can change in the last bits with the number of rows sharing the GEMM. The engine's
 //! "greedy output with k = 3 equals k = 0" holds only if a token's logits do not depend
-//! on its batch; [`GemmMode::BatchInvariant`] guarantees that (one warp per output, a
-//! fixed reduction order) at the cost of speed.
+//! on its batch. Two modes guarantee that: [`GemmMode::InvariantTc`] on tensor cores
+//! (`gemm_tc.cu`, a split-K fixed by the weight's shape: [`plan::tc_split`]) and
+//! [`GemmMode::BatchInvariant`] on CUDA cores (one warp per output, slow).
 
 use std::sync::Arc;
 
@@ -19,6 +19,7 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
 use crate::ops::need;
+use crate::plan;
 
 /// A weight `[out][inp]` (row-major, bf16) on the device.
 #[derive(Debug)]
@@ -45,9 +46,26 @@ pub enum GemmMode {
     /// cuBLAS `GemmEx`, bf16 inputs, f32 compute (the fast path).
     #[default]
     Cublas,
-    /// The batch-invariant kernel: a row's result never depends on the other rows.
+    /// The batch-invariant CUDA-core kernel (`linear_inv`): a row's result never depends
+    /// on the other rows; slow.
     BatchInvariant,
+    /// Batch-invariant on tensor cores (`linear_tc`): mma.sync with a fixed k order and a
+    /// split-K that depends on the weight's shape only ([`plan::tc_split`]).
+    InvariantTc,
 }
+
+impl GemmMode {
+    /// Whether a row's result is independent of the other rows of the call.
+    pub fn batch_invariant(self) -> bool {
+        self != GemmMode::Cublas
+    }
+}
+
+/// Rows per `linear_tc` block (its columns per block and k granularity: [`plan::TC_BN`],
+/// [`plan::TC_BK`]).
+const TC_ROWS: usize = 64;
+/// Bytes of f32 partials one `linear_tc` launch may write; more rows run in slabs.
+const TC_PARTIAL_BYTES: usize = 64 << 20;
 
 /// Output element of a projection: f32 (residual stream, logits) or bf16 (the next
 /// GEMM's input).
@@ -76,12 +94,18 @@ pub struct Gemm {
     _workspace: CudaSlice<u8>,
     inv_f32: CudaFunction,
     inv_bf16: CudaFunction,
+    tc_f32: CudaFunction,
+    tc_bf16: CudaFunction,
+    tc_reduce_f32: CudaFunction,
+    tc_reduce_bf16: CudaFunction,
+    num_sms: usize,
     pub mode: GemmMode,
 }
 
 impl Gemm {
     pub fn new(gpu: &Gpu, mode: GemmMode) -> Result<Self> {
         let m = gpu.load_module(kernels::BACKEND_OPS)?;
+        let tc = gpu.load_module(kernels::GEMM_TC)?;
         let blas = CudaBlas::new(gpu.stream.clone())?;
         let workspace = gpu.stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE)?;
         {
@@ -97,6 +121,11 @@ impl Gemm {
             _workspace: workspace,
             inv_f32: m.load_function("linear_inv_bf16_of32")?,
             inv_bf16: m.load_function("linear_inv_bf16_obf16")?,
+            tc_f32: tc.load_function("linear_tc_bf16_of32")?,
+            tc_bf16: tc.load_function("linear_tc_bf16_obf16")?,
+            tc_reduce_f32: tc.load_function("linear_tc_reduce_of32")?,
+            tc_reduce_bf16: tc.load_function("linear_tc_reduce_obf16")?,
+            num_sms: gpu.num_sms,
             mode,
         })
     }
@@ -125,7 +154,13 @@ impl Gemm {
         let (xp, _g1) = x.device_ptr(s);
         let (wp, _g2) = lin.w.device_ptr(s);
         let (yp, _g3) = y.device_ptr_mut(s);
-        match self.mode {
+        // linear_tc needs 16-byte rows; other widths keep the CUDA-core invariant kernel (a
+        // choice by the weight's shape, so still batch-invariant).
+        let mode = match self.mode {
+            GemmMode::InvariantTc if !lin.inp.is_multiple_of(8) => GemmMode::BatchInvariant,
+            m => m,
+        };
+        match mode {
             GemmMode::Cublas => {
                 let (alpha, beta) = (1f32, 0f32);
                 // Column-major view: yᵀ[out][m] = W[out][inp] (stored as inpxout, transposed)
@@ -173,6 +208,105 @@ impl Gemm {
                 // 16-byte aligned: cudarc buffers are 256-byte aligned, and callers' views
                 // start at multiples of k elements).
                 unsafe { s.launch_builder(f).arg(&yp).arg(&xp).arg(&wp).arg(&mi).arg(&ni).arg(&ki).launch(cfg) }?;
+            }
+            GemmMode::InvariantTc => {
+                let (ksplit, kchunk) = plan::tc_split(lin.out, lin.inp, self.num_sms);
+                let (f, red) =
+                    if T::BF16 { (&self.tc_bf16, &self.tc_reduce_bf16) } else { (&self.tc_f32, &self.tc_reduce_f32) };
+                let col_blocks = lin.out.div_ceil(plan::TC_BN);
+                if col_blocks > 65_535 {
+                    return Err(CudaError::shape(K, "too many columns for linear_tc"));
+                }
+                // Rows per launch: all of them without split-K, else as many 64-row chunks
+                // as fit TC_PARTIAL_BYTES of partials.
+                let slab = if ksplit == 1 {
+                    m
+                } else {
+                    (TC_PARTIAL_BYTES / (ksplit * lin.out * 4)).max(TC_ROWS) / TC_ROWS * TC_ROWS
+                };
+                let mut part = if ksplit > 1 {
+                    // SAFETY: every element a launch's reduce reads (ksplit × rows × out) is
+                    // written by that launch's linear_tc first (each block stores all of its
+                    // rows < rows and columns < out, zeros for an empty k range).
+                    Some(unsafe { s.alloc::<f32>(ksplit * slab.min(m) * lin.out) }?)
+                } else {
+                    None
+                };
+                let (kc, ks) = (kchunk as i32, ksplit as u32);
+                let in_bytes = std::mem::size_of::<bf16>() as u64;
+                let out_bytes = std::mem::size_of::<T>() as u64;
+                let mut r0 = 0;
+                while r0 < m {
+                    let rows = slab.min(m - r0);
+                    let chunks = rows.div_ceil(TC_ROWS);
+                    if chunks > u32::MAX as usize {
+                        return Err(CudaError::shape(K, "too many rows for linear_tc"));
+                    }
+                    let ri = rows as i32;
+                    let xr = xp + r0 as u64 * lin.inp as u64 * in_bytes;
+                    let yr = yp + r0 as u64 * lin.out as u64 * out_bytes;
+                    let cfg = LaunchConfig {
+                        grid_dim: (chunks as u32, ks, col_blocks as u32),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    match part.as_mut() {
+                        None => {
+                            let null = 0u64;
+                            // SAFETY: linear_tc_*(y, part, x, w, m, n, k, kchunk) with grid.y
+                            // = 1 writes y[row][col] for row < rows, col < out only, reading
+                            // x rows r0.. (rows × inp, in bounds: r0 + rows <= m, checked
+                            // lengths above) and w (out × inp); part is not touched. Rows
+                            // are 16-byte aligned: inp % 8 == 0 and cudarc buffers are
+                            // 256-byte aligned.
+                            unsafe {
+                                s.launch_builder(f)
+                                    .arg(&yr)
+                                    .arg(&null)
+                                    .arg(&xr)
+                                    .arg(&wp)
+                                    .arg(&ri)
+                                    .arg(&ni)
+                                    .arg(&ki)
+                                    .arg(&kc)
+                                    .launch(cfg)
+                            }?;
+                        }
+                        Some(part) => {
+                            let (pp, _gp) = part.device_ptr_mut(s);
+                            // SAFETY: as above, but grid.y = ksplit > 1: block (.., ks, ..)
+                            // writes part[ks][row][col] (ksplit × rows × out f32, within
+                            // the ksplit × slab × out allocation) and never y; k ranges
+                            // start at multiples of 64.
+                            unsafe {
+                                s.launch_builder(f)
+                                    .arg(&yr)
+                                    .arg(&pp)
+                                    .arg(&xr)
+                                    .arg(&wp)
+                                    .arg(&ri)
+                                    .arg(&ni)
+                                    .arg(&ki)
+                                    .arg(&kc)
+                                    .launch(cfg)
+                            }?;
+                            let len = (rows * lin.out) as u64;
+                            let blocks = (rows * lin.out).div_ceil(4 * 256);
+                            let rcfg = LaunchConfig {
+                                grid_dim: (blocks as u32, 1, 1),
+                                block_dim: (256, 1, 1),
+                                shared_mem_bytes: 0,
+                            };
+                            let ksi = ksplit as i32;
+                            // SAFETY: linear_tc_reduce_*(y, part, len, ksplit) reads
+                            // part[ks][i] for i < len = rows × out (written just above on
+                            // this stream) and writes y[i], i < len: y rows r0.. are within
+                            // m × out (checked).
+                            unsafe { s.launch_builder(red).arg(&yr).arg(&pp).arg(&len).arg(&ksi).launch(rcfg) }?;
+                        }
+                    }
+                    r0 += rows;
+                }
             }
         }
         Ok(())

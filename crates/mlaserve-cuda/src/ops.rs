@@ -68,12 +68,14 @@ pub enum GroupedVariant {
     Direct,
     /// The block stages its rows in shared memory (best with several rows per expert).
     Staged,
-    /// mma.sync tensor cores (`moe_grouped_tc.cu`): fast, but its sums are not
-    /// `linear_inv`'s, so not for [`GemmMode::BatchInvariant`].
+    /// mma.sync tensor cores (`gemm_tc.cu`): fast, and a row's sum never depends on the
+    /// expert's other rows, but its sums are not `linear_inv`'s, so not for
+    /// [`GemmMode::BatchInvariant`].
     TensorCore,
     /// By the backend's GEMM mode: [`GroupedVariant::TensorCore`] in
-    /// [`GemmMode::Cublas`]; in [`GemmMode::BatchInvariant`] `Direct` or `Staged` by the
-    /// average rows per expert (both sum as the invariant GEMM does).
+    /// [`GemmMode::Cublas`] and [`GemmMode::InvariantTc`]; in [`GemmMode::BatchInvariant`]
+    /// `Direct` or `Staged` by the average rows per expert (both sum as the invariant GEMM
+    /// does).
     Auto(GemmMode),
 }
 
@@ -127,7 +129,7 @@ impl Ops {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let m = gpu.load_module(kernels::BACKEND_OPS)?;
         let f = |n: &str| m.load_function(n);
-        let tc = gpu.load_module(kernels::MOE_GROUPED_TC)?;
+        let tc = gpu.load_module(kernels::GEMM_TC)?;
         Ok(Ops {
             embed: f("embed_gather_f32")?,
             norm_f32: f("rmsnorm_f32_of32")?,
@@ -417,7 +419,9 @@ impl Ops {
         let kind = match variant {
             GroupedVariant::Direct => Kind::Direct,
             GroupedVariant::Staged => Kind::Staged,
-            GroupedVariant::TensorCore | GroupedVariant::Auto(GemmMode::Cublas) => Kind::Tc,
+            GroupedVariant::TensorCore
+            | GroupedVariant::Auto(GemmMode::Cublas)
+            | GroupedVariant::Auto(GemmMode::InvariantTc) => Kind::Tc,
             // Measured on H200 (V3 experts): staging pays from about 4 rows per expert.
             GroupedVariant::Auto(GemmMode::BatchInvariant) if rows >= 4 * weights.count => Kind::Staged,
             GroupedVariant::Auto(GemmMode::BatchInvariant) => Kind::Direct,

@@ -100,9 +100,44 @@ impl SplitMerge {
     }
 }
 
+/// Columns per `linear_tc` block (kernels/gemm_tc.cu) and the k granularity of its splits.
+pub const TC_BN: usize = 64;
+pub const TC_BK: usize = 64;
+
+/// `linear_tc`'s split of k for an `[n][k]` weight on `num_sms` SMs: `(ksplit, kchunk)`,
+/// k in `ksplit` ranges of `kchunk` (a multiple of 64, the last range maybe shorter).
+/// Enough column blocks × splits for two blocks per SM at decode sizes, no range under
+/// 512 of k. A function of the weight's shape only: the rows of a call never change how a
+/// row is summed.
+pub fn tc_split(n: usize, k: usize, num_sms: usize) -> (usize, usize) {
+    let col_blocks = n.div_ceil(TC_BN).max(1);
+    let want = (2 * num_sms.max(1)).div_ceil(col_blocks).clamp(1, (k / 512).max(1));
+    let kchunk = k.div_ceil(want).div_ceil(TC_BK) * TC_BK;
+    (k.div_ceil(kchunk.max(1)).max(1), kchunk.max(TC_BK))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tc_split_depends_on_the_weight_only() {
+        // DeepSeek-V3's projections on 132 SMs.
+        for (n, k) in [(576, 7168), (1536, 7168), (24576, 1536), (7168, 16384), (129280, 7168), (7168, 18432)] {
+            let (ks, kc) = tc_split(n, k, 132);
+            assert_eq!(kc % 64, 0, "{n}x{k}");
+            assert!(ks * kc >= k && (ks - 1) * kc < k, "{n}x{k}: every range non-empty, k covered");
+            assert!(kc >= 512 || ks == 1, "{n}x{k}: ranges of 512 or more");
+            let blocks = n.div_ceil(64) * ks;
+            assert!(blocks >= 132 || kc <= 512, "{n}x{k}: {blocks} blocks fill the chip");
+        }
+        assert_eq!(tc_split(129280, 7168, 132), (1, 7168), "wide weights need no split");
+        assert_eq!(tc_split(576, 7168, 132).0, 14, "kv_a: 9 column blocks × 14 splits");
+        // Small and odd shapes still cover k.
+        assert_eq!(tc_split(8, 16, 132), (1, 64));
+        let (ks, kc) = tc_split(40, 1000, 132);
+        assert!(ks * kc >= 1000 && kc % 64 == 0);
+    }
 
     #[test]
     fn split_merge_resolves_to_what_runs() {

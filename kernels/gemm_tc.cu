@@ -1,0 +1,228 @@
+// Projections on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), one tile
+// routine (gtc_tile) behind two kernels:
+//
+// - moe_grouped_tc_*: the MoE experts as one launch (fast mode): rows [off[g], off[g +
+//   1]) of x (sorted by expert, `k` wide, bf16) times the weight of expert experts[g]
+//   (w[experts[g]], `[n][k]` bf16; expert g when `experts` is null) into the same rows of
+//   y (`n` wide, bf16 or f32), as `moe_grouped_*` in backend_ops.cu computes it but on
+//   tensor cores. grid = (ceil(n / BN), experts): a block owns BN = 64 output columns of
+//   one expert and takes the expert's rows ROWS = 64 at a time. An expert with ≤ 64 rows
+//   (decode: ~8) reads each weight element once; longer experts (prefill) re-read the
+//   slice per chunk.
+// - linear_tc_*: a dense projection y = x Wᵀ that is batch-invariant (GemmMode::
+//   InvariantTc): grid = (ceil(m / 64), ksplit, ceil(n / BN)). A block owns 64 rows × BN
+//   columns and the k range [ks·kchunk, (ks + 1)·kchunk); with ksplit > 1 it writes an f32
+//   partial and linear_tc_reduce sums the partials in ks order. ksplit and kchunk come
+//   from the weight's shape alone (linear.rs), never from m, and a row's sum runs the same
+//   mma sequence wherever the row sits in its tile, so a row's result does not depend on
+//   the other rows of the call. Row chunks are blockIdx.x, so the blocks that share a
+//   weight slice run together and the slice is read from HBM about once.
+//
+// The sum order differs from `linear_inv`'s (CUDA cores), so the two invariant modes
+// agree only to rounding. In a tile, every warp runs its 16 columns (2 n-tiles) over the
+// chunk's m-tiles (4 of 16 rows; rows past the end are zero-filled in shared memory and
+// never stored), the weight slice [BN][BK] and the rows stream through a 3-stage cp.async
+// ring (BK = 64 of k per stage). Shared tiles are [row][64] bf16 (128 B rows) with the
+// 16-byte chunk index XOR (row & 7), so ldmatrix's 8 row addresses hit 8 different bank
+// groups. Needs k % 8 == 0 (16-byte rows), 16-byte aligned x and weights, and k ranges
+// starting at multiples of 8; k past the range's end is zero-filled.
+#include "common.cuh"
+
+namespace gtc {
+constexpr int BN = 64, BK = 64, MT = 4, ROWS = MT * 16, STAGES = 3, THREADS = 128;
+constexpr int CHUNKS = BK / 8;  // 16-byte chunks per tile row
+}  // namespace gtc
+
+// Element offset of (row, 16-byte chunk c) in a swizzled [row][BK] tile.
+__device__ __forceinline__ int gtc_at(int row, int c) { return row * gtc::BK + ((c ^ (row & 7)) * 8); }
+
+template <typename T>
+__device__ __forceinline__ void gtc_store(T* __restrict__ y, size_t row, int col, int n, float a, float b) {
+    T* p = y + row * n + col;
+    if (col + 1 < n && (n & 1) == 0) {  // even n: (row * n + col) is even, the pair is aligned
+        store2(p, a, b);
+    } else {
+        if (col < n) p[0] = from_f32<T>(a);
+        if (col + 1 < n) p[1] = from_f32<T>(b);
+    }
+}
+
+struct GtcSmem {
+    bf16 ws[gtc::STAGES][gtc::BN * gtc::BK];
+    bf16 xs[gtc::STAGES][gtc::ROWS * gtc::BK];
+};
+
+// acc = rows [0, nr) of xr (k wide) times columns [n0, n0 + BN) of we ([n][k]) over k in
+// [k0, k1), nr ≤ ROWS. Starts with a barrier (the caller's previous tile may still read
+// the ring) and leaves no cp.async group in flight.
+__device__ __forceinline__ void gtc_tile(float (&acc)[gtc::MT][2][4], GtcSmem& sm, const bf16* __restrict__ xr,
+                                         int nr, const bf16* __restrict__ we, int n0, int n, int k, int k0, int k1) {
+    using namespace gtc;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int mts = (nr + 15) / 16;  // m-tiles holding the rows
+    const int ksteps = (k1 - k0 + BK - 1) / BK;
+    // Stage kt of the range into ring slot st: BN weight rows and the mts·16 x rows;
+    // sources past n, past nr or past k1 read nothing and write zeros.
+    auto load = [&](int kt, int st) {
+        const uint32_t wdst = smem_u32(sm.ws[st]), xdst = smem_u32(sm.xs[st]);
+#pragma unroll
+        for (int j = 0; j < BN * CHUNKS / THREADS; ++j) {
+            const int i = tid + j * THREADS, row = i / CHUNKS, c = i % CHUNKS, kk = k0 + kt * BK + c * 8;
+            const bool ok = n0 + row < n && kk < k1;
+            const bf16* src = ok ? we + static_cast<size_t>(n0 + row) * k + kk : we;
+            cp_async_16(wdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
+        }
+        for (int i = tid; i < mts * 16 * CHUNKS; i += THREADS) {
+            const int row = i / CHUNKS, c = i % CHUNKS, kk = k0 + kt * BK + c * 8;
+            const bool ok = row < nr && kk < k1;
+            const bf16* src = ok ? xr + static_cast<size_t>(row) * k + kk : xr;
+            cp_async_16(xdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[m][t][q] = 0.f;
+
+    __syncthreads();  // the previous tile's last reads of the ring are done
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ksteps) load(s, s);
+        cp_async_commit();  // one group per stage, empty or not, keeps the count uniform
+    }
+    for (int kt = 0; kt < ksteps; ++kt) {
+        cp_async_wait<STAGES - 2>();  // group kt (stage kt) has landed for this thread
+        __syncthreads();              // ... for every thread; slot (kt - 1) % STAGES is free
+        if (kt + STAGES - 1 < ksteps) load(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const int st = kt % STAGES;
+        const uint32_t wsb = smem_u32(sm.ws[st]), xsb = smem_u32(sm.xs[st]);
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) {
+            // B: this warp's 16 columns (n-tiles 0, 1) × k16 — matrices (nt0 k0-7, nt0
+            // k8-15, nt1 k0-7, nt1 k8-15) from lanes 0-7, 8-15, 16-23, 24-31.
+            uint32_t b[4];
+            {
+                const int row = warp * 16 + (lane & 7) + (lane >> 4) * 8;
+                const int c = k16 * 2 + ((lane >> 3) & 1);
+                ldmatrix_x4(b, wsb + 2 * gtc_at(row, c));
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                if (m >= mts) break;
+                // A: rows m·16 + 0-7 / 8-15 × k 0-7 / 8-15 in mma's a0..a3 order.
+                uint32_t a[4];
+                const int row = m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int c = k16 * 2 + (lane >> 4);
+                ldmatrix_x4(a, xsb + 2 * gtc_at(row, c));
+                mma_bf16_16816(acc[m][0], a, b[0], b[1]);
+                mma_bf16_16816(acc[m][1], a, b[2], b[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();  // only empty groups can remain; drained before the ring is reused
+}
+
+// Rows [0, nr) of a tile's acc into rows base.. of y (`n` wide; columns ≥ n masked):
+// acc[m][t] holds rows m·16 + lane/4 (q 0, 1) and + 8 (q 2, 3), columns n0 + warp·16 +
+// t·8 + 2·(lane % 4) (+1).
+template <typename T>
+__device__ __forceinline__ void gtc_store_tile(const float (&acc)[gtc::MT][2][4], T* __restrict__ y, size_t base,
+                                               int nr, int n0, int n) {
+    using namespace gtc;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        if (m * 16 >= nr) break;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int col = n0 + warp * 16 + t * 8 + 2 * (lane & 3);
+            const int row = m * 16 + (lane >> 2);
+            if (row < nr) gtc_store(y, base + row, col, n, acc[m][t][0], acc[m][t][1]);
+            if (row + 8 < nr) gtc_store(y, base + row + 8, col, n, acc[m][t][2], acc[m][t][3]);
+        }
+    }
+}
+
+template <typename T>
+__device__ void grouped_tc(T* __restrict__ y, const bf16* __restrict__ x, const bf16* const* __restrict__ w,
+                           const int* __restrict__ experts, const int* __restrict__ off, int n, int k) {
+    using namespace gtc;
+    __shared__ __align__(128) GtcSmem sm;
+    const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
+    if (r0 >= r1) return;  // the whole block: no row for this expert
+    const int n0 = blockIdx.x * BN;
+    const bf16* we = w[experts ? experts[g] : g];
+    for (int base = r0; base < r1; base += ROWS) {
+        const int nr = min(ROWS, r1 - base);  // real rows of this chunk
+        float acc[MT][2][4];
+        gtc_tile(acc, sm, x + static_cast<size_t>(base) * k, nr, we, n0, n, k, 0, k);
+        gtc_store_tile(acc, y, static_cast<size_t>(base), nr, n0, n);
+    }
+}
+
+#define MOE_GROUPED_TC(NAME, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(gtc::THREADS) NAME(T* y, const bf16* x, const bf16* const* w, \
+                                                                     const int* experts, const int* off, int n, \
+                                                                     int k) {                                   \
+        grouped_tc<T>(y, x, w, experts, off, n, k);                                                            \
+    }
+MOE_GROUPED_TC(moe_grouped_tc_bf16_obf16, bf16)
+MOE_GROUPED_TC(moe_grouped_tc_bf16_of32, float)
+
+// y (ksplit = gridDim.y == 1) or part[ks] (f32, [m][n] each) for this block's 64 rows,
+// BN columns and k range.
+template <typename T>
+__device__ void linear_tc(T* __restrict__ y, float* __restrict__ part, const bf16* __restrict__ x,
+                          const bf16* __restrict__ w, int m, int n, int k, int kchunk) {
+    using namespace gtc;
+    __shared__ __align__(128) GtcSmem sm;
+    const int base = blockIdx.x * ROWS, ks = blockIdx.y, n0 = blockIdx.z * BN;
+    const int nr = min(ROWS, m - base), k0 = ks * kchunk, k1 = min(k, k0 + kchunk);
+    if (nr <= 0) return;
+    float acc[MT][2][4];
+    gtc_tile(acc, sm, x + static_cast<size_t>(base) * k, nr, w, n0, n, k, k0, k1);
+    if (gridDim.y == 1)
+        gtc_store_tile(acc, y, static_cast<size_t>(base), nr, n0, n);
+    else
+        gtc_store_tile(acc, part + static_cast<size_t>(ks) * m * n, static_cast<size_t>(base), nr, n0, n);
+}
+
+#define LINEAR_TC(NAME, T)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(gtc::THREADS)                                             \
+        NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk) {           \
+        linear_tc<T>(y, part, x, w, m, n, k, kchunk);                                                       \
+    }
+LINEAR_TC(linear_tc_bf16_obf16, bf16)
+LINEAR_TC(linear_tc_bf16_of32, float)
+
+// y[i] = part[0][i] + part[1][i] + ... + part[ksplit - 1][i] in that order, for i < len
+// (= m·n); four elements per thread.
+template <typename T>
+__device__ void linear_tc_reduce(T* __restrict__ y, const float* __restrict__ part, size_t len, int ksplit) {
+    const size_t i = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+    if (i >= len) return;
+    if (i + 4 <= len && len % 4 == 0) {
+        float4 s = *reinterpret_cast<const float4*>(part + i);
+        for (int ks = 1; ks < ksplit; ++ks) {
+            const float4 v = *reinterpret_cast<const float4*>(part + ks * len + i);
+            s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+        }
+        store2(y + i, s.x, s.y);
+        store2(y + i + 2, s.z, s.w);
+    } else {
+        for (size_t j = i; j < min(len, i + 4); ++j) {
+            float s = part[j];
+            for (int ks = 1; ks < ksplit; ++ks) s += part[ks * len + j];
+            y[j] = from_f32<T>(s);
+        }
+    }
+}
+extern "C" __global__ void linear_tc_reduce_obf16(bf16* y, const float* part, size_t len, int ksplit) {
+    linear_tc_reduce(y, part, len, ksplit);
+}
+extern "C" __global__ void linear_tc_reduce_of32(float* y, const float* part, size_t len, int ksplit) {
+    linear_tc_reduce(y, part, len, ksplit);
+}
