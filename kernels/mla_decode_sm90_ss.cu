@@ -179,7 +179,8 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
                                      const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                                      OutT* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_acc,
                                      float* __restrict__ lse_acc, unsigned* __restrict__ counters, int heads,
-                                     int q_len, int bt_stride, int num_blocks, int num_splits, float scale_log2) {
+                                     int q_len, int bt_stride, int num_blocks, int num_splits, int split_blocks,
+                                     float scale_log2) {
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms start on 1024-byte boundaries
@@ -203,11 +204,14 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
     const int valid_rows = min(BM, rows - row0);
     const int seq_len = max(0, min(seq_lens[b], bt_stride * PAGE));
 
-    // Split `split` covers blocks [blk0, blk_end) of this request.
+    // Split `split` covers blocks [blk0, blk_end) of this request: the request's blocks
+    // shared evenly, or with split_blocks > 0 (batch-invariant mode) split_blocks each from
+    // block 0, whatever the request's length, so a row's key ranges and their order depend
+    // on nothing else in the batch (the last split takes any blocks left).
     const int n_blk = (seq_len + TOK - 1) / TOK;
-    const int per = (n_blk + num_splits - 1) / num_splits;
+    const int per = split_blocks > 0 ? split_blocks : (n_blk + num_splits - 1) / num_splits;
     const int blk0 = min(split * per, n_blk);
-    const int blk_end = min(blk0 + per, n_blk);
+    const int blk_end = split == num_splits - 1 ? n_blk : min(blk0 + per, n_blk);
     const int* bt = block_table + static_cast<size_t>(b) * bt_stride;
 
     {
@@ -536,14 +540,14 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLASS_BODY(OUT, PAIR)                                                                                 \
     mlass::body<OUT, PAIR>(&tmap, q, block_table, seq_lens, out, lse, o_acc, lse_acc, counters, heads, q_len, \
-                           bt_stride, num_blocks, num_splits, scale_log2);
+                           bt_stride, num_blocks, num_splits, split_blocks, scale_log2);
 #else
 #define MLASS_BODY(OUT, PAIR) __trap();
 #endif
 #define MLASS_ARGS                                                                                            \
     const __grid_constant__ CUtensorMap tmap, const bf16 *q, const bf16 *kv, const int *block_table,           \
         const int *seq_lens, OUT_T *out, float *lse, float *o_acc, float *lse_acc, unsigned *counters,          \
-        int heads, int q_len, int bt_stride, int num_blocks, int num_splits, float scale_log2
+        int heads, int q_len, int bt_stride, int num_blocks, int num_splits, int split_blocks, float scale_log2
 #define MLASS_ENTRY(OUT, SUFFIX)                                                                              \
     extern "C" __global__ void __launch_bounds__(mla::NTHREADS, 1) mla_decode_wgmma_ss_d512r64_##SUFFIX(      \
         MLASS_ARGS) {                                                                                         \

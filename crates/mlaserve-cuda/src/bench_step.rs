@@ -50,6 +50,8 @@ pub struct StepBenchOpts {
     pub profile: bool,
     /// Launch every kernel of a step from the host (no CUDA graphs).
     pub eager: bool,
+    /// The batch-invariant fast options ([`CudaOptions::exact`]) instead of the defaults.
+    pub exact: bool,
 }
 
 impl Default for StepBenchOpts {
@@ -65,6 +67,7 @@ impl Default for StepBenchOpts {
             profile: false,
             host_logits: false,
             eager: false,
+            exact: false,
         }
     }
 }
@@ -92,6 +95,8 @@ pub struct StepBenchReport {
     pub layers: String,
     pub context: usize,
     pub tp: usize,
+    /// "default" or "batch-invariant" ([`CudaOptions::exact`]).
+    pub options: &'static str,
     pub rows: Vec<StepBenchRow>,
 }
 
@@ -99,8 +104,8 @@ impl fmt::Display for StepBenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "bench step on {} × {}: {}; context {} tokens/request; TP {}",
-            self.tp, self.gpu, self.layers, self.context, self.tp
+            "bench step on {} × {}: {}; context {} tokens/request; TP {}; {} options",
+            self.tp, self.gpu, self.layers, self.context, self.tp, self.options
         )?;
         writeln!(f, "ceiling: copy {:.0} GB/s per GPU (read + write, measured in this run)", self.copy_gbps)?;
         writeln!(
@@ -248,7 +253,14 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
     let ordinal = opts.ordinal + tp.map_or(0, |t| t.rank);
     let mut be = CudaBackend::random_tp(
         cfg.clone(),
-        CudaOptions { graphs: !opts.eager, ..CudaOptions::new(max_b * per_seq, ordinal) },
+        {
+            let o = CudaOptions { graphs: !opts.eager, ..CudaOptions::new(max_b * per_seq, ordinal) };
+            if opts.exact {
+                o.exact()
+            } else {
+                o
+            }
+        },
         1,
         tp,
     )?;
@@ -347,6 +359,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         ),
         context: opts.context,
         tp: opts.tp.max(1),
+        options: if opts.exact { "batch-invariant" } else { "default" },
         rows,
     })
 }

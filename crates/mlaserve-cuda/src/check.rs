@@ -190,6 +190,150 @@ fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCa
     })
 }
 
+/// The outcome of [`run_window_invariance`].
+#[derive(Debug, Clone)]
+pub struct InvarianceReport {
+    pub name: String,
+    /// Query rows compared (`requests × 4 × heads`), in each of the two comparisons.
+    pub rows: usize,
+    /// Rows of the 4-token windows that differ in any bit from the same token run as a
+    /// 1-token step of all the tokens together / of that token alone.
+    pub differ_batched: usize,
+    pub differ_alone: usize,
+    /// Splits of the window launch.
+    pub num_splits: usize,
+    /// The window launch against the f64 reference.
+    pub out: ErrStats,
+    pub tol_rel_l2: f64,
+}
+
+impl InvarianceReport {
+    pub fn passed(&self) -> bool {
+        self.differ_batched == 0 && self.differ_alone == 0 && self.out.all_finite && self.out.rel_l2 <= self.tol_rel_l2
+    }
+}
+
+impl fmt::Display for InvarianceReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<52} splits={:<2} rows={:<5} differ: batched {} alone {} rel_l2={:.2e} (tol {:.0e}) {}",
+            self.name,
+            self.num_splits,
+            self.rows,
+            self.differ_batched,
+            self.differ_alone,
+            self.out.rel_l2,
+            self.tol_rel_l2,
+            if self.passed() { "PASS" } else { "FAIL" }
+        )
+    }
+}
+
+/// Whether a token's decode attention is the same whatever else runs with it (the
+/// speculative "k = 3 equals k = 0" needs it), under `mla`'s plan: requests with
+/// `ctx[b]` cached tokens each verify a 4-token window (positions ctx[b]..ctx[b] + 3,
+/// f32 out, DeepSeek dims at `heads` heads); then every one of those tokens runs as a
+/// 1-token step, all of them in one batch and each alone, over the same cache and pages
+/// (the window's later tokens sit in the cache past the 1-token step's seq_len, as
+/// drafts do). Counts the rows that differ in any bit, and checks the windows against the
+/// reference. Pages past the windows hold NaN.
+pub fn run_window_invariance(
+    gpu: &Gpu,
+    mla: &MlaDecode,
+    heads: usize,
+    ctx: &[usize],
+    seed: u64,
+) -> Result<InvarianceReport> {
+    const W: usize = 4;
+    let mut rng = Rng::new(seed);
+    let batch = ctx.len();
+    let seq_lens: Vec<usize> = ctx.iter().map(|&c| c + W).collect();
+    let max = seq_lens.iter().copied().max().unwrap_or(W);
+    let d = DecodeDims { batch, heads, q_len: W, dlat: 512, drope: 64, bt_stride: max.div_ceil(PAGE) + 1 };
+    let (rows, dqk, dv) = (d.rows(), d.dqk(), d.dlat);
+    let pages: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(PAGE)).collect();
+    let num_blocks = pages.iter().sum::<usize>() + 2;
+    let mut phys: Vec<usize> = (0..num_blocks).collect();
+    rng.shuffle(&mut phys);
+    let mut table = vec![0i32; batch * d.bt_stride];
+    let mut cache = vec![bf16::from_bits(0x7fc0); num_blocks * PAGE * dqk];
+    let mut next = 0;
+    for b in 0..batch {
+        for lp in 0..d.bt_stride {
+            table[b * d.bt_stride + lp] = if lp < pages[b] {
+                next += 1;
+                phys[next - 1] as i32
+            } else {
+                rng.below(num_blocks) as i32
+            };
+        }
+        for p in 0..seq_lens[b] {
+            let off = (table[b * d.bt_stride + p / PAGE] as usize * PAGE + p % PAGE) * dqk;
+            for x in &mut cache[off..off + dqk] {
+                *x = bf16::from_f32(rng.uniform(-1.0, 1.0));
+            }
+        }
+    }
+    let q = rng.bf16_vec(batch * rows * dqk, -1.0, 1.0);
+    let scale = 1.0 / ((128 + d.drope) as f32).sqrt();
+    let s = &gpu.stream;
+    let cache_d = s.clone_htod(&cache)?;
+    // One launch: `dims` over requests whose tables are `tab` rows of `table`.
+    let run = |dims: DecodeDims, q: &[bf16], tab: &[usize], lens: &[usize]| -> Result<(Vec<f32>, usize)> {
+        let t: Vec<i32> = tab.iter().flat_map(|&b| table[b * d.bt_stride..(b + 1) * d.bt_stride].to_vec()).collect();
+        let l: Vec<i32> = lens.iter().map(|&x| x as i32).collect();
+        let (q_d, t_d, l_d) = (s.clone_htod(q)?, s.clone_htod(&t)?, s.clone_htod(&l)?);
+        let mut out = s.clone_htod(&vec![f32::NAN; dims.batch * dims.rows() * dv])?;
+        let mut lse = s.alloc_zeros::<f32>(dims.batch * dims.rows())?;
+        let splits = mla.num_splits(&dims, lens.iter().copied().max().unwrap_or(1));
+        let mut ws = mla.workspace(s, &dims, splits)?;
+        let shape = MlaDecodeShape { dims, num_blocks, num_splits: splits, scale };
+        mla.launch::<f32>(s, &shape, &q_d, &cache_d, &t_d, &l_d, &mut out, &mut lse, &mut ws)?;
+        gpu.sync()?;
+        Ok((s.clone_dtoh(&out)?, splits))
+    };
+    let all: Vec<usize> = (0..batch).collect();
+    let (win, num_splits) = run(d, &q, &all, &seq_lens)?;
+    // Token (b, j) as a 1-token step: query rows j·heads.. of request b's window.
+    let tok_q = |b: usize, j: usize| q[(b * rows + j * heads) * dqk..(b * rows + (j + 1) * heads) * dqk].to_vec();
+    let win_rows = |b: usize, j: usize| &win[(b * rows + j * heads) * dv..(b * rows + (j + 1) * heads) * dv];
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let one = DecodeDims { q_len: 1, ..d };
+    let toks: Vec<(usize, usize)> = (0..batch).flat_map(|b| (0..W).map(move |j| (b, j))).collect();
+    let q1: Vec<bf16> = toks.iter().flat_map(|&(b, j)| tok_q(b, j)).collect();
+    let tab1: Vec<usize> = toks.iter().map(|&(b, _)| b).collect();
+    let len1: Vec<usize> = toks.iter().map(|&(b, j)| ctx[b] + j + 1).collect();
+    let (batched, _) = run(DecodeDims { batch: toks.len(), ..one }, &q1, &tab1, &len1)?;
+    let mut differ_batched = 0;
+    let mut differ_alone = 0;
+    for (i, &(b, j)) in toks.iter().enumerate() {
+        let w = win_rows(b, j);
+        for h in 0..heads {
+            let r = h * dv..(h + 1) * dv;
+            differ_batched +=
+                usize::from(!same(&w[r.clone()], &batched[(i * heads + h) * dv..(i * heads + h + 1) * dv]));
+        }
+        let (alone, _) = run(DecodeDims { batch: 1, ..one }, &tok_q(b, j), &[b], &[ctx[b] + j + 1])?;
+        for h in 0..heads {
+            let r = h * dv..(h + 1) * dv;
+            differ_alone += usize::from(!same(&w[r.clone()], &alone[r]));
+        }
+    }
+    let to_f32 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+    let lens_i: Vec<i32> = seq_lens.iter().map(|&l| l as i32).collect();
+    let (want, _) = reference::mla_decode(&d, &to_f32(&q), &to_f32(&cache), &table, &lens_i, scale);
+    Ok(InvarianceReport {
+        name: format!("h{heads} windows of 4 at {ctx:?}"),
+        rows: batch * W * heads,
+        differ_batched,
+        differ_alone,
+        num_splits,
+        out: reference::err_stats(&win, &want),
+        tol_rel_l2: tolerances(true, true).0,
+    })
+}
+
 /// The standard case list: tiny-model dims on the generic kernel; DeepSeek dims (512 +
 /// 64) at 16/32/64/128 heads, q_len 1..4, page-boundary and shortest lengths, forced
 /// uneven and empty splits, both output types and a peaky softmax.

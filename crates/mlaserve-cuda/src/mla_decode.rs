@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUfunction_attribute};
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
 use half::bf16;
@@ -253,6 +253,10 @@ pub struct MlaDecode {
     kernel: MlaKernel,
     /// How the 64-token kernels merge their splits.
     merge: SplitMerge,
+    /// Pages per split when splits have a fixed size (the batch-invariant plan,
+    /// [`MlaDecode::set_fixed_splits`]); 0: the planner shares a request's pages evenly
+    /// among as many splits as fill the GPU.
+    split_blocks: usize,
     num_sms: usize,
 }
 
@@ -313,6 +317,7 @@ impl MlaDecode {
             transposed_c2,
             kernel,
             merge: SplitMerge::Cluster,
+            split_blocks: 0,
             splitkv_bf16,
             splitkv_f32,
             combine_bf16: m.load_function("mla_decode_combine_obf16")?,
@@ -358,8 +363,10 @@ impl MlaDecode {
         self.merge_with(self.merge, dims, splits)
     }
 
-    /// The merge a launch with `dims` and `splits` splits would use with `merge` set.
+    /// The merge a launch with `dims` and `splits` splits would use with `merge` set
+    /// (fixed-size splits always merge through `merge_splits_row`, [`SplitMerge::LastCta`]).
     pub fn merge_with(&self, merge: SplitMerge, dims: &DecodeDims, splits: usize) -> Option<SplitMerge> {
+        let merge = if self.split_blocks > 0 { SplitMerge::LastCta } else { merge };
         let own = Self::is_fast_path(dims)
             && matches!(self.effective_kernel(dims), MlaKernel::Seesaw | MlaKernel::Transposed);
         merge.resolve(own, splits)
@@ -378,10 +385,39 @@ impl MlaDecode {
         Ok(())
     }
 
+    /// Batch-invariant decode: splits of `blocks` pages each from the start of every
+    /// request, whatever the batch (None: back to the planner's even splits). A row's key
+    /// ranges, the order it visits them and the merge of their partials then depend on
+    /// its own position only, and the seesaw kernel runs for every window length (the
+    /// kernel a launch uses is otherwise chosen by its rows), so a token's attention is
+    /// bit-identical alone, in any batch, and as any row of a draft window. Up to
+    /// `blocks × MAX_SPLITS` pages of context (a longer table widens the splits). Needs
+    /// the seesaw kernel (sm_90).
+    pub fn set_fixed_splits(&mut self, blocks: Option<usize>) -> Result<()> {
+        match blocks {
+            Some(0) => return Err(CudaError::shape(NAME, "fixed splits of 0 pages")),
+            Some(_) if self.seesaw.is_none() => {
+                return Err(CudaError::shape(NAME, "fixed-size splits need the seesaw kernel (sm_90)"))
+            }
+            _ => {}
+        }
+        self.split_blocks = blocks.unwrap_or(0);
+        Ok(())
+    }
+
+    /// Pages per split under [`MlaDecode::set_fixed_splits`] for a block table of
+    /// `bt_stride` pages (None: even splits).
+    pub fn fixed_split_blocks(&self, bt_stride: usize) -> Option<usize> {
+        (self.split_blocks > 0).then(|| self.split_blocks.max(bt_stride.div_ceil(MAX_SPLITS)))
+    }
+
     /// The concrete kernel a launch with `dims` runs (the fast path's; `Auto` resolved).
     pub fn effective_kernel(&self, dims: &DecodeDims) -> MlaKernel {
         let tiles = plan::tiles(dims.heads, dims.q_len);
         let rows = dims.rows();
+        if self.split_blocks > 0 {
+            return MlaKernel::Seesaw;
+        }
         match self.kernel {
             MlaKernel::Transposed if !(tiles == 1 && rows <= 32) => MlaKernel::Seesaw,
             MlaKernel::Auto if self.transposed.is_some() && self.seesaw.is_some() && tiles == 1 && rows <= 32 => {
@@ -403,6 +439,9 @@ impl MlaDecode {
     pub fn num_splits(&self, dims: &DecodeDims, max_seq_len: usize) -> usize {
         if !Self::is_fast_path(dims) {
             return 1;
+        }
+        if let Some(per) = self.fixed_split_blocks(dims.bt_stride) {
+            return max_seq_len.div_ceil(plan::PAGE).div_ceil(per).clamp(1, MAX_SPLITS);
         }
         let chunk = match self.effective_kernel(dims) {
             MlaKernel::Seesaw | MlaKernel::Transposed => plan::BLOCK_TOKENS,
@@ -437,12 +476,12 @@ impl MlaDecode {
         &self,
         stream: &Arc<CudaStream>,
         shape: &MlaDecodeShape,
-        q: &CudaSlice<bf16>,
+        q: &impl DevicePtr<bf16>,
         cache: &CudaSlice<bf16>,
-        block_table: &CudaSlice<i32>,
-        seq_lens: &CudaSlice<i32>,
-        out: &mut CudaSlice<T>,
-        lse: &mut CudaSlice<f32>,
+        block_table: &impl DevicePtr<i32>,
+        seq_lens: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<T>,
+        lse: &mut impl DevicePtrMut<f32>,
         ws: &mut MlaWorkspace,
     ) -> Result<()> {
         let d = &shape.dims;
@@ -462,6 +501,14 @@ impl MlaDecode {
         check(seq_lens.len() == d.batch, format!("seq_lens has {} entries", seq_lens.len()))?;
         check(out.len() == d.batch * rows * d.dlat, format!("out has {} elements", out.len()))?;
         check(lse.len() == d.batch * rows, format!("lse has {} elements", lse.len()))?;
+        // Raw device pointers (the buffers may be views of larger ones); the guards keep
+        // the stream ordering until the launches below are enqueued.
+        let (q, _gq) = q.device_ptr(stream);
+        let (block_table, _gb) = block_table.device_ptr(stream);
+        let (seq_lens, _gs) = seq_lens.device_ptr(stream);
+        let (out, _go) = out.device_ptr_mut(stream);
+        let (lse, _gl) = lse.device_ptr_mut(stream);
+        let (out, lse) = (&out, &lse);
         check(
             d.bt_stride * PAGE <= i32::MAX as usize && shape.num_blocks <= i32::MAX as usize,
             "sizes overflow i32".into(),
@@ -489,12 +536,12 @@ impl MlaDecode {
             unsafe {
                 stream
                     .launch_builder(f)
-                    .arg(q)
+                    .arg(&q)
                     .arg(cache)
-                    .arg(block_table)
-                    .arg(seq_lens)
-                    .arg(&mut *out)
-                    .arg(&mut *lse)
+                    .arg(&block_table)
+                    .arg(&seq_lens)
+                    .arg(out)
+                    .arg(lse)
                     .arg(&heads)
                     .arg(&q_len)
                     .arg(&bt_stride)
@@ -569,6 +616,7 @@ impl MlaDecode {
             None => None,
         };
         let splits_i = splits as i32;
+        let split_blocks = self.fixed_split_blocks(d.bt_stride).unwrap_or(0) as i32;
         let cfg = LaunchConfig {
             // x = tile fastest: the tiles of one (request, split) run side by side and
             // share each KV chunk through L2.
@@ -597,19 +645,21 @@ impl MlaDecode {
         // <= 32 rows). A null `counters` asks the 64-token kernels to leave the merge to
         // the combine kernel below. Their _c2 entries (compile-time cluster 1 x 2 x 1) are
         // chosen only with exactly two splits, so grid.y = 2 is one cluster; they write
-        // out/lse only, never the workspace.
+        // out/lse only, never the workspace. The seesaw kernel takes `split_blocks` after
+        // num_splits (0: even splits; else pages per split, the last split taking the
+        // rest, so every page below seq_len is covered whatever the split count).
         let no_counters: u64 = 0;
         unsafe {
             let mut b = stream.launch_builder(f);
             if let Some(t) = &tmap {
                 b.arg(t);
             }
-            b.arg(q)
+            b.arg(&q)
                 .arg(cache)
-                .arg(block_table)
-                .arg(seq_lens)
-                .arg(&mut *out)
-                .arg(&mut *lse)
+                .arg(&block_table)
+                .arg(&seq_lens)
+                .arg(out)
+                .arg(lse)
                 .arg(&mut ws.o_acc)
                 .arg(&mut ws.lse_acc);
             if last_cta {
@@ -617,7 +667,11 @@ impl MlaDecode {
             } else if own_splits {
                 b.arg(&no_counters);
             }
-            b.arg(&heads).arg(&q_len).arg(&bt_stride).arg(&num_blocks).arg(&splits_i).arg(&scale_log2).launch(cfg)
+            b.arg(&heads).arg(&q_len).arg(&bt_stride).arg(&num_blocks).arg(&splits_i);
+            if kernel == MlaKernel::Seesaw {
+                b.arg(&split_blocks);
+            }
+            b.arg(&scale_log2).launch(cfg)
         }?;
         if merge == Some(SplitMerge::Kernel) {
             let (rows_i, dv) = (rows as i32, d.dlat as i32);
@@ -635,8 +689,8 @@ impl MlaDecode {
                     .launch_builder(comb)
                     .arg(&ws.o_acc)
                     .arg(&ws.lse_acc)
-                    .arg(&mut *out)
-                    .arg(&mut *lse)
+                    .arg(out)
+                    .arg(lse)
                     .arg(&rows_i)
                     .arg(&splits_i)
                     .arg(&dv)

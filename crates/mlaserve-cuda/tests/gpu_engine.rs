@@ -90,6 +90,39 @@ fn greedy_k3_equals_k0_batch_invariant() {
     assert_eq!(k3, k0, "greedy k = 3 differs from k = 0 on the GPU (batch-invariant options)");
 }
 
+/// The fast batch-invariant options (`CudaOptions::exact`: tensor-core invariant GEMMs,
+/// the decode kernel with fixed-size splits for every row, CUDA graphs): greedy k = 3 ==
+/// k = 0, on tiny-v3 (latent widths without the tensor-core decode kernel: the varlen
+/// kernel) and on tiny-v3 at V3's attention widths (512 + 64, 16 heads: the seesaw kernel).
+#[test]
+fn greedy_k3_equals_k0_exact_options() {
+    if !require_gpu() {
+        return;
+    }
+    let mut fails = Vec::new();
+    for v3 in [false, true] {
+        let t = tempfile::tempdir().expect("tempdir");
+        let o = if v3 {
+            serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
+                               "num_key_value_heads": 16})
+        } else {
+            serde_json::json!({})
+        };
+        mlaserve_model::presets::generate_with("tiny-v3", t.path(), &o).expect("preset");
+        let opts = CudaOptions::new(BLOCKS, 0).exact();
+        let k0 = gpu_run(t.path(), opts, 0);
+        let k3 = gpu_run(t.path(), opts, 3);
+        assert!(k0.iter().map(Vec::len).sum::<usize>() > 64 * 4, "the workload generates tokens");
+        let fast = gpu_run(t.path(), CudaOptions::new(BLOCKS, 0), 0);
+        let (d, df) = (differing(&k3, &k0), differing(&k0, &fast));
+        println!("exact options, V3 attention {v3}: k3 vs k0 differ in {d}/64 requests; k0 vs the default options' k0 in {df}/64");
+        if d != 0 {
+            fails.push(format!("V3 attention {v3}: {d}/64 requests differ"));
+        }
+    }
+    assert!(fails.is_empty(), "greedy k = 3 differs from k = 0 on the GPU (exact options): {fails:?}");
+}
+
 /// The workload on a group of `world` ranks (GPU r for rank r).
 fn tp_run(dir: &Path, opts: CudaOptions, world: usize, k: usize) -> Vec<Vec<u32>> {
     let id = TpInit::new_id().expect("NCCL id");

@@ -5,7 +5,7 @@
 //! turns a missing GPU into a failure.
 #![cfg(feature = "cuda")]
 
-use mlaserve_cuda::check::{run_decode_case, run_op_checks, standard_cases};
+use mlaserve_cuda::check::{run_decode_case, run_op_checks, run_window_invariance, standard_cases};
 use mlaserve_cuda::kernels::Util;
 use mlaserve_cuda::{Gpu, MlaDecode};
 
@@ -63,4 +63,44 @@ fn small_kernels_match_reference() {
         println!("{r}");
     }
     assert!(failed.is_empty(), "failed:\n{}", failed.join("\n"));
+}
+
+/// Fixed-size splits (`MlaDecode::set_fixed_splits`, the exact options): a token's
+/// attention is bit-identical as a row of a 4-token window, in a batch of 1-token steps
+/// and alone, with windows that cross pages and split boundaries (2 pages per split:
+/// many splits on short contexts; 16: the exact options' size), at 16 and 128 heads.
+/// The fixed splits also pass every standard case against the reference.
+#[test]
+fn fixed_splits_decode_is_batch_and_window_invariant() {
+    let Some(gpu) = gpu() else { return };
+    let util = Util::new(&gpu).expect("load bench_util");
+    let mut mla = MlaDecode::new(&gpu).expect("load mla_decode");
+    if mla.set_fixed_splits(Some(2)).is_err() {
+        eprintln!("skipping: fixed splits need the seesaw kernel (sm_90)");
+        return;
+    }
+    let mut failures = Vec::new();
+    for (i, case) in standard_cases().iter().enumerate() {
+        let r = run_decode_case(&gpu, &mla, &util, case, 300 + i as u64).expect("case ran");
+        println!("fixed 2: {r}");
+        if !r.passed() {
+            failures.push(r.to_string());
+        }
+    }
+    let ctx: &[usize] = &[0, 60, 61, 124, 127, 252, 255, 1021, 3000];
+    for blocks in [2, 16] {
+        mla.set_fixed_splits(Some(blocks)).expect("seesaw");
+        for heads in [16, 128] {
+            let r = run_window_invariance(&gpu, &mla, heads, ctx, 77 + heads as u64).expect("ran");
+            println!("fixed {blocks}: {r}");
+            if !r.passed() {
+                failures.push(format!("fixed {blocks}: {r}"));
+            }
+        }
+    }
+    // The default plan, for the record: its splits depend on the batch.
+    mla.set_fixed_splits(None).expect("off");
+    let r = run_window_invariance(&gpu, &mla, 16, ctx, 93).expect("ran");
+    println!("default plan (not asserted): {r}");
+    assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
 }

@@ -223,6 +223,11 @@ impl CudaBackend {
         let heads = self.blocks.first().or(self.mtp.first().map(|m| &m.block)).map(|b| b.attn.heads)?;
         let c = &self.cfg;
         let dims = DecodeDims { batch: seqs, heads, q_len, dlat: c.kv_lora_rank, drope: c.qk_rope_head_dim, bt_stride };
+        // Fixed-size splits on latent widths without the tensor-core kernel: every row runs
+        // the varlen kernel (layer.rs), eagerly.
+        if self.mla.fixed_split_blocks(bt_stride).is_some() && !crate::MlaDecode::is_fast_path(&dims) {
+            return None;
+        }
         let max_len = batch.seqs.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
         let key = GraphKey { stage, seqs, q_len, bt_stride, splits: self.mla.num_splits(&dims, max_len) };
         let known = self.graphs.map.contains_key(&key);
@@ -268,6 +273,7 @@ impl CudaBackend {
             uniform: Some(key.q_len),
             route: Route { abs: Absorbed::All, exp: None },
             splits: Some(key.splits),
+            chunks: Vec::new(),
         }));
         let hid = Alias::new(&s, &io.hid, rows * h);
         let mut x = Alias::new(&s, &io.x, rows * h);

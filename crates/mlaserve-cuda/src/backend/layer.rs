@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::ops::{AttnMeta, GroupedVariant};
 use crate::prefill::{LatentCache, PrefillDims};
 use crate::reference::DecodeDims;
-use crate::MlaDecodeShape;
+use crate::{MlaDecode, MlaDecodeShape};
 
 /// Most routed experts of a layer whose tokens the device sorts (`Ops::moe_sort`); a
 /// layer with more sorts on the host, which waits for the stream mid-step (such a model
@@ -31,6 +31,9 @@ struct AbsView<'a> {
     uniform: Option<usize>,
     /// The decode kernel's split count when fixed ([`Step::splits`]).
     splits: Option<usize>,
+    /// Each sequence's (new tokens, seq_len), in row order (empty where `uniform` is set
+    /// and nothing else needs them: graph steps).
+    chunks: &'a [(usize, usize)],
 }
 
 impl CudaBackend {
@@ -125,6 +128,7 @@ impl CudaBackend {
                     meta: st.meta,
                     uniform: st.uniform,
                     splits: st.splits,
+                    chunks: &st.chunks,
                 };
                 self.absorbed(a, &q, cache, &rows, &mut o)?;
             }
@@ -142,6 +146,7 @@ impl CudaBackend {
                     meta: r.meta,
                     uniform: r.uniform,
                     splits: None,
+                    chunks: &r.chunks,
                 };
                 let mut os = s.alloc_zeros::<bf16>(m * heads * vdim)?;
                 self.absorbed(a, &qs, cache, &rows, &mut os)?;
@@ -188,7 +193,21 @@ impl CudaBackend {
         self.ops.q_absorb(s, &mut qa, &mut qa_bf16, q, &a.w_uk.w, &self.rope, rows.pos, n, heads, nope, lora)?;
         let mut o_lat = s.alloc_zeros::<f32>(n * heads * lora)?;
         let scale = c.softmax_scale() as f32;
-        match rows.uniform.filter(|&ql| self.opts.decode_kernel && ql <= 4) {
+        // Fixed-size splits (batch-invariant decode): every absorbed row goes through the
+        // decode kernel, whatever its chunk's length, so no row's sums depend on what else
+        // the step holds; chunks of other lengths run as their own launches.
+        let probe = DecodeDims { batch: 1, heads, q_len: 1, dlat: lora, drope: rope, bt_stride: rows.meta.bt_stride };
+        // Latent widths without the tensor-core kernel run the varlen kernel for every row
+        // then (the generic decode kernel sums differently).
+        let exact = self.mla.fixed_split_blocks(rows.meta.bt_stride).is_some();
+        let fast = MlaDecode::is_fast_path(&probe);
+        let fixed = self.opts.decode_kernel && fast && exact;
+        if fixed && rows.uniform.is_none() {
+            self.absorbed_runs(&qa_bf16, cache, rows, &mut o_lat, heads, lora, rope, scale)?;
+            return self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim);
+        }
+        let kernel = self.opts.decode_kernel && (fast || !exact);
+        match rows.uniform.filter(|&ql| kernel && (ql <= 4 || fixed)) {
             Some(q_len) => {
                 let dims = DecodeDims {
                     batch: rows.meta.seqs,
@@ -232,6 +251,61 @@ impl CudaBackend {
             }
         }
         self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)
+    }
+
+    /// The decode kernel over a step whose absorbed chunks differ in length (fixed-size
+    /// splits only): one launch per run of consecutive sequences with the same number of
+    /// new tokens, over views of the step's rows, tables and lengths.
+    #[allow(clippy::too_many_arguments)]
+    fn absorbed_runs(
+        &self,
+        qa: &CudaSlice<bf16>,
+        cache: &CudaSlice<bf16>,
+        rows: &AbsView,
+        o_lat: &mut CudaSlice<f32>,
+        heads: usize,
+        lora: usize,
+        rope: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        let bt = rows.meta.bt_stride;
+        let lat = lora + rope;
+        if rows.chunks.len() != rows.meta.seqs {
+            return Err(crate::CudaError::shape(
+                "mla_decode",
+                format!("{} chunk lengths for {} sequences", rows.chunks.len(), rows.meta.seqs),
+            ));
+        }
+        let (mut seq, mut row) = (0, 0);
+        while seq < rows.chunks.len() {
+            let q_len = rows.chunks[seq].0;
+            let ns = rows.chunks[seq..].iter().take_while(|c| c.0 == q_len).count();
+            let max_len = rows.chunks[seq..seq + ns].iter().map(|c| c.1).max().unwrap_or(1);
+            let nrows = ns * q_len;
+            if q_len > 0 {
+                let dims = DecodeDims { batch: ns, heads, q_len, dlat: lora, drope: rope, bt_stride: bt };
+                let num_splits = self.mla.num_splits(&dims, max_len);
+                let mut ws = self.mla.workspace(s, &dims, num_splits)?;
+                let mut lse = s.alloc_zeros::<f32>(nrows * heads)?;
+                let shape = MlaDecodeShape { dims, num_blocks: self.opts.num_blocks, num_splits, scale };
+                let mut out = o_lat.slice_mut(row * heads * lora..(row + nrows) * heads * lora);
+                self.mla.launch(
+                    s,
+                    &shape,
+                    &qa.slice(row * heads * lat..(row + nrows) * heads * lat),
+                    cache,
+                    &rows.tables.slice(seq * bt..(seq + ns) * bt),
+                    &rows.seq_lens.slice(seq..seq + ns),
+                    &mut out,
+                    &mut lse,
+                    &mut ws,
+                )?;
+            }
+            seq += ns;
+            row += nrows;
+        }
+        Ok(())
     }
 
     /// SwiGLU MLP over `rows` rows of `x` (bf16, anything with a device pointer): `[rows][h]` f32.

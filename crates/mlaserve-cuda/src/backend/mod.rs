@@ -79,7 +79,15 @@ pub struct CudaOptions {
     /// Graphs on tensor-parallel ranks too (experimental, off: not yet run on two GPUs
     /// since each capture is launched at once; `MLASERVE_TP_GRAPHS=1` also turns it on).
     pub tp_graphs: bool,
+    /// Decode-kernel splits of this many pages each, from the start of every request
+    /// ([`crate::MlaDecode::set_fixed_splits`]: batch-invariant decode attention); None:
+    /// the planner's, which depend on the batch.
+    pub decode_split_blocks: Option<usize>,
 }
+
+/// Pages per decode split in [`CudaOptions::exact`] (1024 tokens): enough CTAs for a
+/// batch of long requests, few partials to merge.
+pub const EXACT_SPLIT_BLOCKS: usize = 16;
 
 impl CudaOptions {
     pub fn new(num_blocks: usize, ordinal: usize) -> Self {
@@ -92,7 +100,27 @@ impl CudaOptions {
             prefill: PrefillPath::Auto,
             graphs: true,
             tp_graphs: false,
+            decode_split_blocks: None,
         }
+    }
+    /// Every token's result independent of its batch, on the fast kernels: the
+    /// tensor-core invariant GEMM ([`GemmMode::InvariantTc`]), the decode kernel with
+    /// fixed-size splits ([`EXACT_SPLIT_BLOCKS`]), the ordered all-reduce, CUDA graphs;
+    /// prefill in the absorbed form as in [`CudaOptions::batch_invariant`]. Greedy output
+    /// with speculation then equals output without it, token for token.
+    ///
+    /// Every row takes the absorbed form through the decode kernel, prefill chunks
+    /// included (one launch per run of equal-length chunks): which kernel sums a token's
+    /// attention then never depends on how its prompt was chunked or what shares its step.
+    /// Prefill pays for it (the absorbed form's wider dot products; a chunk's early rows
+    /// visit its later, masked keys).
+    pub fn exact(mut self) -> Self {
+        self.gemm = GemmMode::InvariantTc;
+        self.decode_kernel = true;
+        self.decode_split_blocks = Some(EXACT_SPLIT_BLOCKS);
+        self.ordered_all_reduce = true;
+        self.prefill = PrefillPath::Absorbed;
+        self
     }
     /// Every token's result independent of its batch: the invariant GEMM, no decode kernel,
     /// every row in the absorbed form. The expanded kernel is batch-invariant itself, but
@@ -198,6 +226,8 @@ pub(crate) struct Step {
     /// The decode kernel's split count when it is fixed (a step captured into a CUDA
     /// graph); `None`: planned from the step's longest context.
     pub splits: Option<usize>,
+    /// Each sequence's (new tokens, seq_len) on the host (empty in graph steps).
+    pub chunks: Vec<(usize, usize)>,
 }
 
 /// The rows the head serves, on the device. Uploaded before the step's first collective,
@@ -292,6 +322,15 @@ impl CudaBackend {
         let sampler = Sampler::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
+        let mut opts = opts;
+        if opts.decode_kernel {
+            if let Err(e) = mla.set_fixed_splits(opts.decode_split_blocks) {
+                // Fixed splits need the seesaw kernel: without it, the varlen kernel keeps
+                // decode batch-invariant.
+                tracing::warn!("decode kernel off: {e}");
+                opts.decode_kernel = false;
+            }
+        }
         let prefill = MlaPrefill::new(&gpu)?;
         gpu.sync()?;
         Ok(CudaBackend {
@@ -449,6 +488,7 @@ impl CudaBackend {
             uniform: l.uniform,
             route: self.route(batch, l.meta.bt_stride, l.meta.max_block)?,
             splits: None,
+            chunks: batch.seqs.iter().map(|c| (c.tokens.len(), c.start_pos + c.tokens.len())).collect(),
         })
     }
 

@@ -69,6 +69,8 @@ pub(crate) struct AbsRows {
     pub meta: AttnMeta,
     /// `Some(q_len)` when every absorbed sequence has that many new tokens.
     pub uniform: Option<usize>,
+    /// Each absorbed sequence's (new tokens, seq_len).
+    pub chunks: Vec<(usize, usize)>,
 }
 
 impl CudaBackend {
@@ -131,8 +133,14 @@ impl CudaBackend {
         if n_exp == batch.seqs.len() {
             return Ok(Route { abs: Absorbed::Nothing, exp });
         }
-        let lens: Vec<usize> =
-            batch.seqs.iter().zip(&expand).filter(|(_, &e)| !e).map(|(c, _)| c.tokens.len()).collect();
+        let chunks: Vec<(usize, usize)> = batch
+            .seqs
+            .iter()
+            .zip(&expand)
+            .filter(|(_, &e)| !e)
+            .map(|(c, _)| (c.tokens.len(), c.start_pos + c.tokens.len()))
+            .collect();
+        let lens: Vec<usize> = chunks.iter().map(|c| c.0).collect();
         let uniform = lens.iter().all(|&l| l == lens[0]).then_some(lens[0]);
         let meta = AttnMeta { n: rows.len(), seqs: lens.len(), bt_stride, max_pos, max_block };
         let rows_d = s.clone_htod(&rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
@@ -146,6 +154,7 @@ impl CudaBackend {
                 seq_lens: s.clone_htod(&seq_lens)?,
                 meta,
                 uniform,
+                chunks,
             })),
             exp,
         })

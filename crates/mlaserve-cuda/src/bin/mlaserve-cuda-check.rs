@@ -9,7 +9,7 @@
 //!        [--kernel mma.sync|wgmma|wgmma+tma|wgmma-ss|wgmma-t|auto]   (default: checks of every
 //!        kernel, bench of auto) [--merge cluster|last-cta|kernel] (how the 64-token kernels
 //!        merge split-KV partials; default cluster)
-//!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--device N]
+//!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--exact] [--device N]
 //!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
 
 use anyhow::{bail, Context, Result};
@@ -51,6 +51,7 @@ fn main() -> Result<()> {
             ordinal: device,
             moe_layers: num("--moe-layers", d.moe_layers)?,
             context: num("--context", d.context)?,
+            exact: flag("--exact"),
             ..d
         };
         let report = mlaserve_cuda::bench_step::bench_step(&opts).context("bench step")?;

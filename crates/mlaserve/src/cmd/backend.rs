@@ -27,15 +27,26 @@ pub struct BackendArgs {
     /// replaying a CUDA graph per batch bucket (vLLM's flag of the same name).
     #[arg(long)]
     pub enforce_eager: bool,
+    /// CUDA backend: batch-invariant kernels (tensor-core GEMMs with a split-K fixed by
+    /// the weight, decode attention in fixed-size splits): a token's result never depends
+    /// on what shares its step, so greedy output with speculation equals output without
+    /// it, token for token. Prefill is slower (every row through the decode kernel).
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 impl BackendArgs {
     /// The CUDA backend's options for a cache of `kv_blocks` on GPU `ordinal`.
     #[cfg(feature = "cuda")]
     pub fn cuda_options(&self, kv_blocks: usize, ordinal: usize) -> mlaserve_cuda::CudaOptions {
-        mlaserve_cuda::CudaOptions {
+        let o = mlaserve_cuda::CudaOptions {
             graphs: !self.enforce_eager,
             ..mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal)
+        };
+        if self.batch_invariant {
+            o.exact()
+        } else {
+            o
         }
     }
 }

@@ -57,6 +57,10 @@ struct StepArgs {
     /// Launch every kernel from the host: no CUDA graphs for the decode steps.
     #[arg(long)]
     eager: bool,
+    /// The batch-invariant options (`--batch-invariant` of serve): tensor-core invariant
+    /// GEMMs, fixed-size decode splits.
+    #[arg(long)]
+    batch_invariant: bool,
     /// (Internal) this process is rank R of a `--tp` group started by rank 0.
     #[arg(long, hide = true, requires = "nccl_id")]
     rank: Option<usize>,
@@ -272,6 +276,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         profile: a.profile,
         host_logits: a.host_logits,
         eager: a.eager,
+        exact: a.batch_invariant,
         ..Default::default()
     };
     if a.tp == 1 || a.threads {
@@ -303,6 +308,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(a.profile.then_some("--profile"))
                 .args(a.host_logits.then_some("--host-logits"))
                 .args(a.eager.then_some("--eager"))
+                .args(a.batch_invariant.then_some("--batch-invariant"))
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))
         })
