@@ -223,15 +223,18 @@ if [[ "$mode" == backend ]]; then
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1
     done
     # One decode step at DeepSeek-V3's dimensions (random weights, 2 MoE layers + MTP),
-    # decode steps as CUDA graphs (the default) and launched eagerly.
+    # decode steps as CUDA graphs (the default), launched eagerly, and with the
+    # batch-invariant options (CudaOptions::exact).
     step "bench-step" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve-cuda-check" --bench-step
     step "bench step --eager" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve" bench step --eager
+    step "bench step --batch-invariant" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve" bench step \
+        --batch-invariant
     {
         echo
         echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
         printf '%s\n' "${summary[@]}"
-        echo "---- bench step (from bench-step.log: graphs, then eager)"
-        grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9] |graph|eager|^bench|ceiling" | head -24
+        echo "---- bench step (from bench-step.log: graphs, eager, batch-invariant)"
+        grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9] |graph|eager|^bench|ceiling" | head -36
         echo "---- measured (from tests.log)"
         grep -E " rel |differ|tokens in|tokens/s|speed-up|alone ==|ids (exact|DIFFER)|panicked" "$out/tests.log" | head -90
         grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head -10
