@@ -232,6 +232,14 @@ impl Gemm {
                 } else {
                     None
                 };
+                // The partials' pointer, or null without split-K (the kernel then writes y).
+                let (pp, _gp) = match part.as_mut() {
+                    Some(p) => {
+                        let (ptr, g) = p.device_ptr_mut(s);
+                        (ptr, Some(g))
+                    }
+                    None => (0, None),
+                };
                 let (kc, ks) = (kchunk as i32, ksplit as u32);
                 let in_bytes = std::mem::size_of::<bf16>() as u64;
                 let out_bytes = std::mem::size_of::<T>() as u64;
@@ -250,60 +258,39 @@ impl Gemm {
                         block_dim: (128, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    match part.as_mut() {
-                        None => {
-                            let null = 0u64;
-                            // SAFETY: linear_tc_*(y, part, x, w, m, n, k, kchunk) with grid.y
-                            // = 1 writes y[row][col] for row < rows, col < out only, reading
-                            // x rows r0.. (rows × inp, in bounds: r0 + rows <= m, checked
-                            // lengths above) and w (out × inp); part is not touched. Rows
-                            // are 16-byte aligned: inp % 8 == 0 and cudarc buffers are
-                            // 256-byte aligned.
-                            unsafe {
-                                s.launch_builder(f)
-                                    .arg(&yr)
-                                    .arg(&null)
-                                    .arg(&xr)
-                                    .arg(&wp)
-                                    .arg(&ri)
-                                    .arg(&ni)
-                                    .arg(&ki)
-                                    .arg(&kc)
-                                    .launch(cfg)
-                            }?;
-                        }
-                        Some(part) => {
-                            let (pp, _gp) = part.device_ptr_mut(s);
-                            // SAFETY: as above, but grid.y = ksplit > 1: block (.., ks, ..)
-                            // writes part[ks][row][col] (ksplit × rows × out f32, within
-                            // the ksplit × slab × out allocation) and never y; k ranges
-                            // start at multiples of 64.
-                            unsafe {
-                                s.launch_builder(f)
-                                    .arg(&yr)
-                                    .arg(&pp)
-                                    .arg(&xr)
-                                    .arg(&wp)
-                                    .arg(&ri)
-                                    .arg(&ni)
-                                    .arg(&ki)
-                                    .arg(&kc)
-                                    .launch(cfg)
-                            }?;
-                            let len = (rows * lin.out) as u64;
-                            let blocks = (rows * lin.out).div_ceil(4 * 256);
-                            let rcfg = LaunchConfig {
-                                grid_dim: (blocks as u32, 1, 1),
-                                block_dim: (256, 1, 1),
-                                shared_mem_bytes: 0,
-                            };
-                            let ksi = ksplit as i32;
-                            // SAFETY: linear_tc_reduce_*(y, part, len, ksplit) reads
-                            // part[ks][i] for i < len = rows × out (written just above on
-                            // this stream) and writes y[i], i < len: y rows r0.. are within
-                            // m × out (checked).
-                            unsafe { s.launch_builder(red).arg(&yr).arg(&pp).arg(&len).arg(&ksi).launch(rcfg) }?;
-                        }
+                    // SAFETY: linear_tc_*(y, part, x, w, m, n, k, kchunk) reads x rows r0..
+                    // (rows × inp, in bounds: r0 + rows <= m, lengths checked above) and w
+                    // (out × inp). With grid.y = 1 (part null) it writes y[row][col] for
+                    // row < rows, col < out only; with grid.y = ksplit > 1 block (.., ks,
+                    // ..) writes part[ks][row][col] (ksplit × rows × out f32, within the
+                    // ksplit × slab × out allocation) and never y. Rows are 16-byte
+                    // aligned: inp % 8 == 0, cudarc buffers are 256-byte aligned, and k
+                    // ranges start at multiples of 64.
+                    unsafe {
+                        s.launch_builder(f)
+                            .arg(&yr)
+                            .arg(&pp)
+                            .arg(&xr)
+                            .arg(&wp)
+                            .arg(&ri)
+                            .arg(&ni)
+                            .arg(&ki)
+                            .arg(&kc)
+                            .launch(cfg)
+                    }?;
+                    if ksplit > 1 {
+                        let len = (rows * lin.out) as u64;
+                        let blocks = (rows * lin.out).div_ceil(4 * 256);
+                        let rcfg = LaunchConfig {
+                            grid_dim: (blocks as u32, 1, 1),
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        let ksi = ksplit as i32;
+                        // SAFETY: linear_tc_reduce_*(y, part, len, ksplit) reads part[ks][i]
+                        // for i < len = rows × out (written just above on this stream) and
+                        // writes y[i], i < len: y rows r0.. are within m × out (checked).
+                        unsafe { s.launch_builder(red).arg(&yr).arg(&pp).arg(&len).arg(&ksi).launch(rcfg) }?;
                     }
                     r0 += rows;
                 }
