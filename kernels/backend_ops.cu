@@ -133,12 +133,6 @@ extern "C" __global__ void gather_rows_bf16(bf16* out, const bf16* in, const int
     gather(out, in, rows, h);
 }
 
-// Rotates interleaved pairs (v[2i], v[2i+1]) by cos/sin[pos][i] (YaRN attention factor
-// already folded into the tables).
-__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, float& x, float& y) {
-    x = a * c - b * s;
-    y = a * s + b * c;
-}
 
 // Latent-cache write: per row r, c_kv = RMSNorm(kv[r][:lora]) * norm_w (eps), k_pe =
 // RoPE(kv[r][lora:], pos[r]); cache[slot[r]] = bf16([c_kv, k_pe]). grid = n rows.

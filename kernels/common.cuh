@@ -82,6 +82,13 @@ __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
+// Rotates interleaved pairs (v[2i], v[2i+1]) by cos/sin[pos][i] (YaRN attention factor
+// already folded into the tables).
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, float& x, float& y) {
+    x = a * c - b * s;
+    y = a * s + b * c;
+}
+
 template <typename T>
 __device__ __forceinline__ T from_f32(float v);
 template <>

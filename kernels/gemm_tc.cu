@@ -1,5 +1,7 @@
-// Projections on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), one tile
-// routine (gtc_tile) behind two kernels:
+// Projections on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate). One tile
+// routine (gtc_tile) is behind the first two kernels below; linear_tc_big (more than 64
+// rows) and heads_tc (the absorbed form's per-head W_UK / W_UV) are described where they
+// are defined.
 //
 // - moe_grouped_tc_*: the MoE experts as one launch (fast mode): rows [off[g], off[g +
 //   1]) of x (sorted by expert, `k` wide, bf16) times the weight of expert experts[g]
@@ -190,6 +192,114 @@ __device__ void linear_tc(T* __restrict__ y, float* __restrict__ part, const bf1
         gtc_store_tile(acc, part + static_cast<size_t>(ks) * m * n, static_cast<size_t>(base), nr, n0, n);
 }
 
+// linear_tc's large tile (linear_tc_big_*), for calls of more than 64 rows: 128 rows ×
+// 128 columns per block, 8 warps of 64 rows × 32 columns (4 m-tiles × 4 n-tiles each, so
+// 6 ldmatrix feed 16 mma per k16 instead of 5 feeding 8), the same 3-stage ring of BK = 64
+// in dynamic shared memory (96 KB). An output element still starts at zero and takes the
+// mma of each k16 group from k0 up in the same order, so its bits equal linear_tc's: which
+// kernel runs depends on the call's row count, a row's result does not.
+namespace gtb {
+constexpr int BM = 128, BN = 128, BK = gtc::BK, STAGES = 3, THREADS = 256, MT = 4, NT = 4;
+constexpr int CHUNKS = BK / 8;
+constexpr int STAGE = (BM + BN) * BK;  // elements: weights [BN][BK], then rows [BM][BK]
+}  // namespace gtb
+
+template <typename T>
+__device__ void linear_tc_big(T* __restrict__ y, float* __restrict__ part, const bf16* __restrict__ x,
+                              const bf16* __restrict__ w, int m, int n, int k, int kchunk) {
+    using namespace gtb;
+    extern __shared__ __align__(128) unsigned char gtb_smem[];
+    const uint32_t sbase = smem_u32(gtb_smem);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp >> 2, wn = warp & 3;  // the warp's 64-row half and 32-column quarter
+    const int base = blockIdx.x * BM, ks = blockIdx.y, n0 = blockIdx.z * BN;
+    const int nr = min(BM, m - base), k0 = ks * kchunk, k1 = min(k, k0 + kchunk);
+    if (nr <= 0) return;
+    const int ksteps = (k1 - k0 + BK - 1) / BK;
+    const int mts = min(MT, max(0, (nr - wm * 64 + 15) / 16));  // this warp's m-tiles holding rows
+    const bf16* xr = x + static_cast<size_t>(base) * k;
+    auto load = [&](int kt, int st) {
+        const uint32_t wdst = sbase + 2 * st * STAGE, xdst = wdst + 2 * BN * BK;
+#pragma unroll
+        for (int j = 0; j < BN * CHUNKS / THREADS; ++j) {
+            const int i = tid + j * THREADS, row = i / CHUNKS, c = i % CHUNKS, kk = k0 + kt * BK + c * 8;
+            const bool ok = n0 + row < n && kk < k1;
+            const bf16* src = ok ? w + static_cast<size_t>(n0 + row) * k + kk : w;
+            cp_async_16(wdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int j = 0; j < BM * CHUNKS / THREADS; ++j) {
+            const int i = tid + j * THREADS, row = i / CHUNKS, c = i % CHUNKS, kk = k0 + kt * BK + c * 8;
+            const bool ok = row < nr && kk < k1;
+            const bf16* src = ok ? xr + static_cast<size_t>(row) * k + kk : xr;
+            cp_async_16(xdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
+        }
+    };
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[a][t][q] = 0.f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ksteps) load(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < ksteps; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (kt + STAGES - 1 < ksteps) load(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const uint32_t wsb = sbase + 2 * (kt % STAGES) * STAGE, xsb = wsb + 2 * BN * BK;
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) {
+            // B: columns wn·32 + h·16 .. + 15 as in gtc_tile (n-tiles 2h, 2h + 1).
+            uint32_t b[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wn * 32 + h * 16 + (lane & 7) + (lane >> 4) * 8;
+                const int c = k16 * 2 + ((lane >> 3) & 1);
+                ldmatrix_x4(b[h], wsb + 2 * gtc_at(row, c));
+            }
+#pragma unroll
+            for (int a = 0; a < MT; ++a) {
+                if (a >= mts) break;
+                uint32_t af[4];
+                const int row = wm * 64 + a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int c = k16 * 2 + (lane >> 4);
+                ldmatrix_x4(af, xsb + 2 * gtc_at(row, c));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    mma_bf16_16816(acc[a][2 * h], af, b[h][0], b[h][1]);
+                    mma_bf16_16816(acc[a][2 * h + 1], af, b[h][2], b[h][3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    float* p = gridDim.y > 1 ? part + static_cast<size_t>(ks) * m * n : nullptr;  // split-K partials
+#pragma unroll
+    for (int a = 0; a < MT; ++a) {
+        if (a >= mts) break;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const int col = n0 + wn * 32 + t * 8 + 2 * (lane & 3);
+            const int row = wm * 64 + a * 16 + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = row + 8 * half;
+                if (r >= nr) continue;
+                if (p)
+                    gtc_store(p, base + r, col, n, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
+                else
+                    gtc_store(y, base + r, col, n, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
+            }
+        }
+    }
+}
+
 #define LINEAR_TC(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(gtc::THREADS)                                             \
         NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk) {           \
@@ -197,6 +307,14 @@ __device__ void linear_tc(T* __restrict__ y, float* __restrict__ part, const bf1
     }
 LINEAR_TC(linear_tc_bf16_obf16, bf16)
 LINEAR_TC(linear_tc_bf16_of32, float)
+
+#define LINEAR_TC_BIG(NAME, T)                                                                               \
+    extern "C" __global__ void __launch_bounds__(gtb::THREADS)                                             \
+        NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk) {           \
+        linear_tc_big<T>(y, part, x, w, m, n, k, kchunk);                                                   \
+    }
+LINEAR_TC_BIG(linear_tc_big_bf16_obf16, bf16)
+LINEAR_TC_BIG(linear_tc_big_bf16_of32, float)
 
 // y[i] = part[0][i] + part[1][i] + ... + part[ksplit - 1][i] in that order, for i < len
 // (= m·n); four elements per thread.
@@ -225,4 +343,145 @@ extern "C" __global__ void linear_tc_reduce_obf16(bf16* y, const float* part, si
 }
 extern "C" __global__ void linear_tc_reduce_of32(float* y, const float* part, size_t len, int ksplit) {
     linear_tc_reduce(y, part, len, ksplit);
+}
+
+// Per-head projections of the absorbed form on tensor cores (heads_tc_*): for row r and
+// head h = blockIdx.z, y[r][h][c] = Σ_k x[r][h][k] · W_h[k][c] over K inputs and N outputs,
+// x f32 (row r, head h at x + (r·heads + h)·x_stride), W bf16 per head (K·N elements at
+// w + h·K·N), laid [N][K] (W_UV: `wt` = 0) or [K][N] (W_UK: `wt` = 1, B fragments by
+// ldmatrix.trans). x is split into bf16 hi + lo (x − hi, rounded), both through the mma,
+// so the sum keeps about 16 bits of x (f32 accumulate), not bf16's 8. Block = 64 rows × 64
+// columns of one head, 4 warps of 16 columns as in gtc_tile, BK = 64 per stage (K past its
+// end zero-filled). Outputs: y (f32, may be null) and yb (bf16) at (r·heads + h)·y_stride
+// + c. With rope > 0 (the absorbed query) the blocks of column block 0 also write the
+// rotated q_pe: x's elements K.. K + rope of the row, at position pos[r], into y/yb
+// columns N.. N + rope. A row's result depends on that row alone (fixed k order).
+// Needs K, N, x_stride multiples of 8, 8, 4 (16-byte loads) and y_stride even.
+namespace hts {
+constexpr int BM = 64, BN = 64, BK = 64, THREADS = 128, MT = 4, CHUNKS = BK / 8;
+}
+
+extern "C" __global__ void __launch_bounds__(hts::THREADS)
+    heads_tc(float* __restrict__ y, bf16* __restrict__ yb, const float* __restrict__ x, const bf16* __restrict__ w,
+             int m, int heads, int K, int N, int x_stride, int y_stride, int wt, const float* __restrict__ cos_t,
+             const float* __restrict__ sin_t, const int* __restrict__ pos, int rope) {
+    using namespace hts;
+    __shared__ __align__(128) bf16 ws[BN * BK];
+    __shared__ __align__(128) bf16 xh[BM * BK];
+    __shared__ __align__(128) bf16 xl[BM * BK];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int r0 = blockIdx.x * BM, n0 = blockIdx.y * BN, h = blockIdx.z;
+    const int nr = min(BM, m - r0);
+    const int mts = (nr + 15) / 16;
+    const bf16* wh = w + static_cast<size_t>(h) * K * N;
+    float acc[MT][2][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[a][t][q] = 0.f;
+    const uint32_t wsb = smem_u32(ws), xhb = smem_u32(xh), xlb = smem_u32(xl);
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        __syncthreads();  // the previous stage's reads are done
+        // W tile: [n][k] rows (wt = 0) or [k][n] rows (wt = 1), 64 × 64, zero past K / N.
+        for (int i = tid; i < 64 * CHUNKS; i += THREADS) {
+            const int row = i / CHUNKS, c = i % CHUNKS;
+            const bf16* src;
+            bool ok;
+            if (wt) {
+                ok = k0 + row < K && n0 + c * 8 < N;
+                src = wh + static_cast<size_t>(k0 + row) * N + n0 + c * 8;
+            } else {
+                ok = n0 + row < N && k0 + c * 8 < K;
+                src = wh + static_cast<size_t>(n0 + row) * K + k0 + c * 8;
+            }
+            cp_async_16(wsb + 2 * gtc_at(row, c), ok ? src : w, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        // x tile: 8 f32 per (row, chunk) -> hi and lo bf16 chunks.
+        for (int i = tid; i < BM * CHUNKS; i += THREADS) {
+            const int row = i / CHUNKS, c = i % CHUNKS, kk = k0 + c * 8;
+            float v[8];
+            if (row < nr && kk < K) {
+                const float4* src = reinterpret_cast<const float4*>(
+                    x + (static_cast<size_t>(r0 + row) * heads + h) * x_stride + kk);
+                const float4 p = src[0], q = src[1];
+                v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = 0.f;
+            }
+            uint4 hi, lo;
+            uint32_t* hp = reinterpret_cast<uint32_t*>(&hi);
+            uint32_t* lp = reinterpret_cast<uint32_t*>(&lo);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float a = __bfloat162float(__float2bfloat16_rn(v[2 * j]));
+                const float b = __bfloat162float(__float2bfloat16_rn(v[2 * j + 1]));
+                hp[j] = pack_bf16x2(a, b);
+                lp[j] = pack_bf16x2(v[2 * j] - a, v[2 * j + 1] - b);
+            }
+            *reinterpret_cast<uint4*>(xh + gtc_at(row, c)) = hi;
+            *reinterpret_cast<uint4*>(xl + gtc_at(row, c)) = lo;
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) {
+            uint32_t b[4];
+            if (wt) {
+                // Matrices (n-tile 0, k 0-7), (0, k 8-15), (1, k 0-7), (1, k 8-15), stored k-major.
+                const int mi = lane >> 3;
+                ldmatrix_x4_trans(b, wsb + 2 * gtc_at(k16 * 16 + (lane & 7) + (mi & 1) * 8, warp * 2 + (mi >> 1)));
+            } else {
+                const int row = warp * 16 + (lane & 7) + (lane >> 4) * 8;
+                ldmatrix_x4(b, wsb + 2 * gtc_at(row, k16 * 2 + ((lane >> 3) & 1)));
+            }
+#pragma unroll
+            for (int a = 0; a < MT; ++a) {
+                if (a >= mts) break;
+                const int row = a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int c = k16 * 2 + (lane >> 4);
+                uint32_t ah[4], al[4];
+                ldmatrix_x4(ah, xhb + 2 * gtc_at(row, c));
+                ldmatrix_x4(al, xlb + 2 * gtc_at(row, c));
+                mma_bf16_16816(acc[a][0], ah, b[0], b[1]);
+                mma_bf16_16816(acc[a][1], ah, b[2], b[3]);
+                mma_bf16_16816(acc[a][0], al, b[0], b[1]);
+                mma_bf16_16816(acc[a][1], al, b[2], b[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < MT; ++a) {
+        if (a >= mts) break;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int col = n0 + warp * 16 + t * 8 + 2 * (lane & 3);
+            if (col >= N) continue;  // N % 8 == 0: a pair is in or out whole
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = a * 16 + (lane >> 2) + 8 * half;
+                if (row >= nr) continue;
+                const size_t o = (static_cast<size_t>(r0 + row) * heads + h) * y_stride + col;
+                if (y) store2(y + o, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
+                store2(yb + o, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
+            }
+        }
+    }
+    if (rope > 0 && blockIdx.y == 0) {
+        const int half = rope / 2;
+        for (int i = tid; i < nr * half; i += THREADS) {
+            const int row = i / half, j = i % half, r = r0 + row;
+            const float* qr = x + (static_cast<size_t>(r) * heads + h) * x_stride + K;
+            const size_t p = static_cast<size_t>(pos[r]) * half + j;
+            float a, b;
+            rope_pair(qr[2 * j], qr[2 * j + 1], cos_t[p], sin_t[p], a, b);
+            const size_t o = (static_cast<size_t>(r) * heads + h) * y_stride + N + 2 * j;
+            if (y) y[o] = a, y[o + 1] = b;
+            yb[o] = __float2bfloat16_rn(a);
+            yb[o + 1] = __float2bfloat16_rn(b);
+        }
+    }
 }

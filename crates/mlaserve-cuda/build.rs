@@ -6,7 +6,7 @@
 //! `include_bytes!`. The build fails on any compile error, and on any spill that ptxas
 //! reports for the attention kernels (`mla_decode_splitkv*`, `mla_decode_wgmma*`,
 //! `mla_decode_combine*`, `mla_prefill_fwd*`) and the tensor-core GEMMs (`moe_grouped_tc*`,
-//! `linear_tc*`): a spill there means an accumulator left registers, a silent several-fold
+//! `linear_tc*`, `heads_tc`): a spill there means an accumulator left registers, a silent several-fold
 //! slowdown.
 //!
 //! nvcc is found through `NVCC` (the binary), `CUDA_HOME`/`CUDA_PATH` (`bin/nvcc` below
@@ -23,8 +23,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernels whose ptxas report must show no spill.
-const NO_SPILL_PREFIXES: &[&str] =
-    &["mla_decode_splitkv", "mla_decode_wgmma", "mla_decode_combine", "mla_prefill_fwd", "moe_grouped_tc", "linear_tc"];
+const NO_SPILL_PREFIXES: &[&str] = &[
+    "mla_decode_splitkv",
+    "mla_decode_wgmma",
+    "mla_decode_combine",
+    "mla_prefill_fwd",
+    "moe_grouped_tc",
+    "linear_tc",
+    "heads_tc",
+];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

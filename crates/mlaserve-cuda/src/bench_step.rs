@@ -52,6 +52,9 @@ pub struct StepBenchOpts {
     pub eager: bool,
     /// The batch-invariant fast options ([`CudaOptions::exact`]) instead of the defaults.
     pub exact: bool,
+    /// Prefill chunks to time after the decode sweep: (requests, new tokens each), every
+    /// chunk over a cached prefix of `context` tokens, as chunked prefill runs them.
+    pub prefill: Vec<(usize, usize)>,
 }
 
 impl Default for StepBenchOpts {
@@ -68,6 +71,7 @@ impl Default for StepBenchOpts {
             host_logits: false,
             eager: false,
             exact: false,
+            prefill: vec![(1, 2048), (4, 512), (16, 128)],
         }
     }
 }
@@ -88,6 +92,19 @@ pub struct StepBenchRow {
     pub profile: Vec<(&'static str, f64)>,
 }
 
+/// One prefill measurement: a forward over `batch` chunks of `tokens` new tokens each
+/// (argmax of each chunk's last row on the device), then the drafter's first MTP stage
+/// over the same rows (what a step with k > 0 runs); medians in milliseconds.
+#[derive(Debug, Clone)]
+pub struct PrefillStepRow {
+    pub batch: usize,
+    pub tokens: usize,
+    pub target_ms: f64,
+    pub mtp_ms: f64,
+    /// Milliseconds per phase of one profiled target forward (empty unless asked for).
+    pub profile: Vec<(&'static str, f64)>,
+}
+
 #[derive(Debug, Clone)]
 pub struct StepBenchReport {
     pub gpu: String,
@@ -98,6 +115,7 @@ pub struct StepBenchReport {
     /// "default" or "batch-invariant" ([`CudaOptions::exact`]).
     pub options: &'static str,
     pub rows: Vec<StepBenchRow>,
+    pub prefill: Vec<PrefillStepRow>,
 }
 
 impl fmt::Display for StepBenchReport {
@@ -133,6 +151,37 @@ impl fmt::Display for StepBenchReport {
         for r in self.rows.iter().filter(|r| !r.profile.is_empty()) {
             let total: f64 = r.profile.iter().map(|p| p.1).sum();
             write!(f, "profile batch {} k {} ({total:.2} ms, each phase waited for):", r.batch, r.k)?;
+            for (name, ms) in &r.profile {
+                write!(f, " {name} {ms:.2};")?;
+            }
+            writeln!(f)?;
+        }
+        if !self.prefill.is_empty() {
+            writeln!(f, "prefill: chunks over a cached prefix of {} tokens each", self.context)?;
+            writeln!(
+                f,
+                "{:>6} {:>7} {:>11} {:>10} {:>10} {:>12} {:>12}",
+                "batch", "tokens", "target_ms", "mtp_ms", "total_ms", "target_tok/s", "total_tok/s"
+            )?;
+        }
+        for r in &self.prefill {
+            let n = (r.batch * r.tokens) as f64;
+            let total = r.target_ms + r.mtp_ms;
+            writeln!(
+                f,
+                "{:>6} {:>7} {:>11.3} {:>10.3} {:>10.3} {:>12.0} {:>12.0}",
+                r.batch,
+                r.tokens,
+                r.target_ms,
+                r.mtp_ms,
+                total,
+                n / r.target_ms * 1e3,
+                n / total * 1e3
+            )?;
+        }
+        for r in self.prefill.iter().filter(|r| !r.profile.is_empty()) {
+            let total: f64 = r.profile.iter().map(|p| p.1).sum();
+            write!(f, "profile prefill {} x {} ({total:.2} ms, each phase waited for):", r.batch, r.tokens)?;
             for (name, ms) in &r.profile {
                 write!(f, " {name} {ms:.2};")?;
             }
@@ -250,11 +299,15 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
     let cfg = v3_config(opts.moe_layers)?;
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let per_seq = (opts.context + 8).div_ceil(BLOCK_SIZE);
+    // Prefill chunks use their own blocks (after the decode sweep's), sized for the chunk.
+    let prefill_blocks =
+        opts.prefill.iter().map(|&(b, t)| b * (opts.context + t).div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
     let ordinal = opts.ordinal + tp.map_or(0, |t| t.rank);
     let mut be = CudaBackend::random_tp(
         cfg.clone(),
         {
-            let o = CudaOptions { graphs: !opts.eager, ..CudaOptions::new(max_b * per_seq, ordinal) };
+            let o =
+                CudaOptions { graphs: !opts.eager, ..CudaOptions::new((max_b * per_seq).max(prefill_blocks), ordinal) };
             if opts.exact {
                 o.exact()
             } else {
@@ -345,6 +398,41 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             });
         }
     }
+    let mut prefill = Vec::new();
+    for &(b, len) in &opts.prefill {
+        let per = (opts.context + len).div_ceil(BLOCK_SIZE);
+        let chunk = Batch {
+            argmax_rows: (0..b).map(|i| (i * len + len - 1) as u32).collect(),
+            sample_rows: vec![],
+            seqs: (0..b)
+                .map(|i| SeqChunk {
+                    tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
+                    start_pos: opts.context,
+                    block_table: (i * per..(i + 1) * per).map(|x| x as u32).collect(),
+                })
+                .collect(),
+            logit_rows: vec![],
+        };
+        let ident: Vec<u32> = (0..(b * len) as u32).collect();
+        let (mut tt, mut tm) = (Vec::new(), Vec::new());
+        for it in 0..opts.iters + 1 {
+            let t0 = Instant::now();
+            let out = be.forward(&chunk).map_err(core_err)?;
+            let t1 = Instant::now();
+            be.mtp_forward(0, &chunk, &out.hidden, &ident).map_err(core_err)?;
+            if it > 0 {
+                tt.push((t1 - t0).as_secs_f64() * 1e3);
+                tm.push(t1.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let mut profile = Vec::new();
+        if opts.profile {
+            be.set_profile(true);
+            be.forward(&chunk).map_err(core_err)?;
+            profile = be.set_profile(false).into_iter().map(|(n, t)| (n, t * 1e3)).collect();
+        }
+        prefill.push(PrefillStepRow { batch: b, tokens: len, target_ms: median(tt), mtp_ms: median(tm), profile });
+    }
     Ok(StepBenchReport {
         gpu: be.gpu().name.clone(),
         copy_gbps,
@@ -361,5 +449,6 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         tp: opts.tp.max(1),
         options: if opts.exact { "batch-invariant" } else { "default" },
         rows,
+        prefill,
     })
 }

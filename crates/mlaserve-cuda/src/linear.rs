@@ -64,6 +64,11 @@ impl GemmMode {
 /// Rows per `linear_tc` block (its columns per block and k granularity: [`plan::TC_BN`],
 /// [`plan::TC_BK`]).
 const TC_ROWS: usize = 64;
+/// Rows and columns per `linear_tc_big` block, the kernel of calls over more than
+/// [`TC_ROWS`] rows (same k order, so the same bits per row).
+const TC_BIG: usize = 128;
+/// `linear_tc_big`'s dynamic shared memory: 3 stages of 128 + 128 rows × 64 bf16.
+const TC_BIG_SMEM: usize = 3 * 2 * TC_BIG * plan::TC_BK * 2;
 /// Bytes of f32 partials one `linear_tc` launch may write; more rows run in slabs.
 const TC_PARTIAL_BYTES: usize = 64 << 20;
 
@@ -98,8 +103,20 @@ pub struct Gemm {
     tc_bf16: CudaFunction,
     tc_reduce_f32: CudaFunction,
     tc_reduce_bf16: CudaFunction,
+    tc_big_f32: CudaFunction,
+    tc_big_bf16: CudaFunction,
     num_sms: usize,
     pub mode: GemmMode,
+}
+
+/// A `linear_tc_big` entry, allowed its dynamic shared memory.
+fn big(m: &std::sync::Arc<cudarc::driver::CudaModule>, name: &str) -> Result<CudaFunction> {
+    let f = m.load_function(name)?;
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        TC_BIG_SMEM as i32,
+    )?;
+    Ok(f)
 }
 
 impl Gemm {
@@ -123,6 +140,8 @@ impl Gemm {
             inv_bf16: m.load_function("linear_inv_bf16_obf16")?,
             tc_f32: tc.load_function("linear_tc_bf16_of32")?,
             tc_bf16: tc.load_function("linear_tc_bf16_obf16")?,
+            tc_big_f32: big(&tc, "linear_tc_big_bf16_of32")?,
+            tc_big_bf16: big(&tc, "linear_tc_big_bf16_obf16")?,
             tc_reduce_f32: tc.load_function("linear_tc_reduce_of32")?,
             tc_reduce_bf16: tc.load_function("linear_tc_reduce_obf16")?,
             num_sms: gpu.num_sms,
@@ -211,18 +230,26 @@ impl Gemm {
             }
             GemmMode::InvariantTc => {
                 let (ksplit, kchunk) = plan::tc_split(lin.out, lin.inp, self.num_sms);
-                let (f, red) =
-                    if T::BF16 { (&self.tc_bf16, &self.tc_reduce_bf16) } else { (&self.tc_f32, &self.tc_reduce_f32) };
-                let col_blocks = lin.out.div_ceil(plan::TC_BN);
+                // More than 64 rows: the 128 × 128 tile (the same bits per row).
+                let large = m > TC_ROWS;
+                let (f, red) = match (T::BF16, large) {
+                    (true, false) => (&self.tc_bf16, &self.tc_reduce_bf16),
+                    (false, false) => (&self.tc_f32, &self.tc_reduce_f32),
+                    (true, true) => (&self.tc_big_bf16, &self.tc_reduce_bf16),
+                    (false, true) => (&self.tc_big_f32, &self.tc_reduce_f32),
+                };
+                let (tile_rows, tile_cols, threads, smem) =
+                    if large { (TC_BIG, TC_BIG, 256, TC_BIG_SMEM) } else { (TC_ROWS, plan::TC_BN, 128, 0) };
+                let col_blocks = lin.out.div_ceil(tile_cols);
                 if col_blocks > 65_535 {
                     return Err(CudaError::shape(K, "too many columns for linear_tc"));
                 }
-                // Rows per launch: all of them without split-K, else as many 64-row chunks
-                // as fit TC_PARTIAL_BYTES of partials.
+                // Rows per launch: all of them without split-K, else as many row tiles as
+                // fit TC_PARTIAL_BYTES of partials.
                 let slab = if ksplit == 1 {
                     m
                 } else {
-                    (TC_PARTIAL_BYTES / (ksplit * lin.out * 4)).max(TC_ROWS) / TC_ROWS * TC_ROWS
+                    (TC_PARTIAL_BYTES / (ksplit * lin.out * 4)).max(tile_rows) / tile_rows * tile_rows
                 };
                 let mut part = if ksplit > 1 {
                     // SAFETY: every element a launch's reduce reads (ksplit × rows × out) is
@@ -246,7 +273,7 @@ impl Gemm {
                 let mut r0 = 0;
                 while r0 < m {
                     let rows = slab.min(m - r0);
-                    let chunks = rows.div_ceil(TC_ROWS);
+                    let chunks = rows.div_ceil(tile_rows);
                     if chunks > u32::MAX as usize {
                         return Err(CudaError::shape(K, "too many rows for linear_tc"));
                     }
@@ -255,10 +282,11 @@ impl Gemm {
                     let yr = yp + r0 as u64 * lin.out as u64 * out_bytes;
                     let cfg = LaunchConfig {
                         grid_dim: (chunks as u32, ks, col_blocks as u32),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
+                        block_dim: (threads, 1, 1),
+                        shared_mem_bytes: smem as u32,
                     };
-                    // SAFETY: linear_tc_*(y, part, x, w, m, n, k, kchunk) reads x rows r0..
+                    // SAFETY: linear_tc_*/linear_tc_big_*(y, part, x, w, m, n, k, kchunk)
+                    // (the latter with its dynamic shared memory, allowed at load) reads x rows r0..
                     // (rows × inp, in bounds: r0 + rows <= m, lengths checked above) and w
                     // (out × inp). With grid.y = 1 (part null) it writes y[row][col] for
                     // row < rows, col < out only; with grid.y = ksplit > 1 block (.., ks,

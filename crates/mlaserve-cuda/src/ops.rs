@@ -34,6 +34,25 @@ fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
 }
 
+/// One `heads_tc` call: `m` rows of `heads` heads, `k` inputs and `n` outputs per head,
+/// row strides (elements) of x and y, and W's layout per head: `[k][n]` (W_UK) when
+/// `w_kn`, else `[n][k]` (W_UV).
+struct HeadsTc {
+    m: usize,
+    heads: usize,
+    k: usize,
+    n: usize,
+    x_stride: usize,
+    y_stride: usize,
+    w_kn: bool,
+}
+
+/// Whether `heads_tc` (kernels/gemm_tc.cu) takes these widths: 16-byte rows of x and W,
+/// pairs of outputs.
+fn heads_tc_takes(k: usize, n: usize, x_stride: usize, y_stride: usize) -> bool {
+    k.is_multiple_of(8) && n.is_multiple_of(8) && x_stride.is_multiple_of(4) && y_stride.is_multiple_of(2)
+}
+
 fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (heads as u32, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
 }
@@ -116,6 +135,7 @@ pub struct Ops {
     gather_bf16: CudaFunction,
     kv_write: CudaFunction,
     q_absorb: CudaFunction,
+    heads_tc: CudaFunction,
     attn: CudaFunction,
     wuv: CudaFunction,
     route: CudaFunction,
@@ -150,6 +170,7 @@ impl Ops {
             gather_bf16: f("gather_rows_bf16")?,
             kv_write: f("kv_cache_write_bf16")?,
             q_absorb: f("q_absorb_f32")?,
+            heads_tc: tc.load_function("heads_tc")?,
             attn: f("mla_attn_varlen_f32")?,
             wuv: f("wuv_f32_obf16")?,
             route: f("moe_route_f32")?,
@@ -609,7 +630,9 @@ impl Ops {
         Ok(())
     }
 
-    /// Absorbed queries: `qa[r][h] = [W_UK[h]^T q_nope, RoPE(q_pe, pos[r])]`, in f32 and bf16.
+    /// Absorbed queries: `qa[r][h] = [W_UK[h]^T q_nope, RoPE(q_pe, pos[r])]`, in f32 and bf16,
+    /// on tensor cores (`heads_tc`, q_nope as bf16 hi + lo) when the widths allow, else one
+    /// CUDA-core block per row and head. Either way a row's result ignores the other rows.
     #[allow(clippy::too_many_arguments)]
     pub fn q_absorb(
         &self,
@@ -634,6 +657,10 @@ impl Ops {
         need(K, "pos", pos.len(), n)?;
         if n == 0 {
             return Ok(());
+        }
+        if heads_tc_takes(nope, lora, nope + r, lora + r) {
+            let t = HeadsTc { m: n, heads, k: nope, n: lora, x_stride: nope + r, y_stride: lora + r, w_kn: true };
+            return self.heads_tc(s, Some(qa), qa_bf16, q, wuk, &t, Some((rope, pos)));
         }
         let (hi, ni, ri, li) = (i32_of(K, heads)?, i32_of(K, nope)?, i32_of(K, r)?, i32_of(K, lora)?);
         // SAFETY: block (h, r) reads q[(r*heads+h)*(nope+rope)..][..nope+rope],
@@ -728,7 +755,89 @@ impl Ops {
         Ok(())
     }
 
-    /// `out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h]` (bf16 out).
+    /// `heads_tc`: per head h, `y[r][h][..n] = x[r][h][..k] · W_h` (see [`HeadsTc`]), f32
+    /// into `y` when given and bf16 into `yb`; with `rope`, also the rotated q_pe (x's
+    /// elements k..k + rope.dim of each row, at `pos[r]`) into columns n.. of y and yb.
+    #[allow(clippy::too_many_arguments)]
+    fn heads_tc(
+        &self,
+        s: &Arc<CudaStream>,
+        y: Option<&mut CudaSlice<f32>>,
+        yb: &mut CudaSlice<bf16>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        t: &HeadsTc,
+        rope: Option<(&RopeTables, &CudaSlice<i32>)>,
+    ) -> Result<()> {
+        const K: &str = "heads_tc";
+        let rd = rope.map_or(0, |r| r.0.dim);
+        need(K, "x", x.len(), t.m * t.heads * t.x_stride)?;
+        need(K, "yb", yb.len(), t.m * t.heads * t.y_stride)?;
+        need(K, "w", w.len(), t.heads * t.k * t.n)?;
+        if t.x_stride < t.k + rd || t.y_stride < t.n + rd {
+            return Err(CudaError::shape(K, "strides narrower than the row"));
+        }
+        let (yp, _gy) = match y {
+            Some(y) => {
+                need(K, "y", y.len(), t.m * t.heads * t.y_stride)?;
+                let (p, g) = y.device_ptr_mut(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (cp, sp, pp, _gr) = match rope {
+            Some((tab, pos)) => {
+                need(K, "pos", pos.len(), t.m)?;
+                let (c, g1) = tab.cos.device_ptr(s);
+                let (sn, g2) = tab.sin.device_ptr(s);
+                let (p, g3) = pos.device_ptr(s);
+                (c, sn, p, Some((g1, g2, g3)))
+            }
+            None => (0, 0, 0, None),
+        };
+        let chunks = t.m.div_ceil(64);
+        if chunks > u32::MAX as usize || t.n.div_ceil(64) > 65_535 || t.heads > 65_535 {
+            return Err(CudaError::shape(K, "grid too large"));
+        }
+        let args = [t.m, t.heads, t.k, t.n, t.x_stride, t.y_stride, t.w_kn as usize, rd]
+            .into_iter()
+            .map(|v| i32_of(K, v))
+            .collect::<Result<Vec<i32>>>()?;
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, t.n.div_ceil(64) as u32, t.heads as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: heads_tc(y, yb, x, w, m, heads, K, N, x_stride, y_stride, wt, cos, sin,
+        // pos, rope): block (chunk, col block, h) reads x[(r·heads + h)·x_stride..][..K +
+        // rope] for its rows r < m, w[h·K·N..][..K·N], the rope tables at pos[r] (validated
+        // positions, the tables cover them) and writes y/yb[(r·heads + h)·y_stride..][..N +
+        // rope] for r < m only; every length is checked above (y null: not written); 16-byte
+        // loads: K, N, x_stride multiples of 8, 8, 4 (heads_tc_takes), 256-byte aligned buffers.
+        unsafe {
+            s.launch_builder(&self.heads_tc)
+                .arg(&yp)
+                .arg(yb)
+                .arg(x)
+                .arg(w)
+                .arg(&args[0])
+                .arg(&args[1])
+                .arg(&args[2])
+                .arg(&args[3])
+                .arg(&args[4])
+                .arg(&args[5])
+                .arg(&args[6])
+                .arg(&cp)
+                .arg(&sp)
+                .arg(&pp)
+                .arg(&args[7])
+                .launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    /// `out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h]` (bf16 out), on tensor cores
+    /// (`heads_tc`) when the widths allow.
     #[allow(clippy::too_many_arguments)]
     pub fn wuv(
         &self,
@@ -747,6 +856,10 @@ impl Ops {
         need(K, "wuv", wuv.len(), heads * vdim * lora)?;
         if n == 0 {
             return Ok(());
+        }
+        if heads_tc_takes(lora, vdim, lora, vdim) {
+            let t = HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false };
+            return self.heads_tc(s, None, out, o_lat, wuv, &t, None);
         }
         let (hi, li, vi) = (i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, vdim)?);
         // SAFETY: block (h, r) reads o_lat[(r*heads+h)*lora..][..lora] and

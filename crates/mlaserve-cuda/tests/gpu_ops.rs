@@ -74,6 +74,10 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
             (1, 4096, 2560),
             (5, 40, 64),
             (3, 24, 36),
+            // More than 64 rows: linear_tc's 128 × 128 tile, a partial last row tile and
+            // column block, k not a multiple of 64; with and without split-K.
+            (130, 576, 1000),
+            (300, 200, 7168),
         ] {
             let w = rounded(&rand(&mut rng, n * k, -0.05, 0.05));
             let x = rounded(&rand(&mut rng, m * k, -1.0, 1.0));
@@ -92,9 +96,9 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
             check(&format!("gemm {mode:?} m={m} n={n} k={k} bf16 out"), &gotb, &want, 1e-2, &mut fails);
         }
         // A row's result alone vs inside 64 rows (cuBLAS: reported), and for the invariant
-        // modes, bit for bit, rows of m (several 64-row chunks; linear_tc's 768-row slabs
-        // at 4096 × 2560) alone and in a block of 7 from row 60, on weights with and
-        // without linear_tc's split-K.
+        // modes, bit for bit, rows of m (several 128-row tiles of linear_tc_big; its 768-row
+        // slabs at 4096 × 2560) alone and in a block of 7 from row 60 (linear_tc's 64-row
+        // tile), on weights with and without linear_tc's split-K.
         for (n, k, m) in [(1024, 7168, 200), (576, 7168, 200), (18432, 512, 200), (4096, 2560, 800)] {
             let lin = Linear::from_f32(s, &rand(&mut rng, n * k, -0.05, 0.05), n, k).expect("upload");
             let x = to_bf(&rand(&mut rng, m * k, -1.0, 1.0));
@@ -328,6 +332,8 @@ fn mla_pieces_match_reference() {
         (16, 128, 64, 512, 128, 3, 1, 1000),
         (8, 16, 8, 32, 24, 4, 3, 70),
         (8, 16, 8, 32, 24, 2, 1, 1),
+        // 140 rows: three 64-row chunks of the per-head tensor-core projections.
+        (16, 128, 64, 512, 128, 35, 4, 100),
     ] {
         let tag = format!("h={heads} lora={lora}+{rope} b={batch} s={q_len} len={seq}");
         let (dqk, half) = (lora + rope, rope / 2);
@@ -399,6 +405,21 @@ fn mla_pieces_match_reference() {
             }
         }
         check(&format!("q_absorb {tag}"), &qa_h, &want_qa, 2e-3, &mut fails);
+        let qab_h: Vec<f32> = s.clone_dtoh(&qab).expect("qab").iter().map(|v| v.to_f32()).collect();
+        check(&format!("q_absorb bf16 {tag}"), &qab_h, &want_qa, 1e-2, &mut fails);
+        // The last row alone: the same bits (a row's projection ignores the others).
+        {
+            let w = heads * (nope + rope);
+            let (q1, p1) = (s.clone_htod(&q[(n - 1) * w..]).expect("q1"), s.clone_htod(&qpos[n - 1..]).expect("p1"));
+            let mut qa1 = s.alloc_zeros::<f32>(heads * dqk).expect("qa1");
+            let mut qab1 = s.alloc_zeros::<bf16>(heads * dqk).expect("qab1");
+            ops.q_absorb(s, &mut qa1, &mut qab1, &q1, &wukd, &tabs, &p1, 1, heads, nope, lora).expect("q_absorb");
+            let alone = s.clone_dtoh(&qa1).expect("qa1");
+            let same = alone.iter().zip(&qa_h[(n - 1) * heads * dqk..]).all(|(a, b)| a.to_bits() == b.to_bits());
+            if !same {
+                fails.push(format!("q_absorb {tag}: the last row alone differs from the same row among {n}"));
+            }
+        }
 
         // 3. Varlen attention over the cache vs the decode reference (same windows).
         let dims = DecodeDims { batch, heads, q_len, dlat: lora, drope: rope, bt_stride: bt };
@@ -641,6 +662,60 @@ fn grouped_experts_tensor_core_timing() {
                 "grouped {what} [{n}×{k}] {experts} experts × {per} rows, median of 25 (µs): CUDA cores direct \
                  {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}; weights once at copy bandwidth \
                  ({copy_gbps:.0} GB/s) {read_us:.0}"
+            );
+        }
+    }
+}
+
+/// Times of the dense projections at DeepSeek-V3's shapes: cuBLAS against `linear_tc`
+/// (the batch-invariant tensor-core GEMM, 64-row tiles up to 64 rows, 128 × 128 above),
+/// beside the time to read the weight once at the copy bandwidth and the cuBLAS 8192³ rate
+/// of the same run (printed, not asserted).
+#[test]
+fn gemm_invariant_tc_timing() {
+    use mlaserve_cuda::bench::{measure_copy_bandwidth, measure_gemm_bf16, time_calls};
+    use mlaserve_cuda::kernels::Util;
+    let Some(g) = gpu() else { return };
+    let s = &g.stream;
+    let util = Util::new(&g).expect("util");
+    let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
+    let peak = measure_gemm_bf16(&g, &util, 8192).expect("gemm rate");
+    println!("ceilings: copy {copy_gbps:.0} GB/s, cuBLAS bf16 8192³ {peak:.0} TFLOP/s");
+    let modes = [GemmMode::Cublas, GemmMode::InvariantTc];
+    let gemms: Vec<Gemm> = modes.iter().map(|&m| Gemm::new(&g, m).expect("gemm")).collect();
+    for (what, n, k) in [
+        ("q_a", 1536usize, 7168usize),
+        ("q_b", 24576, 1536),
+        ("kv_a", 576, 7168),
+        ("o_proj", 7168, 16384),
+        ("gate_up", 36864, 7168),
+        ("down", 7168, 18432),
+        ("head", 129280, 7168),
+    ] {
+        let mut w = s.alloc_zeros::<bf16>(n * k).expect("w");
+        util.fill_bf16(s, &mut w, 900 + n as u64, -0.05, 0.05).expect("fill");
+        let lin = Linear { w, out: n, inp: k };
+        let read_ms = (n * k * 2) as f64 / (copy_gbps * 1e9) * 1e3;
+        for m in [8usize, 64, 256, 2048] {
+            let mut x = s.alloc_zeros::<bf16>(m * k).expect("x");
+            util.fill_bf16(s, &mut x, 31, -1.0, 1.0).expect("fill");
+            let mut y = s.alloc_zeros::<f32>(m * n).expect("y");
+            let ms: Vec<f64> = gemms
+                .iter()
+                .map(|gm| {
+                    let t = time_calls(&g, 3, 15, || gm.forward(s, &lin, &x, m, &mut y)).expect("time");
+                    t[t.len() / 2] // ms
+                })
+                .collect();
+            let tf = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+            println!(
+                "gemm {what:>7} [{n}×{k}] m={m:>4}: cuBLAS {:.3} ms ({:.0} TFLOP/s), linear_tc {:.3} ms ({:.0} \
+                 TFLOP/s, {:.2}x cuBLAS); weight once at copy bandwidth {read_ms:.3} ms",
+                ms[0],
+                tf(ms[0]),
+                ms[1],
+                tf(ms[1]),
+                ms[1] / ms[0]
             );
         }
     }

@@ -115,6 +115,7 @@ impl CudaBackend {
         let mut kv = s.alloc_zeros::<f32>(n * lat)?;
         self.gemm.forward(s, &a.kv_a, xn, n, &mut kv)?;
         self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, n, eps_lat)?;
+        self.mark("attention: q/kv projections, cache write")?;
         let scale = c.softmax_scale() as f32;
         let mut o = s.alloc_zeros::<bf16>(n * heads * vdim)?;
         match &st.route.abs {
@@ -164,9 +165,11 @@ impl CudaBackend {
                 rope,
             };
             self.prefill.forward(s, &self.gemm, (&a.w_uk, &a.w_uv), plan, &d, scale, &q, &lc, &self.rope, &mut o)?;
+            self.mark("attention: expanded form")?;
         }
         let mut out = s.alloc_zeros::<f32>(n * c.hidden_size)?;
         self.gemm.forward(s, &a.o_proj, &o, n, &mut out)?;
+        self.mark("attention: o_proj")?;
         Ok(out)
     }
 
@@ -191,6 +194,7 @@ impl CudaBackend {
         let mut qa = s.alloc_zeros::<f32>(n * heads * lat)?;
         let mut qa_bf16 = s.alloc_zeros::<bf16>(n * heads * lat)?;
         self.ops.q_absorb(s, &mut qa, &mut qa_bf16, q, &a.w_uk.w, &self.rope, rows.pos, n, heads, nope, lora)?;
+        self.mark("attention: absorbed q (W_UK), W_UV")?;
         let mut o_lat = s.alloc_zeros::<f32>(n * heads * lora)?;
         let scale = c.softmax_scale() as f32;
         // Fixed-size splits (batch-invariant decode): every absorbed row goes through the
@@ -204,7 +208,9 @@ impl CudaBackend {
         let fixed = self.opts.decode_kernel && fast && exact;
         if fixed && rows.uniform.is_none() {
             self.absorbed_runs(&qa_bf16, cache, rows, &mut o_lat, heads, lora, rope, scale)?;
-            return self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim);
+            self.mark("attention: absorbed kernel")?;
+            self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)?;
+            return self.mark("attention: absorbed q (W_UK), W_UV");
         }
         let kernel = self.opts.decode_kernel && (fast || !exact);
         match rows.uniform.filter(|&ql| kernel && (ql <= 4 || fixed)) {
@@ -250,7 +256,9 @@ impl CudaBackend {
                 )?;
             }
         }
-        self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)
+        self.mark("attention: absorbed kernel")?;
+        self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)?;
+        self.mark("attention: absorbed q (W_UK), W_UV")
     }
 
     /// The decode kernel over a step whose absorbed chunks differ in length (fixed-size

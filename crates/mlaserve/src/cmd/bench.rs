@@ -61,6 +61,10 @@ struct StepArgs {
     /// GEMMs, fixed-size decode splits.
     #[arg(long)]
     batch_invariant: bool,
+    /// Prefill chunks to time after the decode steps, as REQUESTSxTOKENS (each chunk over
+    /// the cached `--context`), comma-separated; `none` times none. Default 1x2048,4x512,16x128.
+    #[arg(long, value_delimiter = ',')]
+    prefill: Vec<String>,
     /// (Internal) this process is rank R of a `--tp` group started by rank 0.
     #[arg(long, hide = true, requires = "nccl_id")]
     rank: Option<usize>,
@@ -263,11 +267,28 @@ fn mla_prefill_bench(p: PrefillArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--prefill`'s REQUESTSxTOKENS.
+#[cfg(feature = "cuda")]
+fn parse_chunk(p: &str) -> anyhow::Result<(usize, usize)> {
+    let (b, t) = p
+        .split_once('x')
+        .and_then(|(b, t)| Some((b.trim().parse::<usize>().ok()?, t.trim().parse::<usize>().ok()?)))
+        .with_context(|| format!("--prefill: {p:?} is not REQUESTSxTOKENS (e.g. 4x512)"))?;
+    anyhow::ensure!(b >= 1 && t >= 1, "--prefill: {p:?} needs at least 1 request of 1 token");
+    Ok((b, t))
+}
+
 #[cfg(feature = "cuda")]
 fn step_bench(a: StepArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
     let cfg = mlaserve_cuda::bench_step::v3_config(a.moe_layers)?;
     cfg.check_tp(a.tp).with_context(|| format!("--tp {}", a.tp))?;
+    let defaults = mlaserve_cuda::bench_step::StepBenchOpts::default();
+    let prefill = match a.prefill.as_slice() {
+        [] => defaults.prefill.clone(),
+        [none] if none == "none" => Vec::new(),
+        list => list.iter().map(|p| parse_chunk(p)).collect::<anyhow::Result<Vec<_>>>()?,
+    };
     let opts = mlaserve_cuda::bench_step::StepBenchOpts {
         ordinal: a.device,
         tp: a.tp,
@@ -277,7 +298,13 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         host_logits: a.host_logits,
         eager: a.eager,
         exact: a.batch_invariant,
-        ..Default::default()
+        prefill,
+        ..defaults
+    };
+    let prefill_arg = if opts.prefill.is_empty() {
+        "none".to_string()
+    } else {
+        opts.prefill.iter().map(|(b, t)| format!("{b}x{t}")).collect::<Vec<_>>().join(",")
     };
     if a.tp == 1 || a.threads {
         let how = if a.tp > 1 { "ranks: threads of one process" } else { "one rank" };
@@ -309,6 +336,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(a.host_logits.then_some("--host-logits"))
                 .args(a.eager.then_some("--eager"))
                 .args(a.batch_invariant.then_some("--batch-invariant"))
+                .args(["--prefill", &prefill_arg])
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))
         })
