@@ -208,10 +208,16 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
     // shared evenly, or with split_blocks > 0 (batch-invariant mode) split_blocks each from
     // block 0, whatever the request's length, so a row's key ranges and their order depend
     // on nothing else in the batch (the last split takes any blocks left).
+    // Causal: the tile's last row sees keys below `seen`, so blocks from n_vis on are
+    // masked for every row of the tile and are skipped (a long prefill window's early
+    // tokens skip most of it). A masked block leaves a row's max, sum and O as they were,
+    // so skipping it changes no bit of any row: the split ranges stay those of n_blk.
     const int n_blk = (seq_len + TOK - 1) / TOK;
+    const int seen = seq_len - (q_len - 1 - min((row0 + valid_rows - 1) / heads, q_len - 1));
+    const int n_vis = min(n_blk, (max(seen, 0) + TOK - 1) / TOK);
     const int per = split_blocks > 0 ? split_blocks : (n_blk + num_splits - 1) / num_splits;
-    const int blk0 = min(split * per, n_blk);
-    const int blk_end = split == num_splits - 1 ? n_blk : min(blk0 + per, n_blk);
+    const int blk0 = min(split * per, n_vis);
+    const int blk_end = split == num_splits - 1 ? n_vis : min(blk0 + per, n_vis);
     const int* bt = block_table + static_cast<size_t>(b) * bt_stride;
 
     {

@@ -232,8 +232,9 @@ impl fmt::Display for InvarianceReport {
 
 /// Whether a token's decode attention is the same whatever else runs with it (the
 /// speculative "k = 3 equals k = 0" needs it), under `mla`'s plan: requests with
-/// `ctx[b]` cached tokens each verify a 4-token window (positions ctx[b]..ctx[b] + 3,
-/// f32 out, DeepSeek dims at `heads` heads); then every one of those tokens runs as a
+/// `ctx[b]` cached tokens each run a `window`-token window (positions ctx[b]..ctx[b] +
+/// window − 1: 4 for a k = 3 verification; longer ones are prefill chunks, which need
+/// fixed splits; f32 out, DeepSeek dims at `heads` heads); then every one of those tokens runs as a
 /// 1-token step, all of them in one batch and each alone, over the same cache and pages
 /// (the window's later tokens sit in the cache past the 1-token step's seq_len, as
 /// drafts do). Counts the rows that differ in any bit, and checks the windows against the
@@ -243,14 +244,15 @@ pub fn run_window_invariance(
     mla: &MlaDecode,
     heads: usize,
     ctx: &[usize],
+    window: usize,
     seed: u64,
 ) -> Result<InvarianceReport> {
-    const W: usize = 4;
+    let w_len = window.max(1);
     let mut rng = Rng::new(seed);
     let batch = ctx.len();
-    let seq_lens: Vec<usize> = ctx.iter().map(|&c| c + W).collect();
-    let max = seq_lens.iter().copied().max().unwrap_or(W);
-    let d = DecodeDims { batch, heads, q_len: W, dlat: 512, drope: 64, bt_stride: max.div_ceil(PAGE) + 1 };
+    let seq_lens: Vec<usize> = ctx.iter().map(|&c| c + w_len).collect();
+    let max = seq_lens.iter().copied().max().unwrap_or(w_len);
+    let d = DecodeDims { batch, heads, q_len: w_len, dlat: 512, drope: 64, bt_stride: max.div_ceil(PAGE) + 1 };
     let (rows, dqk, dv) = (d.rows(), d.dqk(), d.dlat);
     let pages: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(PAGE)).collect();
     let num_blocks = pages.iter().sum::<usize>() + 2;
@@ -300,7 +302,7 @@ pub fn run_window_invariance(
     let win_rows = |b: usize, j: usize| &win[(b * rows + j * heads) * dv..(b * rows + (j + 1) * heads) * dv];
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let one = DecodeDims { q_len: 1, ..d };
-    let toks: Vec<(usize, usize)> = (0..batch).flat_map(|b| (0..W).map(move |j| (b, j))).collect();
+    let toks: Vec<(usize, usize)> = (0..batch).flat_map(|b| (0..w_len).map(move |j| (b, j))).collect();
     let q1: Vec<bf16> = toks.iter().flat_map(|&(b, j)| tok_q(b, j)).collect();
     let tab1: Vec<usize> = toks.iter().map(|&(b, _)| b).collect();
     let len1: Vec<usize> = toks.iter().map(|&(b, j)| ctx[b] + j + 1).collect();
@@ -324,8 +326,8 @@ pub fn run_window_invariance(
     let lens_i: Vec<i32> = seq_lens.iter().map(|&l| l as i32).collect();
     let (want, _) = reference::mla_decode(&d, &to_f32(&q), &to_f32(&cache), &table, &lens_i, scale);
     Ok(InvarianceReport {
-        name: format!("h{heads} windows of 4 at {ctx:?}"),
-        rows: batch * W * heads,
+        name: format!("h{heads} windows of {w_len} at {ctx:?}"),
+        rows: batch * w_len * heads,
         differ_batched,
         differ_alone,
         num_splits,
