@@ -29,6 +29,12 @@ pub struct SeqChunk {
     pub start_pos: usize,
     /// Physical block ids; must cover positions `0..start_pos + tokens.len()`.
     pub block_table: Vec<u32>,
+    /// The tokens are being prefilled (a prompt, or a sequence recomputed after
+    /// preemption), not a decode window. Results must not depend on it; a backend may
+    /// route by it (the CUDA backend's batch-invariant options give every prefill chunk,
+    /// whatever its length, the expanded form of MLA, and every decode window the absorbed
+    /// one, so a token's form never depends on how its prompt was chunked).
+    pub prefill: bool,
 }
 
 /// A step's input: chunks, and which flattened token rows need logits.

@@ -199,6 +199,7 @@ fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
     w.push(b.seqs.len() as u32);
     for s in &b.seqs {
         w.push(s.start_pos as u32);
+        w.push(u32::from(s.prefill));
         w.push(s.tokens.len() as u32);
         w.extend_from_slice(&s.tokens);
         w.push(s.block_table.len() as u32);
@@ -238,11 +239,12 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     let mut seqs = Vec::with_capacity(n);
     for _ in 0..n {
         let start_pos = r.next()? as usize;
+        let prefill = r.next()? != 0;
         let nt = r.next()? as usize;
         let tokens = r.take(nt)?.to_vec();
         let nb = r.next()? as usize;
         let block_table = r.take(nb)?.to_vec();
-        seqs.push(SeqChunk { tokens, start_pos, block_table });
+        seqs.push(SeqChunk { tokens, start_pos, block_table, prefill });
     }
     let nl = r.next()? as usize;
     let logit_rows = r.take(nl)?.to_vec();
@@ -271,8 +273,8 @@ mod tests {
     fn plan_round_trip() {
         let b = Batch {
             seqs: vec![
-                SeqChunk { tokens: vec![1, 2, 3], start_pos: 64, block_table: vec![4, 9] },
-                SeqChunk { tokens: vec![7], start_pos: 0, block_table: vec![0] },
+                SeqChunk { tokens: vec![1, 2, 3], start_pos: 64, block_table: vec![4, 9], prefill: true },
+                SeqChunk { tokens: vec![7], start_pos: 0, block_table: vec![0], prefill: false },
             ],
             logit_rows: vec![2, 3],
             argmax_rows: vec![0, 3],

@@ -61,7 +61,7 @@ fn one(tokens: &[u32], start_pos: usize, table: &[u32]) -> Batch {
     Batch {
         argmax_rows: vec![],
         sample_rows: vec![],
-        seqs: vec![SeqChunk { tokens: tokens.to_vec(), start_pos, block_table: table.to_vec() }],
+        seqs: vec![SeqChunk { tokens: tokens.to_vec(), start_pos, block_table: table.to_vec(), ..Default::default() }],
         logit_rows: (0..tokens.len() as u32).collect(),
     }
 }
@@ -199,9 +199,9 @@ fn mixed_batch_equals_each_sequence_alone() {
         argmax_rows: vec![],
         sample_rows: vec![],
         seqs: vec![
-            SeqChunk { tokens: a.clone(), start_pos: 0, block_table: ta.clone() },
-            SeqChunk { tokens: b_dec.clone(), start_pos: 30, block_table: tb.clone() },
-            SeqChunk { tokens: c_dec.clone(), start_pos: 70, block_table: tc.clone() },
+            SeqChunk { tokens: a.clone(), start_pos: 0, block_table: ta.clone(), ..Default::default() },
+            SeqChunk { tokens: b_dec.clone(), start_pos: 30, block_table: tb.clone(), ..Default::default() },
+            SeqChunk { tokens: c_dec.clone(), start_pos: 70, block_table: tc.clone(), ..Default::default() },
         ],
         logit_rows: (0..28).collect(),
     };

@@ -24,8 +24,8 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
         argmax_rows: vec![],
         sample_rows: vec![],
         seqs: vec![
-            SeqChunk { tokens: toks(70, 1), start_pos: 0, block_table: vec![0, 1] },
-            SeqChunk { tokens: toks(9, 2), start_pos: 0, block_table: vec![2] },
+            SeqChunk { tokens: toks(70, 1), start_pos: 0, block_table: vec![0, 1], ..Default::default() },
+            SeqChunk { tokens: toks(9, 2), start_pos: 0, block_table: vec![2], ..Default::default() },
         ],
         logit_rows: vec![69, 78],
     };
@@ -35,8 +35,8 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
         argmax_rows: vec![7, 0, 3],
         sample_rows: vec![],
         seqs: vec![
-            SeqChunk { tokens: toks(4, 3), start_pos: 70, block_table: vec![0, 1] },
-            SeqChunk { tokens: toks(4, 4), start_pos: 9, block_table: vec![2] },
+            SeqChunk { tokens: toks(4, 3), start_pos: 70, block_table: vec![0, 1], ..Default::default() },
+            SeqChunk { tokens: toks(4, 4), start_pos: 9, block_table: vec![2], ..Default::default() },
         ],
         logit_rows: (0..8).collect(),
     };
@@ -51,7 +51,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
     let one = Batch {
         argmax_rows: vec![],
         sample_rows: vec![],
-        seqs: vec![SeqChunk { tokens: vec![17], start_pos: 74, block_table: vec![0, 1] }],
+        seqs: vec![SeqChunk { tokens: vec![17], start_pos: 74, block_table: vec![0, 1], ..Default::default() }],
         logit_rows: vec![0],
     };
     let mtp1 = b.mtp_forward(1, &one, &mtp0.hidden, &[3]).unwrap();

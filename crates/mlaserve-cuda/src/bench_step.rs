@@ -336,6 +336,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
                         tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
                         start_pos: start,
                         block_table: (i * per_seq..(i + 1) * per_seq).map(|x| x as u32).collect(),
+                        prefill: false,
                     })
                     .collect(),
                 logit_rows: if opts.host_logits { all(len) } else { vec![] },
@@ -409,6 +410,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
                     tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
                     start_pos: opts.context,
                     block_table: (i * per..(i + 1) * per).map(|x| x as u32).collect(),
+                    prefill: true,
                 })
                 .collect(),
             logit_rows: vec![],

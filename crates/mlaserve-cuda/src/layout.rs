@@ -113,6 +113,7 @@ mod tests {
             tokens: vec![t, t + 1],
             start_pos: start,
             block_table: blocks,
+            prefill: false,
         };
         Batch {
             seqs: vec![seq(70, vec![4, 9], 10), seq(5, vec![2], 20), seq(130, vec![7, 1, 3], 30)],

@@ -57,7 +57,7 @@ fn greedy_checked<H>(name: &str, b: &Batch, o: ForwardOutput<H>, vocab: usize) -
 }
 
 fn chunk(tokens: Vec<u32>, start_pos: usize, table: &[u32]) -> SeqChunk {
-    SeqChunk { tokens, start_pos, block_table: table.to_vec() }
+    SeqChunk { tokens, start_pos, block_table: table.to_vec(), ..Default::default() }
 }
 
 /// Rows whose own max|Δ| exceeds `TOL · max|ref|` (all rows `width` wide), worst first.

@@ -197,7 +197,12 @@ fn a_stalled_rank_fails_the_step_within_the_timeout() {
     let id = TpInit::new_id().expect("NCCL id");
     let timeout = Duration::from_secs(5);
     let init = |rank| TpInit { rank, world: 2, id: id.clone(), timeout };
-    let chunk = |tokens: Vec<u32>, start_pos| mlaserve_core::SeqChunk { tokens, start_pos, block_table: vec![0] };
+    let chunk = |tokens: Vec<u32>, start_pos| mlaserve_core::SeqChunk {
+        tokens,
+        start_pos,
+        block_table: vec![0],
+        ..Default::default()
+    };
     let prefill = mlaserve_core::Batch {
         argmax_rows: vec![],
         sample_rows: vec![],

@@ -59,6 +59,7 @@ fn step(lens: &[usize], which: &[usize], q_len: usize, round: usize) -> Batch {
             tokens: toks(round * 31 + i, q_len),
             start_pos: lens[i],
             block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
+            prefill: false,
         })
         .collect();
     let n = seqs.iter().map(|c| c.tokens.len() as u32).sum();
@@ -79,6 +80,7 @@ fn run_rounds(g: &mut CudaBackend, e: &mut CudaBackend, name: &str, quiet: bool)
                 tokens: toks(i, lens[i]),
                 start_pos: 0,
                 block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
+                prefill: true,
             })
             .collect(),
         logit_rows: vec![0],

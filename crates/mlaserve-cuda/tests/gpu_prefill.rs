@@ -456,6 +456,7 @@ fn batch_of(seqs: &[(Vec<u32>, Vec<u32>)], step: &[(usize, usize, usize)]) -> Ba
             tokens: seqs[j].0[p..p + n].to_vec(),
             start_pos: p,
             block_table: seqs[j].1.clone(),
+            prefill: true,
         })
         .collect();
     let n: usize = step.iter().map(|c| c.2).sum();

@@ -319,7 +319,7 @@ fn sample_kernel_matches_core_rule() {
 }
 
 fn chunk(tokens: Vec<u32>, start_pos: usize, table: &[u32]) -> SeqChunk {
-    SeqChunk { tokens, start_pos, block_table: table.to_vec() }
+    SeqChunk { tokens, start_pos, block_table: table.to_vec(), ..Default::default() }
 }
 
 fn toks(seed: u32, n: usize) -> Vec<u32> {

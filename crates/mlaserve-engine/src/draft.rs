@@ -171,6 +171,7 @@ pub(crate) fn chunk_at(seqs: &mut Vec<SeqChunk>, n: usize) -> &mut SeqChunk {
     let c = &mut seqs[n];
     c.tokens.clear();
     c.block_table.clear();
+    c.prefill = false;
     c
 }
 

@@ -333,6 +333,7 @@ impl<B: Backend> Engine<B> {
             n += 1;
             std::mem::swap(&mut c.block_table, &mut s.block_table);
             c.start_pos = s.num_cached;
+            c.prefill = matches!(s.sched, Some(Sched::Prefill { .. }));
             // (first row, sequence index of the token it decides, rows)
             let rows = match s.sched {
                 Some(Sched::Decode) => {

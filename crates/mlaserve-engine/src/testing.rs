@@ -24,6 +24,11 @@ pub struct SyntheticBackend {
     pub fail_next_forward: bool,
     pub forward_calls: u64,
     pub mtp_calls: u64,
+    /// Target tokens in chunks marked `prefill`, and in the others (decode windows), and
+    /// the longest unmarked chunk.
+    pub prefill_tokens: u64,
+    pub window_tokens: u64,
+    pub longest_window: usize,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -53,6 +58,9 @@ impl SyntheticBackend {
             fail_next_forward: false,
             forward_calls: 0,
             mtp_calls: 0,
+            prefill_tokens: 0,
+            window_tokens: 0,
+            longest_window: 0,
         }
     }
 
@@ -115,6 +123,12 @@ impl Backend for SyntheticBackend {
             for (i, &t) in s.tokens.iter().enumerate() {
                 let p = s.start_pos + i;
                 self.cache[s.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE] = t;
+            }
+            if s.prefill {
+                self.prefill_tokens += s.tokens.len() as u64;
+            } else {
+                self.window_tokens += s.tokens.len() as u64;
+                self.longest_window = self.longest_window.max(s.tokens.len());
             }
         }
         let mut hidden = Vec::with_capacity(batch.num_tokens());

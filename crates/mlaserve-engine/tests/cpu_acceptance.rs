@@ -166,7 +166,12 @@ fn sampled_tokens_backend_path_equals_host_path() {
             let batch = Batch {
                 argmax_rows: vec![],
                 sample_rows: vec![],
-                seqs: vec![SeqChunk { tokens: feed.clone(), start_pos: start, block_table: table.clone() }],
+                seqs: vec![SeqChunk {
+                    tokens: feed.clone(),
+                    start_pos: start,
+                    block_table: table.clone(),
+                    ..Default::default()
+                }],
                 logit_rows: vec![feed.len() as u32 - 1],
             };
             let logits = backend.forward(&batch).expect("replay step").logits;

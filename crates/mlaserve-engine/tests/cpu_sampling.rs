@@ -96,7 +96,12 @@ fn tiny_v3_next_token_distribution() {
     let pre = Batch {
         argmax_rows: vec![],
         sample_rows: vec![],
-        seqs: vec![SeqChunk { tokens: prompt[..23].to_vec(), start_pos: 0, block_table: table.clone() }],
+        seqs: vec![SeqChunk {
+            tokens: prompt[..23].to_vec(),
+            start_pos: 0,
+            block_table: table.clone(),
+            ..Default::default()
+        }],
         logit_rows: vec![22],
     };
     b.forward(&pre).expect("prefill");
@@ -106,7 +111,7 @@ fn tiny_v3_next_token_distribution() {
         let probe = Batch {
             argmax_rows: vec![],
             sample_rows: vec![],
-            seqs: vec![SeqChunk { tokens: toks, start_pos: 23, block_table: table.clone() }],
+            seqs: vec![SeqChunk { tokens: toks, start_pos: 23, block_table: table.clone(), ..Default::default() }],
             logit_rows: vec![n - 1],
         };
         mlaserve_engine::sampling::argmax(&b.forward(&probe).expect("probe").logits)
@@ -116,7 +121,12 @@ fn tiny_v3_next_token_distribution() {
     let window = Batch {
         argmax_rows: vec![],
         sample_rows: vec![],
-        seqs: vec![SeqChunk { tokens: vec![prompt[23], d1, d2], start_pos: 23, block_table: table }],
+        seqs: vec![SeqChunk {
+            tokens: vec![prompt[23], d1, d2],
+            start_pos: 23,
+            block_table: table,
+            ..Default::default()
+        }],
         logit_rows: vec![0, 1, 2],
     };
     let logits = b.forward(&window).expect("window").logits;

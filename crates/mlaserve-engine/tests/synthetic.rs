@@ -65,6 +65,27 @@ fn sampled_outputs_independent_of_k_and_batch() {
     assert_eq!(alone[0].tokens, base[5].tokens);
 }
 
+/// The engine marks prefill chunks (`SeqChunk::prefill`, which the CUDA backend's
+/// batch-invariant options route by): every prompt token goes through a marked chunk once,
+/// decode windows (at most k + 1 tokens) are unmarked, and a preempted sequence's
+/// recomputation is marked again.
+#[test]
+fn prefill_chunks_are_marked() {
+    let a = arrivals(4, 32, &SamplingParams::default());
+    let prompts: u64 = a.iter().map(|x| x.req.prompt.len() as u64).sum();
+    let mut e = engine(3, 2048, 96);
+    let out = run_all(&mut e, &a);
+    assert_eq!(out.iter().map(|o| o.usage.preemptions).sum::<u64>(), 0);
+    let b = e.backend();
+    assert_eq!(b.prefill_tokens, prompts, "each prompt token prefilled once, in marked chunks");
+    assert!(b.window_tokens > 0 && b.longest_window <= 4, "windows of 1 + k tokens at most, unmarked");
+    let mut small = engine(3, 24, 96);
+    let out = run_all(&mut small, &a);
+    assert!(out.iter().map(|o| o.usage.preemptions).sum::<u64>() > 0, "the small pool must preempt");
+    assert!(small.backend().prefill_tokens > prompts, "recomputation is prefill");
+    assert!(small.backend().longest_window <= 4);
+}
+
 #[test]
 fn preemption_small_pool_same_output() {
     let a = arrivals(3, 48, &SamplingParams::default());

@@ -205,6 +205,7 @@ impl CudaBackend {
         if !o.graphs
             || !o.decode_kernel
             || o.prefill == PrefillPath::Expanded
+            || (o.prefill == PrefillPath::Flagged && batch.seqs.iter().any(|c| c.prefill))
             || self.prof.is_some()
             || (self.comm.is_some() && !(o.tp_graphs || tp_experiment()))
         {

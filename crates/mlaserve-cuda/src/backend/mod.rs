@@ -105,21 +105,21 @@ impl CudaOptions {
     }
     /// Every token's result independent of its batch, on the fast kernels: the
     /// tensor-core invariant GEMM ([`GemmMode::InvariantTc`]), the decode kernel with
-    /// fixed-size splits ([`EXACT_SPLIT_BLOCKS`]), the ordered all-reduce, CUDA graphs;
-    /// prefill in the absorbed form as in [`CudaOptions::batch_invariant`]. Greedy output
-    /// with speculation then equals output without it, token for token.
+    /// fixed-size splits ([`EXACT_SPLIT_BLOCKS`]), the ordered all-reduce, CUDA graphs.
+    /// Greedy output with speculation then equals output without it, token for token.
     ///
-    /// Every row takes the absorbed form through the decode kernel, prefill chunks
-    /// included (one launch per run of equal-length chunks): which kernel sums a token's
-    /// attention then never depends on how its prompt was chunked or what shares its step.
-    /// Prefill pays for it (the absorbed form's wider dot products; a chunk's early rows
-    /// visit its later, masked keys).
+    /// The form of MLA follows what a chunk is ([`PrefillPath::Flagged`]): prefill chunks,
+    /// of any length, take the expanded form, whose kernel walks every row's keys in tiles
+    /// from key 0 (so a row's sums do not depend on where its chunk starts); decode windows
+    /// take the decode kernel, whose fixed splits make a token's sums the same in a window
+    /// of 4 and as a single token. A sequence recomputed after preemption prefills its
+    /// generated tokens, so those can differ in the last bits from their first pass.
     pub fn exact(mut self) -> Self {
         self.gemm = GemmMode::InvariantTc;
         self.decode_kernel = true;
         self.decode_split_blocks = Some(EXACT_SPLIT_BLOCKS);
         self.ordered_all_reduce = true;
-        self.prefill = PrefillPath::Absorbed;
+        self.prefill = PrefillPath::Flagged;
         self
     }
     /// Every token's result independent of its batch: the invariant GEMM, no decode kernel,

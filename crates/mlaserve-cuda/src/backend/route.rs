@@ -34,6 +34,11 @@ pub enum PrefillPath {
     /// Every row expanded, decode windows included (tests and benchmarks); an error for
     /// head dimensions without an expanded kernel.
     Expanded,
+    /// Expanded for the chunks the engine marks as prefill ([`mlaserve_core::SeqChunk::
+    /// prefill`]), whatever their length, absorbed for decode windows (all absorbed when
+    /// the heads have no expanded kernel). The form of a token then depends on what it is,
+    /// never on how its prompt was chunked ([`super::CudaOptions::exact`]).
+    Flagged,
 }
 
 /// A step's attention routing.
@@ -95,6 +100,7 @@ impl CudaBackend {
                 PrefillPath::Absorbed => false,
                 PrefillPath::Expanded => true,
                 PrefillPath::Auto => ok && c.tokens.len() > ABSORBED_MAX_ROWS,
+                PrefillPath::Flagged => ok && c.prefill,
             })
             .collect();
         if self.opts.prefill == PrefillPath::Expanded && !ok {
