@@ -192,31 +192,36 @@ __device__ void linear_tc(T* __restrict__ y, float* __restrict__ part, const bf1
         gtc_store_tile(acc, part + static_cast<size_t>(ks) * m * n, static_cast<size_t>(base), nr, n0, n);
 }
 
-// linear_tc's large tile (linear_tc_big_*), for calls of more than 64 rows: 128 rows ×
-// 128 columns per block, 8 warps of 64 rows × 32 columns (4 m-tiles × 4 n-tiles each, so
-// 6 ldmatrix feed 16 mma per k16 instead of 5 feeding 8), the same 3-stage ring of BK = 64
-// in dynamic shared memory (96 KB). An output element still starts at zero and takes the
-// mma of each k16 group from k0 up in the same order, so its bits equal linear_tc's: which
-// kernel runs depends on the call's row count, a row's result does not.
+// linear_tc's large tile, for calls of more than 64 rows: 128 rows × BN = 128 columns per
+// block (linear_tc_big_*), 8 warps of 64 rows × 32 columns (a 256-column tile with warps of
+// 64 × 64 measured no faster on one H200), the same 3-stage ring of BK = 64 in dynamic shared memory. Each warp
+// loads all its A and B fragments of a k16 step, then runs its 4 × NT mma (16 or 32 per 6
+// or 8 ldmatrix, against 8 per 5 in gtc_tile); rows past the end are zero-filled and
+// computed, never stored. An output element still starts at zero and takes the mma of
+// each k16 group from k0 up in the same order, so its bits equal linear_tc's: which kernel
+// runs depends on the call's row count, a row's result does not.
 namespace gtb {
-constexpr int BM = 128, BN = 128, BK = gtc::BK, STAGES = 3, THREADS = 256, MT = 4, NT = 4;
+constexpr int BM = 128, BK = gtc::BK, STAGES = 3, THREADS = 256, MT = 4;
 constexpr int CHUNKS = BK / 8;
-constexpr int STAGE = (BM + BN) * BK;  // elements: weights [BN][BK], then rows [BM][BK]
+template <int BN>
+constexpr int smem_bytes() {
+    return STAGES * (BM + BN) * BK * 2;
+}
 }  // namespace gtb
 
-template <typename T>
+template <typename T, int BN>
 __device__ void linear_tc_big(T* __restrict__ y, float* __restrict__ part, const bf16* __restrict__ x,
                               const bf16* __restrict__ w, int m, int n, int k, int kchunk) {
     using namespace gtb;
+    constexpr int WN = BN / 4, NT = WN / 8, STAGE = (BM + BN) * BK;  // warp columns, n-tiles
     extern __shared__ __align__(128) unsigned char gtb_smem[];
     const uint32_t sbase = smem_u32(gtb_smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int wm = warp >> 2, wn = warp & 3;  // the warp's 64-row half and 32-column quarter
+    const int wm = warp >> 2, wn = warp & 3;  // the warp's 64-row half and column quarter
     const int base = blockIdx.x * BM, ks = blockIdx.y, n0 = blockIdx.z * BN;
     const int nr = min(BM, m - base), k0 = ks * kchunk, k1 = min(k, k0 + kchunk);
     if (nr <= 0) return;
     const int ksteps = (k1 - k0 + BK - 1) / BK;
-    const int mts = min(MT, max(0, (nr - wm * 64 + 15) / 16));  // this warp's m-tiles holding rows
     const bf16* xr = x + static_cast<size_t>(base) * k;
     auto load = [&](int kt, int st) {
         const uint32_t wdst = sbase + 2 * st * STAGE, xdst = wdst + 2 * BN * BK;
@@ -255,37 +260,36 @@ __device__ void linear_tc_big(T* __restrict__ y, float* __restrict__ part, const
         const uint32_t wsb = sbase + 2 * (kt % STAGES) * STAGE, xsb = wsb + 2 * BN * BK;
 #pragma unroll
         for (int k16 = 0; k16 < BK / 16; ++k16) {
-            // B: columns wn·32 + h·16 .. + 15 as in gtc_tile (n-tiles 2h, 2h + 1).
-            uint32_t b[2][4];
+            // B: columns wn·WN + h·16 .. + 15 as in gtc_tile (n-tiles 2h, 2h + 1).
+            uint32_t b[NT / 2][4], af[MT][4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wn * 32 + h * 16 + (lane & 7) + (lane >> 4) * 8;
+            for (int h = 0; h < NT / 2; ++h) {
+                const int row = wn * WN + h * 16 + (lane & 7) + (lane >> 4) * 8;
                 const int c = k16 * 2 + ((lane >> 3) & 1);
                 ldmatrix_x4(b[h], wsb + 2 * gtc_at(row, c));
             }
 #pragma unroll
             for (int a = 0; a < MT; ++a) {
-                if (a >= mts) break;
-                uint32_t af[4];
                 const int row = wm * 64 + a * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
                 const int c = k16 * 2 + (lane >> 4);
-                ldmatrix_x4(af, xsb + 2 * gtc_at(row, c));
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    mma_bf16_16816(acc[a][2 * h], af, b[h][0], b[h][1]);
-                    mma_bf16_16816(acc[a][2 * h + 1], af, b[h][2], b[h][3]);
-                }
+                ldmatrix_x4(af[a], xsb + 2 * gtc_at(row, c));
             }
+#pragma unroll
+            for (int a = 0; a < MT; ++a)
+#pragma unroll
+                for (int h = 0; h < NT / 2; ++h) {
+                    mma_bf16_16816(acc[a][2 * h], af[a], b[h][0], b[h][1]);
+                    mma_bf16_16816(acc[a][2 * h + 1], af[a], b[h][2], b[h][3]);
+                }
         }
     }
     cp_async_wait<0>();
     float* p = gridDim.y > 1 ? part + static_cast<size_t>(ks) * m * n : nullptr;  // split-K partials
 #pragma unroll
     for (int a = 0; a < MT; ++a) {
-        if (a >= mts) break;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            const int col = n0 + wn * 32 + t * 8 + 2 * (lane & 3);
+            const int col = n0 + wn * WN + t * 8 + 2 * (lane & 3);
             const int row = wm * 64 + a * 16 + (lane >> 2);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -308,13 +312,13 @@ __device__ void linear_tc_big(T* __restrict__ y, float* __restrict__ part, const
 LINEAR_TC(linear_tc_bf16_obf16, bf16)
 LINEAR_TC(linear_tc_bf16_of32, float)
 
-#define LINEAR_TC_BIG(NAME, T)                                                                               \
+#define LINEAR_TC_BIG(NAME, T, BN)                                                                           \
     extern "C" __global__ void __launch_bounds__(gtb::THREADS)                                             \
         NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk) {           \
-        linear_tc_big<T>(y, part, x, w, m, n, k, kchunk);                                                   \
+        linear_tc_big<T, BN>(y, part, x, w, m, n, k, kchunk);                                               \
     }
-LINEAR_TC_BIG(linear_tc_big_bf16_obf16, bf16)
-LINEAR_TC_BIG(linear_tc_big_bf16_of32, float)
+LINEAR_TC_BIG(linear_tc_big_bf16_obf16, bf16, 128)
+LINEAR_TC_BIG(linear_tc_big_bf16_of32, float, 128)
 
 // y[i] = part[0][i] + part[1][i] + ... + part[ksplit - 1][i] in that order, for i < len
 // (= m·n); four elements per thread.

@@ -64,13 +64,13 @@ impl GemmMode {
 /// Rows per `linear_tc` block (its columns per block and k granularity: [`plan::TC_BN`],
 /// [`plan::TC_BK`]).
 const TC_ROWS: usize = 64;
-/// Rows and columns per `linear_tc_big` block, the kernel of calls over more than
-/// [`TC_ROWS`] rows (same k order, so the same bits per row).
-const TC_BIG: usize = 128;
-/// `linear_tc_big`'s dynamic shared memory: 3 stages of 128 + 128 rows × 64 bf16.
-const TC_BIG_SMEM: usize = 3 * 2 * TC_BIG * plan::TC_BK * 2;
 /// Bytes of f32 partials one `linear_tc` launch may write; more rows run in slabs.
 const TC_PARTIAL_BYTES: usize = 64 << 20;
+/// Rows and columns per block of `linear_tc_big`, the kernel of calls over
+/// [`Gemm::large_from`] rows (same k order as `linear_tc`, so the same bits per row).
+const TC_BIG: usize = 128;
+/// `linear_tc_big`'s dynamic shared memory: 3 stages of 128 rows of x and of W, 64 bf16 each.
+const TC_BIG_SMEM: usize = 3 * 2 * TC_BIG * plan::TC_BK * 2;
 
 /// Output element of a projection: f32 (residual stream, logits) or bf16 (the next
 /// GEMM's input).
@@ -105,6 +105,9 @@ pub struct Gemm {
     tc_reduce_bf16: CudaFunction,
     tc_big_f32: CudaFunction,
     tc_big_bf16: CudaFunction,
+    /// `linear_tc` runs its 128 × 128 tile (`linear_tc_big`) for calls of more rows than
+    /// this, its 64 × 64 tile for the others (the same bits either way).
+    pub large_from: usize,
     num_sms: usize,
     pub mode: GemmMode,
 }
@@ -142,6 +145,7 @@ impl Gemm {
             tc_bf16: tc.load_function("linear_tc_bf16_obf16")?,
             tc_big_f32: big(&tc, "linear_tc_big_bf16_of32")?,
             tc_big_bf16: big(&tc, "linear_tc_big_bf16_obf16")?,
+            large_from: TC_ROWS,
             tc_reduce_f32: tc.load_function("linear_tc_reduce_of32")?,
             tc_reduce_bf16: tc.load_function("linear_tc_reduce_obf16")?,
             num_sms: gpu.num_sms,
@@ -230,13 +234,14 @@ impl Gemm {
             }
             GemmMode::InvariantTc => {
                 let (ksplit, kchunk) = plan::tc_split(lin.out, lin.inp, self.num_sms);
-                // More than 64 rows: the 128 × 128 tile (the same bits per row).
-                let large = m > TC_ROWS;
-                let (f, red) = match (T::BF16, large) {
-                    (true, false) => (&self.tc_bf16, &self.tc_reduce_bf16),
-                    (false, false) => (&self.tc_f32, &self.tc_reduce_f32),
-                    (true, true) => (&self.tc_big_bf16, &self.tc_reduce_bf16),
-                    (false, true) => (&self.tc_big_f32, &self.tc_reduce_f32),
+                // More rows than `large_from`: the 128 × 128 tile (the same bits per row).
+                let large = m > self.large_from;
+                let red = if T::BF16 { &self.tc_reduce_bf16 } else { &self.tc_reduce_f32 };
+                let f = match (T::BF16, large) {
+                    (true, false) => &self.tc_bf16,
+                    (false, false) => &self.tc_f32,
+                    (true, true) => &self.tc_big_bf16,
+                    (false, true) => &self.tc_big_f32,
                 };
                 let (tile_rows, tile_cols, threads, smem) =
                     if large { (TC_BIG, TC_BIG, 256, TC_BIG_SMEM) } else { (TC_ROWS, plan::TC_BN, 128, 0) };

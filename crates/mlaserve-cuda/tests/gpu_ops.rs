@@ -64,8 +64,20 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
     let s = &g.stream;
     let mut rng = Rng::new(11);
     let mut fails = Vec::new();
-    for mode in [GemmMode::Cublas, GemmMode::BatchInvariant, GemmMode::InvariantTc] {
-        let gemm = Gemm::new(&g, mode).expect("gemm");
+    // linear_tc twice: its 128 × 128 tile above 64 rows, and at every row count (the same
+    // bits either way).
+    for (mode, large_from) in [
+        (GemmMode::Cublas, 64),
+        (GemmMode::BatchInvariant, 64),
+        (GemmMode::InvariantTc, 64),
+        (GemmMode::InvariantTc, 0),
+    ] {
+        let mut gemm = Gemm::new(&g, mode).expect("gemm");
+        gemm.large_from = large_from;
+        let mode_name = match (mode, large_from) {
+            (GemmMode::InvariantTc, 0) => "InvariantTc/128-row tile at every m".to_string(),
+            _ => format!("{mode:?}"),
+        };
         for (m, n, k) in [
             (1, 2048, 7168),
             (8, 576, 7168),
@@ -92,8 +104,8 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
                 .collect();
             let got = s.clone_dtoh(&y).expect("dtoh");
             let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("dtoh").iter().map(|v| v.to_f32()).collect();
-            check(&format!("gemm {mode:?} m={m} n={n} k={k} f32 out"), &got, &want, 2e-3, &mut fails);
-            check(&format!("gemm {mode:?} m={m} n={n} k={k} bf16 out"), &gotb, &want, 1e-2, &mut fails);
+            check(&format!("gemm {mode_name} m={m} n={n} k={k} f32 out"), &got, &want, 2e-3, &mut fails);
+            check(&format!("gemm {mode_name} m={m} n={n} k={k} bf16 out"), &gotb, &want, 1e-2, &mut fails);
         }
         // A row's result alone vs inside 64 rows (cuBLAS: reported), and for the invariant
         // modes, bit for bit, rows of m (several 128-row tiles of linear_tc_big; its 768-row
@@ -119,9 +131,9 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
             let mut y7 = s.alloc_zeros::<f32>(7 * n).expect("y");
             gemm.forward(s, &lin, &x7, 7, &mut y7).expect("gemm");
             same &= bits(&all[60 * n..67 * n], &s.clone_dtoh(&y7).expect("dtoh"));
-            println!("gemm {mode:?} n={n} k={k}: rows alone / of 7 == the same rows of 200: {same}");
+            println!("gemm {mode_name} n={n} k={k}: rows alone / of 7 == the same rows of 200: {same}");
             if mode.batch_invariant() && !same {
-                fails.push(format!("{mode:?} GEMM depends on the batch (n={n} k={k})"));
+                fails.push(format!("{mode_name} GEMM depends on the batch (n={n} k={k})"));
             }
         }
     }
@@ -681,8 +693,10 @@ fn gemm_invariant_tc_timing() {
     let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
     let peak = measure_gemm_bf16(&g, &util, 8192).expect("gemm rate");
     println!("ceilings: copy {copy_gbps:.0} GB/s, cuBLAS bf16 8192³ {peak:.0} TFLOP/s");
-    let modes = [GemmMode::Cublas, GemmMode::InvariantTc];
-    let gemms: Vec<Gemm> = modes.iter().map(|&m| Gemm::new(&g, m).expect("gemm")).collect();
+    let mut gemms: Vec<Gemm> = [GemmMode::Cublas, GemmMode::InvariantTc, GemmMode::InvariantTc]
+        .map(|m| Gemm::new(&g, m).expect("gemm"))
+        .into();
+    gemms[2].large_from = 0;
     for (what, n, k) in [
         ("q_a", 1536usize, 7168usize),
         ("q_b", 24576, 1536),
@@ -710,12 +724,15 @@ fn gemm_invariant_tc_timing() {
             let tf = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
             println!(
                 "gemm {what:>7} [{n}×{k}] m={m:>4}: cuBLAS {:.3} ms ({:.0} TFLOP/s), linear_tc {:.3} ms ({:.0} \
-                 TFLOP/s, {:.2}x cuBLAS); weight once at copy bandwidth {read_ms:.3} ms",
+                 TFLOP/s, {:.2}x cuBLAS), its 128-row tile at this m {:.3} ms ({:.0} TFLOP/s); weight once at copy \
+                 bandwidth {read_ms:.3} ms",
                 ms[0],
                 tf(ms[0]),
                 ms[1],
                 tf(ms[1]),
-                ms[1] / ms[0]
+                ms[1] / ms[0],
+                ms[2],
+                tf(ms[2])
             );
         }
     }
