@@ -29,11 +29,12 @@ pub struct SeqChunk {
     pub start_pos: usize,
     /// Physical block ids; must cover positions `0..start_pos + tokens.len()`.
     pub block_table: Vec<u32>,
-    /// The tokens are being prefilled (a prompt, or a sequence recomputed after
-    /// preemption), not a decode window. Results must not depend on it; a backend may
-    /// route by it (the CUDA backend's batch-invariant options give every prefill chunk,
-    /// whatever its length, the expanded form of MLA, and every decode window the absorbed
-    /// one, so a token's form never depends on how its prompt was chunked).
+    /// The tokens are prompt tokens being prefilled, not a decode window or generated
+    /// tokens being recomputed after preemption (the engine never puts both kinds in one
+    /// chunk). Results must not depend on it; a backend may route by it (the CUDA
+    /// backend's batch-invariant options give every prompt chunk, whatever its length, the
+    /// expanded form of MLA, and every other chunk the absorbed one, so a token's form
+    /// never depends on how its prompt was chunked or whether it was recomputed).
     pub prefill: bool,
 }
 

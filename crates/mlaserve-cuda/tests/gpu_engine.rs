@@ -47,18 +47,28 @@ fn workload() -> Vec<Request> {
 
 /// Runs every request to completion; each one's tokens in submission order.
 fn run<B: Backend>(backend: B, k: usize) -> Vec<Vec<u32>> {
+    run_counting(backend, k).0
+}
+
+/// The workload's outputs and the preemptions the engine made.
+fn run_counting<B: Backend>(backend: B, k: usize) -> (Vec<Vec<u32>>, u64) {
     let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    common::run_to_completion(&mut e, &ids)
+    let out = common::run_to_completion(&mut e, &ids);
+    (out, e.stats().totals.preemptions)
 }
 
 fn gpu_run(dir: &Path, opts: CudaOptions, k: usize) -> Vec<Vec<u32>> {
+    gpu_run_counting(dir, opts, k).0
+}
+
+fn gpu_run_counting(dir: &Path, opts: CudaOptions, k: usize) -> (Vec<Vec<u32>>, u64) {
     let t0 = Instant::now();
-    let out = run(CudaBackend::load_with(dir, opts).expect("load"), k);
+    let (out, pre) = run_counting(CudaBackend::load_with(dir, opts).expect("load"), k);
     let n: usize = out.iter().map(Vec::len).sum();
-    println!("  k={k} {opts:?}: {n} tokens in {:.2}s", t0.elapsed().as_secs_f64());
-    out
+    println!("  k={k} {opts:?}: {n} tokens, {pre} preemptions, in {:.2}s", t0.elapsed().as_secs_f64());
+    (out, pre)
 }
 
 fn differing(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
@@ -91,16 +101,18 @@ fn greedy_k3_equals_k0_batch_invariant() {
 }
 
 /// The fast batch-invariant options (`CudaOptions::exact`: tensor-core invariant GEMMs,
-/// the decode kernel with fixed-size splits for every row, CUDA graphs): greedy k = 3 ==
-/// k = 0, on tiny-v3 (latent widths without the tensor-core decode kernel: the varlen
-/// kernel) and on tiny-v3 at V3's attention widths (512 + 64, 16 heads: the seesaw kernel).
+/// the decode kernel with fixed-size splits for decode windows, prompt chunks expanded,
+/// CUDA graphs): greedy k = 3 == k = 0, on tiny-v3 (latent widths without the tensor-core
+/// decode kernel: the varlen kernel) and on tiny-v3 at V3's attention widths (512 + 64, 16
+/// heads: the seesaw kernel), the latter also with a cache small enough to preempt (a
+/// recomputed sequence's generated tokens go through the decode kernel again).
 #[test]
 fn greedy_k3_equals_k0_exact_options() {
     if !require_gpu() {
         return;
     }
     let mut fails = Vec::new();
-    for v3 in [false, true] {
+    for (v3, blocks) in [(false, BLOCKS), (true, BLOCKS), (true, 24)] {
         let t = tempfile::tempdir().expect("tempdir");
         let o = if v3 {
             serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
@@ -109,15 +121,21 @@ fn greedy_k3_equals_k0_exact_options() {
             serde_json::json!({})
         };
         mlaserve_model::presets::generate_with("tiny-v3", t.path(), &o).expect("preset");
-        let opts = CudaOptions::new(BLOCKS, 0).exact();
-        let k0 = gpu_run(t.path(), opts, 0);
-        let k3 = gpu_run(t.path(), opts, 3);
+        let opts = CudaOptions::new(blocks, 0).exact();
+        let (k0, p0) = gpu_run_counting(t.path(), opts, 0);
+        let (k3, p3) = gpu_run_counting(t.path(), opts, 3);
         assert!(k0.iter().map(Vec::len).sum::<usize>() > 64 * 4, "the workload generates tokens");
-        let fast = gpu_run(t.path(), CudaOptions::new(BLOCKS, 0), 0);
+        if blocks < BLOCKS {
+            assert!(p0 > 0 && p3 > 0, "{blocks} blocks must preempt ({p0} and {p3} preemptions)");
+        }
+        let fast = gpu_run(t.path(), CudaOptions::new(blocks, 0), 0);
         let (d, df) = (differing(&k3, &k0), differing(&k0, &fast));
-        println!("exact options, V3 attention {v3}: k3 vs k0 differ in {d}/64 requests; k0 vs the default options' k0 in {df}/64");
+        println!(
+            "exact options, V3 attention {v3}, {blocks} blocks ({p0}/{p3} preemptions): k3 vs k0 differ in {d}/64 \
+             requests; k0 vs the default options' k0 in {df}/64"
+        );
         if d != 0 {
-            fails.push(format!("V3 attention {v3}: {d}/64 requests differ"));
+            fails.push(format!("V3 attention {v3}, {blocks} blocks: {d}/64 requests differ"));
         }
     }
     assert!(fails.is_empty(), "greedy k = 3 differs from k = 0 on the GPU (exact options): {fails:?}");

@@ -333,7 +333,8 @@ impl<B: Backend> Engine<B> {
             n += 1;
             std::mem::swap(&mut c.block_table, &mut s.block_table);
             c.start_pos = s.num_cached;
-            c.prefill = matches!(s.sched, Some(Sched::Prefill { .. }));
+            // Prompt tokens (a chunk never mixes them with generated ones: scheduler.rs).
+            c.prefill = matches!(s.sched, Some(Sched::Prefill { .. })) && s.num_cached < s.prompt_len;
             // (first row, sequence index of the token it decides, rows)
             let rows = match s.sched {
                 Some(Sched::Decode) => {

@@ -46,7 +46,7 @@ impl Limits {
     fn fit_chunk(&self, s: &Sequence, want: usize, avail: usize) -> Option<(usize, bool)> {
         let total = s.tokens.len();
         let start = s.num_cached;
-        let n = want.min(total - start);
+        let n = want.min(prefill_end(s) - start);
         if start + n == total && self.prefill_positions(total, true) <= avail {
             return Some((n, true));
         }
@@ -68,6 +68,18 @@ fn preempt(running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>, blocks
     s.reset_for_recompute();
     let at = waiting.partition_point(|w| w.arrival < s.arrival);
     waiting.insert(at, s);
+}
+
+/// Where `s`'s next prefill chunk must end at the latest: a chunk never holds prompt
+/// tokens and generated ones together (a sequence recomputed after preemption prefills
+/// its prompt first, then its generated tokens), so `SeqChunk::prefill` can mark prompt
+/// chunks and a backend may route by it.
+fn prefill_end(s: &Sequence) -> usize {
+    if s.num_cached < s.prompt_len {
+        s.prompt_len
+    } else {
+        s.tokens.len()
+    }
 }
 
 fn newest_unscheduled_after(running: &[Sequence], i: usize) -> Option<usize> {
@@ -128,7 +140,7 @@ pub(crate) fn schedule(
             let s = &running[i];
             let avail = (s.block_table.len() + blocks.num_free()) * BLOCK_POSITIONS;
             let total = s.tokens.len();
-            let n = budget.min(total - s.num_cached);
+            let n = budget.min(prefill_end(s) - s.num_cached);
             let last = s.num_cached + n == total;
             let whole = lim.prefill_positions(s.num_cached + n, last) <= avail;
             let chunk = if whole {
@@ -181,4 +193,27 @@ pub(crate) fn schedule(
         running.insert(at, s);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{RequestId, SamplingParams};
+
+    /// A recomputed sequence's chunks never straddle its prompt's end, so prompt chunks
+    /// can be marked (`SeqChunk::prefill`); a fresh one is chunked as before.
+    #[test]
+    fn recompute_prefills_the_prompt_then_the_generated_tokens() {
+        let lim = Limits { k: 3, max_batch_tokens: 512, max_num_seqs: 8 };
+        let mut s = Sequence::new(RequestId(0), 0, (2..12).collect(), SamplingParams::default(), 0, 3);
+        assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((10, true)), "a fresh prompt: one last chunk");
+        s.tokens.extend([20, 21, 22, 23, 24]); // 5 generated tokens, then preempted
+        s.reset_for_recompute();
+        assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((10, false)), "the prompt alone first");
+        assert_eq!(lim.fit_chunk(&s, 4, 1 << 20), Some((4, false)));
+        s.num_cached = 10;
+        assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((5, true)), "then the generated tokens");
+        s.num_cached = 8;
+        assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((2, false)), "the prompt's tail alone");
+    }
 }
