@@ -1,6 +1,6 @@
 //! [`Sampler`]: the wrapper of `kernels/sample.cu`, `mlaserve_core::sample_token` on the
-//! device (temperature, top-k, top-p, inverse CDF in id order with the row's uniform; one
-//! block per row, only the ids come back), and [`bench_sample`], its timing beside the
+//! device (temperature, top-k, top-p, inverse CDF in id order with the row's uniform; a
+//! cluster of 4 blocks per row, only the ids come back), and [`bench_sample`], its timing beside the
 //! copy bandwidth of the same run.
 
 use std::fmt;
@@ -24,6 +24,8 @@ pub struct Sampler {
 impl Sampler {
     /// The kernel's block size (`smp::THREADS`).
     const THREADS: u32 = 512;
+    /// Blocks per row, one cluster (`smp::CL`, the kernel's `__cluster_dims__`).
+    const CLUSTER: usize = 4;
 
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let m = gpu.load_module(kernels::SAMPLE)?;
@@ -48,7 +50,7 @@ impl Sampler {
         rows: usize,
     ) -> Result<()> {
         const K: &str = "sample_f32";
-        if vocab == 0 || vocab > i32::MAX as usize || rows > i32::MAX as usize {
+        if vocab == 0 || vocab > i32::MAX as usize || rows * Self::CLUSTER > i32::MAX as usize {
             return Err(CudaError::shape(K, format!("{rows} rows of vocabulary {vocab}")));
         }
         need(K, "logits", logits.len(), rows * vocab)?;
@@ -58,11 +60,17 @@ impl Sampler {
             return Ok(());
         }
         let v = vocab as i32;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (Self::THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: sample_f32(logits, vocab, params, out): block r reads logits[r*vocab..]
-        // [..vocab], params[4r..4r+4] and writes out[r], for r < rows = grid size; the
-        // lengths are checked above (logits >= rows*vocab, params >= 4*rows, out >= rows).
-        // Its shared memory is static (36 KiB, under the 48 KiB default).
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * Self::CLUSTER) as u32, 1, 1),
+            block_dim: (Self::THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sample_f32(logits, vocab, params, out): the cluster of blocks 4r..4r+4
+        // reads logits[r*vocab..][..vocab] (each block its slice) and params[4r..4r+4], and
+        // its rank 0 writes out[r], for r < rows = grid size / 4 (the kernel's cluster
+        // dimension divides the grid); the lengths are checked above (logits >= rows*vocab,
+        // params >= 4*rows, out >= rows). Its shared memory is static (36 KiB, under the
+        // 48 KiB default).
         unsafe { stream.launch_builder(&self.f).arg(logits).arg(&v).arg(params).arg(out).launch(cfg) }?;
         Ok(())
     }
