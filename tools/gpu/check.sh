@@ -234,7 +234,7 @@ if [[ "$mode" == backend ]]; then
         echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
         printf '%s\n' "${summary[@]}"
         echo "---- bench step (from bench-step.log: graphs, eager, batch-invariant)"
-        grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9] |graph|eager|^bench|ceiling" | head -36
+        grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9]+ |graph|eager|^bench|ceiling|^prefill" | head -48
         echo "---- measured (from tests.log)"
         grep -E " rel |differ|tokens in|tokens/s|speed-up|alone ==|ids (exact|DIFFER)|panicked" "$out/tests.log" | head -90
         grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head -10

@@ -31,10 +31,10 @@ pub struct BackendArgs {
     /// split-K fixed by the weight, decode attention in fixed-size splits, prefill chunks
     /// always in the expanded form. A token's result never depends on what shares its
     /// step, so greedy output with speculation equals output without it, token for token.
-    /// `--batch-invariant false` takes cuBLAS and the batch-sized decode plan instead:
-    /// decode steps 2–11% shorter and prefill 15–22% shorter on one H200
-    /// (docs/PERFORMANCE.md), but then 8 of 64 greedy requests differed between k = 3 and
-    /// k = 0 (tiny-v3).
+    /// `--batch-invariant false` takes cuBLAS and the batch-sized decode plan instead.
+    /// On one H200 (docs/PERFORMANCE.md) decode steps are then 2–11% shorter and prefill
+    /// 15–18% shorter, but 8 of 64 greedy requests differed between k = 3 and k = 0 on
+    /// tiny-v3.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
           default_missing_value = "true", value_name = "BOOL")]
     pub batch_invariant: bool,
