@@ -182,6 +182,13 @@ struct ListSrc {
     }
 };
 
+// Candidate i of src (i may be past its end: false), its id and key.
+template <class Src>
+__device__ __forceinline__ bool cand_at(const Src& src, int i, int& id, uint32_t& key) {
+    float v;
+    return i < src.n && src.get(i, id, key, v);
+}
+
 // A cut of the candidates: kept = key > tau, or key == tau and id <= id_cut; `mass` is
 // the kept candidates' summed weight (mass searches only).
 struct Cut {
@@ -305,11 +312,9 @@ __device__ int nth_with_key_local(const Src& src, uint32_t tau, int j, Smem& sh)
     if (threadIdx.x == 0) sh.found = NONE;
     int seen = 0;
     for (int base = 0; base < src.n && seen < j; base += THREADS) {
-        const int i = base + threadIdx.x;
         int id = 0;
         uint32_t key = 0;
-        float v;
-        const bool f = i < src.n && src.get(i, id, key, v) && key == tau;
+        const bool f = cand_at(src, base + threadIdx.x, id, key) && key == tau;
         int tile;
         const int r = block_rank(f, tile, sh);
         if (f && seen + r + 1 == j) sh.found = id;
@@ -328,14 +333,9 @@ __device__ int nth_with_key(const Src& src, uint32_t tau, int j, Smem& sh) {
     // This block's count of such candidates, then the j-th's block finds it locally.
     int mine = 0;
     for (int base = 0; base < src.n; base += THREADS) {
-        const int i = base + threadIdx.x;
         int id = 0;
         uint32_t key = 0;
-        float v;
-        const bool f = i < src.n && src.get(i, id, key, v) && key == tau;
-        int tile;
-        block_rank(f, tile, sh);
-        mine += tile;
+        mine += __syncthreads_count(cand_at(src, base + threadIdx.x, id, key) && key == tau);
     }
     int all;
     const int before = cl_exclusive_int(mine, all, sh);
@@ -432,11 +432,9 @@ template <class Src>
 __device__ int compact(const Src& src, Smem& sh) {
     int n = 0;
     for (int base = 0; base < src.n; base += THREADS) {
-        const int i = base + threadIdx.x;
         int id = 0;
         uint32_t key = 0;
-        float v;
-        const bool f = i < src.n && src.get(i, id, key, v);
+        const bool f = cand_at(src, base + threadIdx.x, id, key);
         int tile;
         const int r = block_rank(f, tile, sh);
         if (f && n + r < LIST_CAP) {
