@@ -99,22 +99,15 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
                  : "memory");
 }
 
-// S^T (64 tokens x QROWS) += K (64 x 16, K-major) * Q^T (16 x QROWS, K-major).
-template <int QROWS>
-__device__ __forceinline__ void mma_s(float (&d)[QROWS / 2], uint64_t da, uint64_t db) {
+// S^T (64 tokens x QROWS) += K (64 x 16, K-major) * Q^T (16 x QROWS, K-major) with
+// TRANS_A = 0; O^T (64 dims x QROWS) += V^T (64 x 16 tokens, M-major) * P^T (16 x QROWS,
+// K-major) with TRANS_A = 1.
+template <int QROWS, int TRANS_A>
+__device__ __forceinline__ void mma_t(float (&d)[QROWS / 2], uint64_t da, uint64_t db) {
     if constexpr (QROWS == 16) {
-        wgmma_m64n16k16_ss(d, da, db);
+        wgmma_m64n16k16_ss<TRANS_A>(d, da, db);
     } else {
-        wgmma_m64n32k16_ss(d, da, db);
-    }
-}
-// O^T (64 dims x QROWS) += V^T (64 x 16 tokens, M-major) * P^T (16 x QROWS, K-major).
-template <int QROWS>
-__device__ __forceinline__ void mma_o(float (&d)[QROWS / 2], uint64_t da, uint64_t db) {
-    if constexpr (QROWS == 16) {
-        wgmma_m64n16k16_ss_ta(d, da, db);
-    } else {
-        wgmma_m64n32k16_ss_ta(d, da, db);
+        wgmma_m64n32k16_ss<TRANS_A>(d, da, db);
     }
 }
 
@@ -232,7 +225,7 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         for (int ks = 0; ks < 4 * PIECES; ++ks) {
             const uint32_t off_k = (ks >> 2) * PIECE_BYTES + (ks & 3) * 32;
             const uint32_t off_q = (ks >> 2) * G::Q_PIECE + (ks & 3) * 32;
-            mma_s<QROWS>(s, gmma_desc_add(dk, off_k), gmma_desc_add(dq, off_q));
+            mma_t<QROWS, 0>(s, gmma_desc_add(dk, off_k), gmma_desc_add(dq, off_q));
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -366,7 +359,7 @@ __device__ __forceinline__ void body(const CUtensorMap* tmap, const bf16* __rest
         for (int kk = 0; kk < PAGE / 16; ++kk)
 #pragma unroll
             for (int i = 0; i < VPIECES; ++i)
-                mma_o<QROWS>(o[i], gmma_desc_add(dv, i * PIECE_BYTES + kk * 16 * 128), gmma_desc_add(dp, kk * 32));
+                mma_t<QROWS, 1>(o[i], gmma_desc_add(dv, i * PIECE_BYTES + kk * 16 * 128), gmma_desc_add(dp, kk * 32));
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll

@@ -44,58 +44,35 @@ __device__ __forceinline__ void fence_operands(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// D[64 x 32] (+)= A[64 x 16] (smem, K-major) * B[16 x 32] (smem, K-major), f32 accumulate.
+// D[64 x 32] (+)= A[64 x 16] (smem) * B[16 x 32] (smem, K-major), f32 accumulate. A is
+// K-major, or with TRANS_A = 1 M-major (transposed), which lets a [token][dim] tile serve
+// as A = V^T (M = dims).
+template <int TRANS_A = 0>
 __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
         "setp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n"
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, 0;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(desc_a), "l"(desc_b), "r"(1));
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A));
 }
 
-// D[64 x 16] (+)= A[64 x 16] (smem, K-major) * B[16 x 16] (smem, K-major), f32 accumulate.
+// D[64 x 16] (+)= A[64 x 16] (smem; K-major, or M-major with TRANS_A = 1) * B[16 x 16]
+// (smem, K-major), f32 accumulate.
+template <int TRANS_A = 0>
 __device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b) {
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
         "setp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n"
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-
-// D[64 x 16] (+)= A[64 x 16] (smem, M-major = transposed) * B[16 x 16] (smem, K-major), f32
-// accumulate. The transposed A lets a [token][dim] tile serve as A = V^T (M = dims).
-__device__ __forceinline__ void wgmma_m64n16k16_ss_ta(float (&d)[8], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-
-// D[64 x 32] (+)= A[64 x 16] (smem, M-major = transposed) * B[16 x 32] (smem, K-major), f32
-// accumulate (see wgmma_m64n16k16_ss_ta).
-__device__ __forceinline__ void wgmma_m64n32k16_ss_ta(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(desc_a), "l"(desc_b), "r"(1));
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A));
 }
 
 // D[64 x 256] (+)= A[64 x 16] (registers, mma.sync A-fragment layout per warp) *
