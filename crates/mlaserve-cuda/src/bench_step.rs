@@ -148,13 +148,8 @@ impl fmt::Display for StepBenchReport {
                 100.0 * r.comm_ms / step
             )?;
         }
-        for r in self.rows.iter().filter(|r| !r.profile.is_empty()) {
-            let total: f64 = r.profile.iter().map(|p| p.1).sum();
-            write!(f, "profile batch {} k {} ({total:.2} ms, each phase waited for):", r.batch, r.k)?;
-            for (name, ms) in &r.profile {
-                write!(f, " {name} {ms:.2};")?;
-            }
-            writeln!(f)?;
+        for r in &self.rows {
+            write_profile(f, &format!("batch {} k {}", r.batch, r.k), &r.profile)?;
         }
         if !self.prefill.is_empty() {
             writeln!(f, "prefill: chunks over a cached prefix of {} tokens each", self.context)?;
@@ -179,16 +174,24 @@ impl fmt::Display for StepBenchReport {
                 n / total * 1e3
             )?;
         }
-        for r in self.prefill.iter().filter(|r| !r.profile.is_empty()) {
-            let total: f64 = r.profile.iter().map(|p| p.1).sum();
-            write!(f, "profile prefill {} x {} ({total:.2} ms, each phase waited for):", r.batch, r.tokens)?;
-            for (name, ms) in &r.profile {
-                write!(f, " {name} {ms:.2};")?;
-            }
-            writeln!(f)?;
+        for r in &self.prefill {
+            write_profile(f, &format!("prefill {} x {}", r.batch, r.tokens), &r.profile)?;
         }
         Ok(())
     }
+}
+
+/// One line of phase times (`what` names the measurement); nothing for an empty profile.
+fn write_profile(f: &mut fmt::Formatter<'_>, what: &str, profile: &[(&'static str, f64)]) -> fmt::Result {
+    if profile.is_empty() {
+        return Ok(());
+    }
+    let total: f64 = profile.iter().map(|p| p.1).sum();
+    write!(f, "profile {what} ({total:.2} ms, each phase waited for):")?;
+    for (name, ms) in profile {
+        write!(f, " {name} {ms:.2};")?;
+    }
+    writeln!(f)
 }
 
 /// DeepSeek-V3's configuration with `1 + moe_layers` target layers (the first dense) and
@@ -222,6 +225,19 @@ fn distinct(w: &WeightBytes, tokens: usize) -> f64 {
 
 fn core_err(e: mlaserve_core::Error) -> CudaError {
     CudaError::Shape { kernel: "bench_step", msg: e.to_string() }
+}
+
+/// `b` sequences of `len` made-up tokens at positions `start..`, sequence i on blocks
+/// `i·per..(i + 1)·per`.
+fn chunks(b: usize, len: usize, start: usize, per: usize, vocab: usize, prefill: bool) -> Vec<SeqChunk> {
+    (0..b)
+        .map(|i| SeqChunk {
+            tokens: (0..len).map(|j| ((i * 7919 + j * 131) % vocab) as u32).collect(),
+            start_pos: start,
+            block_table: (i * per..(i + 1) * per).map(|x| x as u32).collect(),
+            prefill,
+        })
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -331,14 +347,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             let window = |len: usize, start: usize| Batch {
                 argmax_rows: if opts.host_logits { vec![] } else { all(len) },
                 sample_rows: vec![],
-                seqs: (0..b)
-                    .map(|i| SeqChunk {
-                        tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
-                        start_pos: start,
-                        block_table: (i * per_seq..(i + 1) * per_seq).map(|x| x as u32).collect(),
-                        prefill: false,
-                    })
-                    .collect(),
+                seqs: chunks(b, len, start, per_seq, cfg.vocab_size, false),
                 logit_rows: if opts.host_logits { all(len) } else { vec![] },
             };
             let target = window(s, opts.context);
@@ -405,14 +414,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         let chunk = Batch {
             argmax_rows: (0..b).map(|i| (i * len + len - 1) as u32).collect(),
             sample_rows: vec![],
-            seqs: (0..b)
-                .map(|i| SeqChunk {
-                    tokens: (0..len).map(|j| ((i * 7919 + j * 131) % cfg.vocab_size) as u32).collect(),
-                    start_pos: opts.context,
-                    block_table: (i * per..(i + 1) * per).map(|x| x as u32).collect(),
-                    prefill: true,
-                })
-                .collect(),
+            seqs: chunks(b, len, opts.context, per, cfg.vocab_size, true),
             logit_rows: vec![],
         };
         let ident: Vec<u32> = (0..(b * len) as u32).collect();

@@ -799,10 +799,10 @@ impl Ops {
         if chunks > u32::MAX as usize || t.n.div_ceil(64) > 65_535 || t.heads > 65_535 {
             return Err(CudaError::shape(K, "grid too large"));
         }
-        let args = [t.m, t.heads, t.k, t.n, t.x_stride, t.y_stride, t.w_kn as usize, rd]
-            .into_iter()
-            .map(|v| i32_of(K, v))
-            .collect::<Result<Vec<i32>>>()?;
+        let mut args = [0i32; 8];
+        for (a, v) in args.iter_mut().zip([t.m, t.heads, t.k, t.n, t.x_stride, t.y_stride, t.w_kn as usize, rd]) {
+            *a = i32_of(K, v)?;
+        }
         let cfg = LaunchConfig {
             grid_dim: (chunks as u32, t.n.div_ceil(64) as u32, t.heads as u32),
             block_dim: (128, 1, 1),

@@ -206,54 +206,52 @@ impl CudaBackend {
         let exact = self.mla.fixed_split_blocks(rows.meta.bt_stride).is_some();
         let fast = MlaDecode::is_fast_path(&probe);
         let fixed = self.opts.decode_kernel && fast && exact;
+        let kernel = self.opts.decode_kernel && (fast || !exact);
         if fixed && rows.uniform.is_none() {
             self.absorbed_runs(&qa_bf16, cache, rows, &mut o_lat, heads, lora, rope, scale)?;
-            self.mark("attention: absorbed kernel")?;
-            self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)?;
-            return self.mark("attention: absorbed q (W_UK), W_UV");
-        }
-        let kernel = self.opts.decode_kernel && (fast || !exact);
-        match rows.uniform.filter(|&ql| kernel && (ql <= 4 || fixed)) {
-            Some(q_len) => {
-                let dims = DecodeDims {
-                    batch: rows.meta.seqs,
-                    heads,
-                    q_len,
-                    dlat: lora,
-                    drope: rope,
-                    bt_stride: rows.meta.bt_stride,
-                };
-                let num_splits = rows.splits.unwrap_or_else(|| self.mla.num_splits(&dims, rows.meta.max_pos + 1));
-                let mut ws = self.mla.workspace(s, &dims, num_splits)?;
-                let mut lse = s.alloc_zeros::<f32>(n * heads)?;
-                let shape = MlaDecodeShape { dims, num_blocks: self.opts.num_blocks, num_splits, scale };
-                self.mla.launch(
-                    s,
-                    &shape,
-                    &qa_bf16,
-                    cache,
-                    rows.tables,
-                    rows.seq_lens,
-                    &mut o_lat,
-                    &mut lse,
-                    &mut ws,
-                )?;
-            }
-            None => {
-                self.ops.attn_varlen(
-                    s,
-                    &mut o_lat,
-                    &qa,
-                    cache,
-                    rows.tables,
-                    rows.row_seq,
-                    rows.pos,
-                    &rows.meta,
-                    heads,
-                    lora,
-                    rope,
-                    scale,
-                )?;
+        } else {
+            match rows.uniform.filter(|&ql| kernel && (ql <= 4 || fixed)) {
+                Some(q_len) => {
+                    let dims = DecodeDims {
+                        batch: rows.meta.seqs,
+                        heads,
+                        q_len,
+                        dlat: lora,
+                        drope: rope,
+                        bt_stride: rows.meta.bt_stride,
+                    };
+                    let num_splits = rows.splits.unwrap_or_else(|| self.mla.num_splits(&dims, rows.meta.max_pos + 1));
+                    let mut ws = self.mla.workspace(s, &dims, num_splits)?;
+                    let mut lse = s.alloc_zeros::<f32>(n * heads)?;
+                    let shape = MlaDecodeShape { dims, num_blocks: self.opts.num_blocks, num_splits, scale };
+                    self.mla.launch(
+                        s,
+                        &shape,
+                        &qa_bf16,
+                        cache,
+                        rows.tables,
+                        rows.seq_lens,
+                        &mut o_lat,
+                        &mut lse,
+                        &mut ws,
+                    )?;
+                }
+                None => {
+                    self.ops.attn_varlen(
+                        s,
+                        &mut o_lat,
+                        &qa,
+                        cache,
+                        rows.tables,
+                        rows.row_seq,
+                        rows.pos,
+                        &rows.meta,
+                        heads,
+                        lora,
+                        rope,
+                        scale,
+                    )?;
+                }
             }
         }
         self.mark("attention: absorbed kernel")?;
