@@ -28,7 +28,10 @@
 // 16-byte chunk index XOR (row & 7), so ldmatrix's 8 row addresses hit 8 different bank
 // groups. Needs k % 8 == 0 (16-byte rows), 16-byte aligned x and weights, and k ranges
 // starting at multiples of 8; k past the range's end is zero-filled.
+#include <cuda.h>  // CUtensorMap
+
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace gtc {
 constexpr int BN = 64, BK = 64, MT = 4, ROWS = MT * 16, STAGES = 3, THREADS = 128;
@@ -329,6 +332,277 @@ __device__ void linear_tc_big(T* __restrict__ y, float* __restrict__ part, const
     }
 }
 
+// linear_tc on Hopper's warpgroup MMA (linear_wg_*, sm_90a only): the same tiles,
+// swizzled cp.async ring and k ranges as linear_tc, but each warpgroup runs wgmma
+// m64nBNk16 on 64 rows × BN columns straight from shared memory (the [row][64] tiles
+// with chunk ^ (row & 7) are wgmma's 128-byte-swizzle K-major layout, 1024-byte aligned).
+// BM = 64 (one warpgroup; m ≤ 64) or 128 (two). The ring has 4 stages, loads run 2
+// ahead, and one wgmma group stays in flight while the next stage's copies are issued.
+// An output element starts at zero and takes the wgmma of each k16 group of its range
+// from the range's start up, whatever BM, BN or the row's place in the tile: the bits of
+// a row depend on that row and the weight only.
+//
+// k ranges: grid.y = ksplit blocks each run range blockIdx.y and, with ksplit > 1, write
+// an f32 partial that linear_tc_reduce sums in range order. With `seq` = 1 (grid.y = 1,
+// for calls with rows enough to fill the chip) one block runs every range in turn into a
+// fresh accumulator and folds it into the total as the reduce would: total = p0, then
+// total += p1, += p2 ..., so both give the same bits and the partials never reach memory.
+template <int BN>
+struct WgAcc;
+template <>
+struct WgAcc<64> {
+    static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t b) { wgmma_m64n64k16_ss(d, a, b); }
+};
+template <>
+struct WgAcc<128> {
+    static __device__ __forceinline__ void mma(float (&d)[64], uint64_t a, uint64_t b) { wgmma_m64n128k16_ss(d, a, b); }
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Dynamic shared memory of the warpgroup tiles: STAGES · (BM + BN) · BK bf16 + 1024 bytes
+// of alignment slack (the host's `wg_smem`).
+namespace gwg {
+constexpr int BK = gtc::BK, STAGES = 4, CHUNKS = BK / 8;
+}
+
+// Rows [0, nr) of xr (k wide) times columns [n0, n0 + BN) of w ([n][k]) over the k ranges
+// [r0, r1) of kchunk each (a multiple of BK; the last range ends at k), into acc: the last
+// range's sum, or with `seq` the fold of every range's sum into tot (tot = p0, += p1 ..).
+// sbase: the 1024-byte-aligned ring. Starts with a barrier (a previous tile may still read
+// the ring) and leaves no copy or wgmma in flight.
+template <int BM, int BN>
+__device__ __forceinline__ void wg_tile(float (&acc)[BN / 2], float (&tot)[BN / 2], uint32_t sbase,
+                                        const bf16* __restrict__ xr, int nr, const bf16* __restrict__ w, int n0,
+                                        int n, int k, int kchunk, int r0, int r1, bool seq) {
+    using namespace gwg;
+    constexpr int THREADS = BM / 64 * 128, NACC = BN / 2, STAGE = (BM + BN) * BK * 2;  // bytes per stage
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int steps_per = kchunk / BK;
+    const int total_steps = (min(k, r1 * kchunk) - r0 * kchunk + BK - 1) / BK;
+    // Global step g: range r0 + g / steps_per, k from its start; past the range's end
+    // (the last range, k not a multiple of BK) or past n zero-filled.
+    auto load = [&](int g, int st) {
+        const int r = r0 + g / steps_per, kk0 = r * kchunk + (g % steps_per) * BK, kr1 = min(k, (r + 1) * kchunk);
+        const uint32_t wdst = sbase + st * STAGE, xdst = wdst + BN * BK * 2;
+#pragma unroll
+        for (int j = 0; j < BN * CHUNKS / THREADS; ++j) {
+            const int i = tid + j * THREADS, row = i / CHUNKS, c = i % CHUNKS, kk = kk0 + c * 8;
+            const bool ok = n0 + row < n && kk < kr1;
+            const bf16* src = ok ? w + static_cast<size_t>(n0 + row) * k + kk : w;
+            cp_async_16(wdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
+        }
+        // Only the nr real rows: wgmma reads all BM, but an output row depends on its own
+        // row of x alone, and rows ≥ nr are never stored, so they may hold anything.
+        for (int i = tid; i < nr * CHUNKS; i += THREADS) {
+            const int row = i / CHUNKS, c = i % CHUNKS, kk = kk0 + c * 8;
+            const bool ok = kk < kr1;
+            const bf16* src = ok ? xr + static_cast<size_t>(row) * k + kk : xr;
+            cp_async_16(xdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = tot[i] = 0.f;
+    __syncthreads();  // the previous tile's last reads of the ring are done
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < total_steps) load(s, s);
+        cp_async_commit();
+    }
+    for (int g = 0; g < total_steps; ++g) {
+        cp_async_wait<STAGES - 3>();  // step g has landed for this thread
+        fence_proxy_async_smem();      // ... and is visible to wgmma
+        __syncthreads();               // for every thread; wgmma of step g - 2 is done everywhere
+        if (g + STAGES - 2 < total_steps) load(g + STAGES - 2, (g + STAGES - 2) % STAGES);
+        cp_async_commit();
+        const uint32_t wsb = sbase + (g % STAGES) * STAGE, xsb = wsb + BN * BK * 2;
+        const uint64_t da = gmma_desc_sw128(xsb + wg * 64 * BK * 2, 16, 1024), db = gmma_desc_sw128(wsb, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) WgAcc<BN>::mma(acc, gmma_desc_add(da, k16 * 32), gmma_desc_add(db, k16 * 32));
+        wgmma_commit();
+        if (seq && ((g + 1) % steps_per == 0 || g + 1 == total_steps)) {
+            // Fold the range's sum into the total; the next range starts at zero.
+            wgmma_wait<0>();
+            fence_operands(acc);
+            const bool first = g + 1 <= steps_per;
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) {
+                tot[i] = first ? acc[i] : tot[i] + acc[i];
+                acc[i] = 0.f;
+            }
+        } else {
+            wgmma_wait<1>();
+        }
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
+    cp_async_wait<0>();
+}
+
+// Rows [0, nr) of a tile into rows base.. of y (`n` wide; columns ≥ n masked), from the
+// warpgroup whose 64 rows start at tile row `wrow`. Fragment j of v: columns n0 + 8·(j /
+// 4) + 2·(lane % 4) (+1), row wrow + 16·warp + lane / 4 (+8 for j % 4 ≥ 2).
+template <typename T, int BN>
+__device__ __forceinline__ void wg_store(const float (&v)[BN / 2], T* __restrict__ y, size_t base, int nr, int n0,
+                                         int n, int wrow) {
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int col = n0 + 8 * j + 2 * (lane & 3);
+        const int row = wrow + warp * 16 + (lane >> 2);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = row + 8 * half;
+            if (r < nr) gtc_store(y, base + r, col, n, v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
+        }
+    }
+}
+#endif
+
+template <typename T, int BM, int BN>
+__device__ void linear_wg(T* __restrict__ y, float* __restrict__ part, const bf16* __restrict__ x,
+                          const bf16* __restrict__ w, int m, int n, int k, int kchunk, int seq) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char gwg_smem[];
+    const uint32_t sbase = (smem_u32(gwg_smem) + 1023u) & ~1023u;
+    const int base = blockIdx.x * BM, n0 = blockIdx.z * BN;
+    const int nr = min(BM, m - base);
+    if (nr <= 0) return;
+    // seq: every k range here in turn; else range blockIdx.y.
+    const int ranges = (k + kchunk - 1) / kchunk;
+    const int r0 = seq ? 0 : blockIdx.y, r1 = seq ? ranges : blockIdx.y + 1;
+    float acc[BN / 2], tot[BN / 2];
+    wg_tile<BM, BN>(acc, tot, sbase, x + static_cast<size_t>(base) * k, nr, w, n0, n, k, kchunk, r0, r1, seq != 0);
+    const int wrow = 64 * (threadIdx.x >> 7);
+    if (seq)
+        wg_store<T, BN>(tot, y, base, nr, n0, n, wrow);
+    else if (gridDim.y > 1)
+        wg_store<float, BN>(acc, part + static_cast<size_t>(blockIdx.y) * m * n, base, nr, n0, n, wrow);
+    else
+        wg_store<T, BN>(acc, y, base, nr, n0, n, wrow);
+#else
+    __trap();
+#endif
+}
+
+// linear_wg with TMA and warp specialisation (linear_wgt_*, sm_90a only): the same
+// tiles, k ranges, `seq` folding and wgmma sequence as linear_wg (so the same bits), but
+// the copies are the TMA unit's: warpgroup 0 (one thread) fills a 5-stage ring of
+// [row][64] tiles (the tensor maps' 128-byte swizzle is wgmma's layout; rows past m or n
+// and k past its end arrive as zeros) and signals each stage on its `full` barrier; the
+// BM / 64 consumer warpgroups each run 64 rows × BN through wgmma and free a stage on its
+// `empty` barrier once their wgmma on it has completed, one group kept in flight.
+// Tensor maps: x [m][k] (box 64 × BM) and w [n][k] (box 64 × BN), bf16, as
+// `const __grid_constant__` parameters.
+template <typename T, int BM, int BN>
+__device__ void linear_wgt(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y, float* __restrict__ part,
+                           int m, int n, int k, int kchunk, int seq) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BK = 64, STAGES = 5;  // the host's `wgt_smem`
+    constexpr int NACC = BN / 2, TILE_W = BN * BK * 2, STAGE = (BM + BN) * BK * 2, CONSUMERS = BM / 64 * 128;
+    extern __shared__ __align__(1024) unsigned char gwt_smem[];
+    const uint32_t sbase = (smem_u32(gwt_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + STAGES * STAGE, empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int base = blockIdx.x * BM, n0 = blockIdx.z * BN;
+    const int nr = min(BM, m - base);
+    if (nr <= 0) return;
+    const int ranges = (k + kchunk - 1) / kchunk;
+    const int r0 = seq ? 0 : blockIdx.y, r1 = seq ? ranges : blockIdx.y + 1;
+    const int steps_per = kchunk / BK;
+    const int total_steps = (min(k, r1 * kchunk) - r0 * kchunk + BK - 1) / BK;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, CONSUMERS);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        if (tid == 0) {
+            for (int g = 0; g < total_steps; ++g) {
+                const int st = g % STAGES;
+                if (g >= STAGES) mbar_wait(empty + 8 * st, ((g / STAGES) - 1) & 1);
+                const int kk = (r0 + g / steps_per) * kchunk + (g % steps_per) * BK;
+                mbar_arrive_expect_tx(full + 8 * st, STAGE);
+                tma_load_2d(sbase + st * STAGE, tw, kk, n0, full + 8 * st);
+                tma_load_2d(sbase + st * STAGE + TILE_W, tx, kk, base, full + 8 * st);
+            }
+        }
+        return;
+    }
+    const int cw = wg - 1;  // consumer warpgroup: rows 64·cw ..
+    float acc[NACC], tot[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = tot[i] = 0.f;
+    bool prev_free = true;  // step g - 1's stage already handed back
+    for (int g = 0; g < total_steps; ++g) {
+        const int st = g % STAGES;
+        mbar_wait(full + 8 * st, (g / STAGES) & 1);
+        const uint32_t ws = sbase + st * STAGE;
+        const uint64_t da = gmma_desc_sw128(ws + TILE_W + cw * 64 * BK * 2, 16, 1024), db = gmma_desc_sw128(ws, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) WgAcc<BN>::mma(acc, gmma_desc_add(da, k16 * 32), gmma_desc_add(db, k16 * 32));
+        wgmma_commit();
+        const int prev = (g + STAGES - 1) % STAGES;
+        if (seq && ((g + 1) % steps_per == 0 || g + 1 == total_steps)) {
+            wgmma_wait<0>();
+            fence_operands(acc);
+            if (!prev_free) mbar_arrive(empty + 8 * prev);
+            mbar_arrive(empty + 8 * st);
+            prev_free = true;
+            const bool first = g + 1 <= steps_per;
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) {
+                tot[i] = first ? acc[i] : tot[i] + acc[i];
+                acc[i] = 0.f;
+            }
+        } else {
+            wgmma_wait<1>();  // step g - 1's wgmma has completed: its stage is free
+            if (!prev_free) mbar_arrive(empty + 8 * prev);
+            prev_free = false;
+        }
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
+    if (seq)
+        wg_store<T, BN>(tot, y, base, nr, n0, n, 64 * cw);
+    else if (gridDim.y > 1)
+        wg_store<float, BN>(acc, part + static_cast<size_t>(blockIdx.y) * m * n, base, nr, n0, n, 64 * cw);
+    else
+        wg_store<T, BN>(acc, y, base, nr, n0, n, 64 * cw);
+#else
+    __trap();
+#endif
+}
+
+// The MoE experts on the warpgroup tile (moe_grouped_wg_*, sm_90a only): as
+// moe_grouped_tc_* (grid = (ceil(n / BN), experts), a block takes its expert's rows 64 at
+// a time against BN = 128 columns of its weight), one warpgroup of wgmma per block.
+template <typename T>
+__device__ void grouped_wg(T* __restrict__ y, const bf16* __restrict__ x, const bf16* const* __restrict__ w,
+                           const int* __restrict__ experts, const int* __restrict__ off, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BN = 128;
+    extern __shared__ __align__(1024) unsigned char gwg_smem[];
+    const uint32_t sbase = (smem_u32(gwg_smem) + 1023u) & ~1023u;
+    const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
+    if (r0 >= r1) return;  // the whole block: no row for this expert
+    const int n0 = blockIdx.x * BN, kchunk = (k + gwg::BK - 1) / gwg::BK * gwg::BK;
+    const bf16* we = w[experts ? experts[g] : g];
+    for (int base = r0; base < r1; base += 64) {
+        const int nr = min(64, r1 - base);
+        float acc[BN / 2], tot[BN / 2];
+        wg_tile<64, BN>(acc, tot, sbase, x + static_cast<size_t>(base) * k, nr, we, n0, n, k, kchunk, 0, 1, false);
+        wg_store<T, BN>(acc, y, base, nr, n0, n, 64 * (threadIdx.x >> 7));
+    }
+#else
+    __trap();
+#endif
+}
+
 #define LINEAR_TC(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(gtc::THREADS)                                             \
         NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk) {           \
@@ -344,6 +618,35 @@ LINEAR_TC(linear_tc_bf16_of32, float)
     }
 LINEAR_TC_BIG(linear_tc_big_bf16_obf16, bf16, 128)
 LINEAR_TC_BIG(linear_tc_big_bf16_of32, float, 128)
+
+#define LINEAR_WG(NAME, T, BM, BN)                                                                           \
+    extern "C" __global__ void __launch_bounds__(BM / 64 * 128)                                            \
+        NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk, int seq) {  \
+        linear_wg<T, BM, BN>(y, part, x, w, m, n, k, kchunk, seq);                                          \
+    }
+LINEAR_WG(linear_wg64_bf16_obf16, bf16, 64, 64)
+LINEAR_WG(linear_wg64_bf16_of32, float, 64, 64)
+LINEAR_WG(linear_wg128_bf16_obf16, bf16, 128, 128)
+LINEAR_WG(linear_wg128_bf16_of32, float, 128, 128)
+
+#define MOE_GROUPED_WG(NAME, T)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) NAME(T* y, const bf16* x, const bf16* const* w,         \
+                                                           const int* experts, const int* off, int n, int k) { \
+        grouped_wg<T>(y, x, w, experts, off, n, k);                                                           \
+    }
+MOE_GROUPED_WG(moe_grouped_wg_bf16_obf16, bf16)
+MOE_GROUPED_WG(moe_grouped_wg_bf16_of32, float)
+
+#define LINEAR_WGT(NAME, T, BM, BN)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128 + BM / 64 * 128, 1)                                         \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, float* part, \
+             int m, int n, int k, int kchunk, int seq) {                                                        \
+        linear_wgt<T, BM, BN>(&tx, &tw, y, part, m, n, k, kchunk, seq);                                          \
+    }
+LINEAR_WGT(linear_wgt64_bf16_obf16, bf16, 64, 128)
+LINEAR_WGT(linear_wgt64_bf16_of32, float, 64, 128)
+LINEAR_WGT(linear_wgt128_bf16_obf16, bf16, 128, 128)
+LINEAR_WGT(linear_wgt128_bf16_of32, float, 128, 128)
 
 // y[i] = part[0][i] + part[1][i] + ... + part[ksplit - 1][i] in that order, for i < len
 // (= m·n); four elements per thread.

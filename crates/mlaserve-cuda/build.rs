@@ -31,6 +31,9 @@ const NO_SPILL_PREFIXES: &[&str] = &[
     "moe_grouped_tc",
     "linear_tc",
     "heads_tc",
+    "router_f32",
+    "linear_wg",
+    "moe_grouped_wg",
 ];
 
 fn main() {

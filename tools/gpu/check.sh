@@ -206,7 +206,7 @@ fi
 # hang in one cannot hide the others), then memcheck on the tests that touch every
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
-    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_kernels gpu_prefill gpu_sample routing_margins mlaserve_cuda; do
+    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample routing_margins mlaserve_cuda; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
@@ -217,7 +217,9 @@ if [[ "$mode" == backend ]]; then
     for spec in gpu_backend:tiny_v3_matches_cpu_default_options gpu_backend:tiny_v3_matches_cpu_batch_invariant \
         gpu_ops:small_backend_ops_match_reference gpu_prefill:kernel_matches_reference_small_dims \
         gpu_prefill:expanded_path_from_paged_cache_matches_reference gpu_ops:grouped_experts_tensor_core_match_reference \
-        gpu_sample:sample_kernel_matches_core_rule gpu_graphs:decode_steps_through_graphs_equal_eager; do
+        gpu_sample:sample_kernel_matches_core_rule gpu_graphs:decode_steps_through_graphs_equal_eager \
+        gpu_router:router_logits_small_shapes_match_reference \
+        gpu_ops:gemm_matches_reference_and_invariant_mode_is_batch_invariant; do
         t="$gpu_dir/tests/${spec%%:*}"
         step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1
@@ -237,6 +239,7 @@ if [[ "$mode" == backend ]]; then
         grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9]+ |graph|eager|^bench|ceiling|^prefill" | head -48
         echo "---- measured (from tests.log)"
         grep -E " rel |differ|tokens in|tokens/s|speed-up|alone ==|ids (exact|DIFFER)|panicked" "$out/tests.log" | head -90
+        grep -E "^router (timing|m=.*warp kernel)" "$out/tests.log" | head -8
         grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head -10
     } | tee "$out/summary.txt"
     exit "$failures"

@@ -11,7 +11,8 @@
 //! [`prefill::MlaPrefill`] the expanded-form prefill attention,
 //! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`sample`] the
 //! sampling rule on the device, [`ops`] and
-//! [`linear`] the forward pass's kernels and projections, [`CudaBackend`] the
+//! [`linear`] the forward pass's kernels and projections, [`router`] the MoE router's
+//! batch-invariant f32 logits, [`CudaBackend`] the
 //! `mlaserve_core::Backend` on one GPU, [`check`] the
 //! kernel-vs-reference checks and [`bench`] / [`bench_prefill`] the roofline benchmarks.
 
@@ -47,6 +48,8 @@ pub mod linear;
 mod mla_decode;
 #[cfg(feature = "cuda")]
 pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod router;
 #[cfg(feature = "cuda")]
 pub mod sample;
 

@@ -18,6 +18,7 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
+use crate::mla_decode::TensorMapArg;
 use crate::ops::need;
 use crate::plan;
 
@@ -71,6 +72,87 @@ const TC_PARTIAL_BYTES: usize = 64 << 20;
 const TC_BIG: usize = 128;
 /// `linear_tc_big`'s dynamic shared memory: 3 stages of 128 rows of x and of W, 64 bf16 each.
 const TC_BIG_SMEM: usize = 3 * 2 * TC_BIG * plan::TC_BK * 2;
+/// `linear_wg*`'s dynamic shared memory for `rows` × `rows` tiles: 4 stages of x and W
+/// rows of 64 bf16, plus 1024 bytes to align the swizzle atoms.
+const fn wg_smem(rows: usize) -> usize {
+    4 * 2 * rows * plan::TC_BK * 2 + 1024
+}
+/// `linear_wgt*`'s dynamic shared memory for `rows` × 128 tiles: 5 stages of x and W rows
+/// of 64 bf16, their 10 barriers, and 1024 bytes to align the swizzle atoms.
+const fn wgt_smem(rows: usize) -> usize {
+    5 * (rows + TC_BIG) * plan::TC_BK * 2 + 10 * 8 + 1024
+}
+
+/// `TcKernels::Auto` runs mma.sync up to this many rows (H200: at 8 rows it was 8% faster
+/// over V3's projections than the TMA kernel, at 64 rows 18% slower).
+pub const TC_SMALL_ROWS: usize = 16;
+
+/// Which kernels run [`GemmMode::InvariantTc`]. Every one adds the same bf16 products in
+/// the same k16 groups in the same order into f32; on an H200 mma.sync and wgmma round
+/// them alike (`gpu_ops::gemm_matches_reference_and_invariant_mode_is_batch_invariant`
+/// asserts it, 0 of 7.3 million outputs differ), which is what lets `Auto` choose by
+/// row count and stay batch-invariant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcKernels {
+    /// Hopper: mma.sync (`linear_tc`) up to [`TC_SMALL_ROWS`] rows, where it measured
+    /// fastest, wgmma with TMA above.
+    Auto,
+    /// mma.sync (`linear_tc`, `linear_tc_big`): every GPU.
+    MmaSync,
+    /// wgmma with cp.async copies (`linear_wg*`): Hopper.
+    Wgmma,
+    /// wgmma with TMA copies and a producer warpgroup (`linear_wgt*`): Hopper.
+    WgmmaTma,
+}
+
+impl TcKernels {
+    /// The best the GPU has, unless `MLASERVE_LINEAR_TC` names one (`mma.sync`, `wgmma`,
+    /// `tma`; for comparisons).
+    pub fn for_gpu(gpu: &Gpu) -> Self {
+        let hopper = gpu.compute_capability == (9, 0);
+        match std::env::var("MLASERVE_LINEAR_TC").as_deref() {
+            _ if !hopper => TcKernels::MmaSync,
+            Ok("mma.sync") => TcKernels::MmaSync,
+            Ok("wgmma") => TcKernels::Wgmma,
+            Ok("tma") => TcKernels::WgmmaTma,
+            _ => TcKernels::Auto,
+        }
+    }
+}
+
+/// A 2-D bf16 tensor map of a row-major `[outer][inner]` matrix at `ptr`, boxes of 64
+/// (128 bytes, the swizzle span) × `box_outer` rows, 128-byte swizzle; out-of-range
+/// elements read as zero.
+fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result<TensorMapArg> {
+    use cudarc::driver::sys;
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    let dims: [u64; 2] = [inner as u64, outer as u64];
+    let strides: [u64; 1] = [(inner * 2) as u64];
+    let boxes: [u32; 2] = [64, box_outer];
+    let elem_strides: [u32; 2] = [1, 1];
+    // SAFETY: every pointer refers to a live local array of the rank (2) the call is
+    // given; the global address is a device allocation of at least outer × inner bf16
+    // (the callers' checked lengths), 16-byte aligned, its row stride a multiple of 16
+    // (inner % 8 == 0); the map is written in place.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+        Ok(TensorMapArg(map.assume_init()))
+    }
+}
 
 /// Output element of a projection: f32 (residual stream, logits) or bf16 (the next
 /// GEMM's input).
@@ -105,6 +187,14 @@ pub struct Gemm {
     tc_reduce_bf16: CudaFunction,
     tc_big_f32: CudaFunction,
     tc_big_bf16: CudaFunction,
+    /// The warpgroup-MMA kernels (sm_90 only): 64-row tile [f32, bf16], 128-row tile
+    /// [f32, bf16].
+    wg: Option<[CudaFunction; 4]>,
+    /// The TMA ones (sm_90 only), in the same order.
+    wgt: Option<[CudaFunction; 4]>,
+    /// The kernels of `InvariantTc` ([`TcKernels::for_gpu`]); set it only before the first
+    /// call (a process's results stay batch-invariant only with one kind).
+    pub tc_kernels: TcKernels,
     /// `linear_tc` runs its 128 × 128 tile (`linear_tc_big`) for calls of more rows than
     /// this, its 64 × 64 tile for the others (the same bits either way).
     pub large_from: usize,
@@ -112,12 +202,16 @@ pub struct Gemm {
     pub mode: GemmMode,
 }
 
-/// A `linear_tc_big` entry, allowed its dynamic shared memory.
-fn big(m: &std::sync::Arc<cudarc::driver::CudaModule>, name: &str) -> Result<CudaFunction> {
+/// A kernel entry allowed `smem` bytes of dynamic shared memory.
+pub(crate) fn with_smem(
+    m: &std::sync::Arc<cudarc::driver::CudaModule>,
+    name: &str,
+    smem: usize,
+) -> Result<CudaFunction> {
     let f = m.load_function(name)?;
     f.set_attribute(
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        TC_BIG_SMEM as i32,
+        smem as i32,
     )?;
     Ok(f)
 }
@@ -143,8 +237,29 @@ impl Gemm {
             inv_bf16: m.load_function("linear_inv_bf16_obf16")?,
             tc_f32: tc.load_function("linear_tc_bf16_of32")?,
             tc_bf16: tc.load_function("linear_tc_bf16_obf16")?,
-            tc_big_f32: big(&tc, "linear_tc_big_bf16_of32")?,
-            tc_big_bf16: big(&tc, "linear_tc_big_bf16_obf16")?,
+            tc_big_f32: with_smem(&tc, "linear_tc_big_bf16_of32", TC_BIG_SMEM)?,
+            tc_big_bf16: with_smem(&tc, "linear_tc_big_bf16_obf16", TC_BIG_SMEM)?,
+            wg: if gpu.compute_capability == (9, 0) {
+                Some([
+                    with_smem(&tc, "linear_wg64_bf16_of32", wg_smem(TC_ROWS))?,
+                    with_smem(&tc, "linear_wg64_bf16_obf16", wg_smem(TC_ROWS))?,
+                    with_smem(&tc, "linear_wg128_bf16_of32", wg_smem(TC_BIG))?,
+                    with_smem(&tc, "linear_wg128_bf16_obf16", wg_smem(TC_BIG))?,
+                ])
+            } else {
+                None
+            },
+            wgt: if gpu.compute_capability == (9, 0) {
+                Some([
+                    with_smem(&tc, "linear_wgt64_bf16_of32", wgt_smem(TC_ROWS))?,
+                    with_smem(&tc, "linear_wgt64_bf16_obf16", wgt_smem(TC_ROWS))?,
+                    with_smem(&tc, "linear_wgt128_bf16_of32", wgt_smem(TC_BIG))?,
+                    with_smem(&tc, "linear_wgt128_bf16_obf16", wgt_smem(TC_BIG))?,
+                ])
+            } else {
+                None
+            },
+            tc_kernels: TcKernels::for_gpu(gpu),
             large_from: TC_ROWS,
             tc_reduce_f32: tc.load_function("linear_tc_reduce_of32")?,
             tc_reduce_bf16: tc.load_function("linear_tc_reduce_obf16")?,
@@ -237,30 +352,51 @@ impl Gemm {
                 // More rows than `large_from`: the 128 × 128 tile (the same bits per row).
                 let large = m > self.large_from;
                 let red = if T::BF16 { &self.tc_reduce_bf16 } else { &self.tc_reduce_f32 };
-                let f = match (T::BF16, large) {
-                    (true, false) => &self.tc_bf16,
-                    (false, false) => &self.tc_f32,
-                    (true, true) => &self.tc_big_bf16,
-                    (false, true) => &self.tc_big_f32,
+                let kinds = match self.tc_kernels {
+                    TcKernels::Wgmma => self.wg.as_ref().map(|w| (w, false)),
+                    TcKernels::WgmmaTma => self.wgt.as_ref().map(|w| (w, true)),
+                    TcKernels::Auto if m > TC_SMALL_ROWS => self.wgt.as_ref().map(|w| (w, true)),
+                    TcKernels::Auto | TcKernels::MmaSync => None,
                 };
-                let (tile_rows, tile_cols, threads, smem) =
-                    if large { (TC_BIG, TC_BIG, 256, TC_BIG_SMEM) } else { (TC_ROWS, plan::TC_BN, 128, 0) };
+                let (wg, tma) = (kinds.map(|k| k.0), kinds.is_some_and(|k| k.1));
+                let f = match (wg, T::BF16, large) {
+                    (None, true, false) => &self.tc_bf16,
+                    (None, false, false) => &self.tc_f32,
+                    (None, true, true) => &self.tc_big_bf16,
+                    (None, false, true) => &self.tc_big_f32,
+                    (Some(w), bf, large) => &w[2 * large as usize + bf as usize],
+                };
+                let (tile_rows, tile_cols, threads, smem) = match (wg.is_some(), tma, large) {
+                    (false, _, false) => (TC_ROWS, plan::TC_BN, 128, 0),
+                    (false, _, true) => (TC_BIG, TC_BIG, 256, TC_BIG_SMEM),
+                    (true, false, false) => (TC_ROWS, plan::TC_BN, 128, wg_smem(TC_ROWS)),
+                    (true, false, true) => (TC_BIG, TC_BIG, 256, wg_smem(TC_BIG)),
+                    (true, true, false) => (TC_ROWS, TC_BIG, 256, wgt_smem(TC_ROWS)),
+                    (true, true, true) => (TC_BIG, TC_BIG, 384, wgt_smem(TC_BIG)),
+                };
+                // The weight's tensor map (TMA kernels): its rows in boxes of a column tile.
+                let tw = if tma { Some(tensor_map_2d(wp, lin.inp, lin.out, tile_cols as u32)?) } else { None };
                 let col_blocks = lin.out.div_ceil(tile_cols);
                 if col_blocks > 65_535 {
                     return Err(CudaError::shape(K, "too many columns for linear_tc"));
                 }
-                // Rows per launch: all of them without split-K, else as many row tiles as
+                // The warpgroup kernels run a weight's k ranges one after another in one
+                // block (`seq`, the same bits as the partials' reduce) when the row tiles
+                // alone fill the chip: no partials in memory.
+                let seq = wg.is_some() && ksplit > 1 && m.div_ceil(tile_rows) * col_blocks >= self.num_sms;
+                let split = if seq { 1 } else { ksplit };
+                // Rows per launch: all of them without partials, else as many row tiles as
                 // fit TC_PARTIAL_BYTES of partials.
-                let slab = if ksplit == 1 {
+                let slab = if split == 1 {
                     m
                 } else {
-                    (TC_PARTIAL_BYTES / (ksplit * lin.out * 4)).max(tile_rows) / tile_rows * tile_rows
+                    (TC_PARTIAL_BYTES / (split * lin.out * 4)).max(tile_rows) / tile_rows * tile_rows
                 };
-                let mut part = if ksplit > 1 {
+                let mut part = if split > 1 {
                     // SAFETY: every element a launch's reduce reads (ksplit × rows × out) is
                     // written by that launch's linear_tc first (each block stores all of its
                     // rows < rows and columns < out, zeros for an empty k range).
-                    Some(unsafe { s.alloc::<f32>(ksplit * slab.min(m) * lin.out) }?)
+                    Some(unsafe { s.alloc::<f32>(split * slab.min(m) * lin.out) }?)
                 } else {
                     None
                 };
@@ -272,7 +408,7 @@ impl Gemm {
                     }
                     None => (0, None),
                 };
-                let (kc, ks) = (kchunk as i32, ksplit as u32);
+                let (kc, ks, seq_i) = (kchunk as i32, split as u32, seq as i32);
                 let in_bytes = std::mem::size_of::<bf16>() as u64;
                 let out_bytes = std::mem::size_of::<T>() as u64;
                 let mut r0 = 0;
@@ -290,28 +426,36 @@ impl Gemm {
                         block_dim: (threads, 1, 1),
                         shared_mem_bytes: smem as u32,
                     };
-                    // SAFETY: linear_tc_*/linear_tc_big_*(y, part, x, w, m, n, k, kchunk)
-                    // (the latter with its dynamic shared memory, allowed at load) reads x rows r0..
-                    // (rows × inp, in bounds: r0 + rows <= m, lengths checked above) and w
-                    // (out × inp). With grid.y = 1 (part null) it writes y[row][col] for
-                    // row < rows, col < out only; with grid.y = ksplit > 1 block (.., ks,
-                    // ..) writes part[ks][row][col] (ksplit × rows × out f32, within the
-                    // ksplit × slab × out allocation) and never y. Rows are 16-byte
+                    let tx = match tw {
+                        Some(_) => Some(tensor_map_2d(xr, lin.inp, rows, tile_rows as u32)?),
+                        None => None,
+                    };
+                    let mut launch = s.launch_builder(f);
+                    match (&tx, &tw) {
+                        (Some(tx), Some(tw)) => {
+                            launch.arg(tx).arg(tw).arg(&yr).arg(&pp).arg(&ri).arg(&ni).arg(&ki).arg(&kc).arg(&seq_i)
+                        }
+                        _ => {
+                            launch.arg(&yr).arg(&pp).arg(&xr).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kc);
+                            if wg.is_some() {
+                                launch.arg(&seq_i);
+                            }
+                            &mut launch
+                        }
+                    };
+                    // SAFETY: linear_tc_*/linear_tc_big_*(y, part, x, w, m, n, k, kchunk),
+                    // linear_wg*(.., kchunk, seq) and linear_wgt*(tx, tw, y, part, m, n, k,
+                    // kchunk, seq) (tensor maps of exactly these x rows and w, made just
+                    // above; with their dynamic shared memory, allowed at load) read x rows r0.. (rows × inp, in bounds: r0 + rows <= m,
+                    // lengths checked above) and w (out × inp). With grid.y = 1 (part null)
+                    // they write y[row][col] for row < rows, col < out only (linear_wg with
+                    // seq = 1 runs every k range itself); with grid.y = ksplit > 1 block
+                    // (.., ks, ..) writes part[ks][row][col] (ksplit × rows × out f32, within
+                    // the ksplit × slab × out allocation) and never y. Rows are 16-byte
                     // aligned: inp % 8 == 0, cudarc buffers are 256-byte aligned, and k
                     // ranges start at multiples of 64.
-                    unsafe {
-                        s.launch_builder(f)
-                            .arg(&yr)
-                            .arg(&pp)
-                            .arg(&xr)
-                            .arg(&wp)
-                            .arg(&ri)
-                            .arg(&ni)
-                            .arg(&ki)
-                            .arg(&kc)
-                            .launch(cfg)
-                    }?;
-                    if ksplit > 1 {
+                    unsafe { launch.launch(cfg) }?;
+                    if split > 1 {
                         let len = (rows * lin.out) as u64;
                         let blocks = (rows * lin.out).div_ceil(4 * 256);
                         let rcfg = LaunchConfig {
@@ -319,7 +463,7 @@ impl Gemm {
                             block_dim: (256, 1, 1),
                             shared_mem_bytes: 0,
                         };
-                        let ksi = ksplit as i32;
+                        let ksi = split as i32;
                         // SAFETY: linear_tc_reduce_*(y, part, len, ksplit) reads part[ks][i]
                         // for i < len = rows × out (written just above on this stream) and
                         // writes y[i], i < len: y rows r0.. are within m × out (checked).

@@ -69,7 +69,7 @@ fn pick_variant(variants: &[(CudaFunction, CudaFunction)], v: usize, bf: bool) -
 /// A `CUtensorMap` as a by-value kernel argument (`const __grid_constant__ CUtensorMap`).
 #[repr(transparent)]
 #[derive(Debug, Clone, Copy)]
-struct TensorMapArg(sys::CUtensorMap);
+pub(crate) struct TensorMapArg(pub(crate) sys::CUtensorMap);
 // SAFETY: a plain 128-byte, 128-aligned POD that the driver copies into the kernel's
 // parameter space, which is what the kernels declare.
 unsafe impl DeviceRepr for TensorMapArg {}

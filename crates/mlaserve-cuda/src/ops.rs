@@ -1,6 +1,7 @@
 //! [`Ops`]: typed wrappers of `kernels/backend_ops.cu`, the per-token kernels of the
 //! backend's forward pass (embedding, f32 RMSNorm, adds and gathers, RoPE + paged latent
-//! write, query absorption, varlen absorbed attention, W_UV, MoE routing and combine).
+//! write, query absorption, varlen absorbed attention, W_UV, MoE routing and combine; the
+//! router's logits through [`Router`]).
 //!
 //! Every wrapper checks the lengths of the buffers it is handed against what its kernel
 //! touches, then launches on the given stream; buffers are anything cudarc can give a
@@ -15,6 +16,7 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
 use crate::linear::GemmMode;
+use crate::router::Router;
 
 pub use crate::layout::AttnMeta;
 
@@ -26,7 +28,7 @@ pub(crate) fn need(kernel: &'static str, what: &str, len: usize, want: usize) ->
     Ok(())
 }
 
-fn i32_of(kernel: &'static str, v: usize) -> Result<i32> {
+pub(crate) fn i32_of(kernel: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::shape(kernel, format!("{v} overflows i32")))
 }
 
@@ -91,7 +93,11 @@ pub enum GroupedVariant {
     /// expert's other rows, but its sums are not `linear_inv`'s, so not for
     /// [`GemmMode::BatchInvariant`].
     TensorCore,
-    /// By the backend's GEMM mode: [`GroupedVariant::TensorCore`] in
+    /// Hopper's warpgroup MMA (`moe_grouped_wg_*`): 64 rows × 128 columns per tile; a
+    /// row's sum never depends on the expert's other rows, and equals `TensorCore`'s bit
+    /// for bit on an H200 (asserted by the tensor-core experts test).
+    Wgmma,
+    /// By the backend's GEMM mode: [`GroupedVariant::TensorCore`] (or `Wgmma` on Hopper) in
     /// [`GemmMode::Cublas`] and [`GemmMode::InvariantTc`]; in [`GemmMode::BatchInvariant`]
     /// `Direct` or `Staged` by the average rows per expert (both sum as the invariant GEMM
     /// does).
@@ -113,6 +119,10 @@ pub struct RouteParams {
     pub scale: f32,
 }
 
+/// `moe_grouped_wg_*`'s dynamic shared memory: 4 stages of 64 rows of x and 128 of W, 64
+/// bf16 each, and 1024 bytes to align them.
+const GROUPED_WG_SMEM: usize = 4 * (64 + 128) * 64 * 2 + 1024;
+
 /// The loaded functions of `backend_ops.cu`.
 #[derive(Debug)]
 pub struct Ops {
@@ -128,6 +138,11 @@ pub struct Ops {
     grouped_staged_f32: CudaFunction,
     grouped_tc_bf16: CudaFunction,
     grouped_tc_f32: CudaFunction,
+    /// The warpgroup-MMA experts (sm_90 only) [bf16, f32].
+    grouped_wg: Option<[CudaFunction; 2]>,
+    /// `Auto` runs the tensor-core experts on wgmma where the GPU has it (as
+    /// [`crate::linear::Gemm::tc_kernels`]; `MLASERVE_LINEAR_TC=mma.sync` turns both off).
+    pub wgmma: bool,
     moe_sort: CudaFunction,
     to_bf16: CudaFunction,
     gather_f32: CudaFunction,
@@ -140,7 +155,7 @@ pub struct Ops {
     wuv: CudaFunction,
     route: CudaFunction,
     combine: CudaFunction,
-    router: CudaFunction,
+    router: Router,
     num_sms: usize,
     max_smem: usize,
 }
@@ -163,6 +178,13 @@ impl Ops {
             grouped_staged_f32: f("moe_grouped_staged_bf16_of32")?,
             grouped_tc_bf16: tc.load_function("moe_grouped_tc_bf16_obf16")?,
             grouped_tc_f32: tc.load_function("moe_grouped_tc_bf16_of32")?,
+            grouped_wg: if gpu.compute_capability == (9, 0) {
+                let f = |n: &str| crate::linear::with_smem(&tc, n, GROUPED_WG_SMEM);
+                Some([f("moe_grouped_wg_bf16_obf16")?, f("moe_grouped_wg_bf16_of32")?])
+            } else {
+                None
+            },
+            wgmma: crate::linear::TcKernels::for_gpu(gpu) != crate::linear::TcKernels::MmaSync,
             moe_sort: f("moe_sort")?,
             to_bf16: f("to_bf16_f32")?,
             gather_f32: f("gather_rows_f32")?,
@@ -175,7 +197,7 @@ impl Ops {
             wuv: f("wuv_f32_obf16")?,
             route: f("moe_route_f32")?,
             combine: f("moe_combine_f32")?,
-            router: f("linear_f32_of32")?,
+            router: Router::from_module(&m, gpu.num_sms)?,
             num_sms: gpu.num_sms,
             max_smem: gpu.max_smem_optin,
         })
@@ -436,25 +458,39 @@ impl Ops {
             Direct,
             Staged,
             Tc,
+            Wg,
         }
+        // wgmma from 16 rows per expert on average (prefill; at 8 it was 2% slower than
+        // mma.sync, at 64 30% faster). Both round alike (the tensor-core experts test
+        // asserts it), so the choice by batch size keeps a row's bits.
+        let wg_auto = self.wgmma && self.grouped_wg.is_some() && rows >= 16 * weights.count;
         let kind = match variant {
             GroupedVariant::Direct => Kind::Direct,
             GroupedVariant::Staged => Kind::Staged,
-            GroupedVariant::TensorCore
-            | GroupedVariant::Auto(GemmMode::Cublas)
-            | GroupedVariant::Auto(GemmMode::InvariantTc) => Kind::Tc,
+            GroupedVariant::TensorCore => Kind::Tc,
+            GroupedVariant::Wgmma if self.grouped_wg.is_none() => {
+                return Err(CudaError::shape(K, "the wgmma experts need an sm_90 GPU"));
+            }
+            GroupedVariant::Wgmma => Kind::Wg,
+            GroupedVariant::Auto(GemmMode::Cublas) | GroupedVariant::Auto(GemmMode::InvariantTc) if wg_auto => Kind::Wg,
+            GroupedVariant::Auto(GemmMode::Cublas) | GroupedVariant::Auto(GemmMode::InvariantTc) => Kind::Tc,
             // Measured on H200 (V3 experts): staging pays from about 4 rows per expert.
             GroupedVariant::Auto(GemmMode::BatchInvariant) if rows >= 4 * weights.count => Kind::Staged,
             GroupedVariant::Auto(GemmMode::BatchInvariant) => Kind::Direct,
         };
         // CUDA cores: 32 columns per 256-thread block; tensor cores: 64 per 128 threads
-        // (static shared memory, 48 KiB).
-        let (cols, threads) = if kind == Kind::Tc { (64, 128) } else { (32, 256) };
+        // (static shared memory, 48 KiB); wgmma: 128 per 128 threads (dynamic).
+        let (cols, threads, smem) = match kind {
+            Kind::Tc => (64, 128, 0),
+            Kind::Wg => (128, 128, GROUPED_WG_SMEM),
+            _ => (32, 256, 0),
+        };
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(cols) as u32, weights.count as u32, 1),
             block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem as u32,
         };
+        let wg = self.grouped_wg.as_ref();
         let f = match (kind, out_f32) {
             (Kind::Direct, false) => &self.grouped_bf16,
             (Kind::Direct, true) => &self.grouped_f32,
@@ -462,6 +498,7 @@ impl Ops {
             (Kind::Staged, true) => &self.grouped_staged_f32,
             (Kind::Tc, false) => &self.grouped_tc_bf16,
             (Kind::Tc, true) => &self.grouped_tc_f32,
+            (Kind::Wg, f32) => &wg.expect("checked above")[f32 as usize],
         };
         let no_experts: u64 = 0; // null: group g is expert g
 
@@ -876,8 +913,8 @@ impl Ops {
         Ok(())
     }
 
-    /// Router logits in f32: `y[m][n] = x[m][k] · w[n][k]` (x, w f32; one warp per output,
-    /// a fixed reduction order).
+    /// Router logits in f32: `y[m][n] = x[m][k] · w[n][k]` (x, w f32), a row's logits
+    /// the same bits in any batch ([`Router::logits`]).
     #[allow(clippy::too_many_arguments)]
     pub fn router_logits(
         &self,
@@ -889,26 +926,7 @@ impl Ops {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        const K: &str = "linear_f32_of32";
-        need(K, "y", y.len(), m * n)?;
-        need(K, "x", x.len(), m * k)?;
-        need(K, "w", w.len(), n * k)?;
-        if m == 0 {
-            return Ok(());
-        }
-        if m.div_ceil(4) > 65_535 {
-            return Err(CudaError::shape(K, "too many rows"));
-        }
-        let (mi, ni, ki) = (i32_of(K, m)?, i32_of(K, n)?, i32_of(K, k)?);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(8) as u32, m.div_ceil(4) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: warp (col, row) reads x[row*k..][..k] and w[col*k..][..k], writes
-        // y[row*n + col], row < m, col < n; lengths checked above.
-        unsafe { s.launch_builder(&self.router).arg(y).arg(x).arg(w).arg(&mi).arg(&ni).arg(&ki).launch(cfg) }?;
-        Ok(())
+        self.router.logits(s, y, x, w, m, n, k)
     }
 
     /// Routes `n` tokens from gate logits `[n][experts]`: `ids`/`weights` `[n][k]`.

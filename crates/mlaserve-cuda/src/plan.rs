@@ -1,5 +1,6 @@
-//! Launch planning for the MLA decode kernel: tile and split-KV geometry. Pure host
-//! arithmetic, so it is unit-tested without a GPU.
+//! Launch planning for the MLA decode kernel (tile and split-KV geometry) and the k
+//! splits of the batch-invariant GEMMs. Pure host arithmetic, so it is unit-tested
+//! without a GPU.
 
 /// Tokens per page of the latent cache (FlashMLA's page size; the engine's block size).
 pub const PAGE: usize = mlaserve_core::BLOCK_SIZE;
@@ -116,9 +117,46 @@ pub fn tc_split(n: usize, k: usize, num_sms: usize) -> (usize, usize) {
     (k.div_ceil(kchunk.max(1)).max(1), kchunk.max(TC_BK))
 }
 
+/// Columns per block of the router's decode tile (`router_f32_tile16`, kernels/backend_ops.cu),
+/// which sets how many blocks a k range gives a decode call.
+pub const ROUTER_DECODE_BN: usize = 16;
+/// The router's k ranges are multiples of this (the larger k tile of its two entry points).
+pub const ROUTER_K_ALIGN: usize = 64;
+
+/// The MoE router GEMM's split of k for an `[n][k]` f32 weight on `num_sms` SMs:
+/// `(ksplit, kchunk)`, k in `ksplit` ranges of `kchunk` (a multiple of
+/// [`ROUTER_K_ALIGN`], the last range maybe shorter, none empty). A decode call is bound by
+/// reading the weight, so ranges are cut until its 16-column blocks number two per SM, but
+/// none under 256 of k (each range adds an m × n partial that prefill writes and reads
+/// back). A function of the weight's shape and the SM count only: the ranges fix every
+/// logit's order of summation, so the rows of a call never change a row's bits.
+pub fn router_split(n: usize, k: usize, num_sms: usize) -> (usize, usize) {
+    let col_blocks = n.div_ceil(ROUTER_DECODE_BN).max(1);
+    let want = (2 * num_sms.max(1)).div_ceil(col_blocks).clamp(1, (k / 256).max(1));
+    let kchunk = (k.div_ceil(want).div_ceil(ROUTER_K_ALIGN) * ROUTER_K_ALIGN).max(ROUTER_K_ALIGN);
+    (k.div_ceil(kchunk).max(1), kchunk)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn router_split_covers_k_in_aligned_ranges() {
+        // DeepSeek-V3 (256 experts × 7168) and V2 (160 × 5120) on an H200's 132 SMs.
+        assert_eq!(router_split(256, 7168, 132), (16, 448), "16 column blocks × 16 ranges");
+        assert_eq!(router_split(160, 5120, 132), (20, 256), "ranges of no less than 256");
+        for (n, k) in [(256, 7168), (160, 5120), (64, 1000), (16, 36), (40, 1001), (4096, 256), (1, 1), (8, 0)] {
+            for sms in [1, 78, 132, 148] {
+                let (ks, kc) = router_split(n, k, sms);
+                assert!(kc % ROUTER_K_ALIGN == 0 && ks >= 1, "{n}x{k} on {sms}");
+                assert!(ks * kc >= k && (ks - 1) * kc < k.max(1), "{n}x{k} on {sms}: k covered, no empty range");
+                assert!(kc >= 256 || ks == 1, "{n}x{k} on {sms}: ranges of 256 or more");
+            }
+        }
+        assert_eq!(router_split(4096, 256, 132), (1, 256), "enough columns: no split");
+        assert_eq!(router_split(8, 0, 132), (1, 64), "k = 0: one empty range, the logits are 0");
+    }
 
     #[test]
     fn tc_split_depends_on_the_weight_only() {

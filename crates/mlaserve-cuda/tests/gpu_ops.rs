@@ -11,7 +11,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use mlaserve_core::config::Arch;
 use mlaserve_core::{MoeConfig, ScoringFunc, TopkMethod};
-use mlaserve_cuda::linear::{Gemm, GemmMode, Linear};
+use mlaserve_cuda::linear::{Gemm, GemmMode, Linear, TcKernels};
 use mlaserve_cuda::ops::{AttnMeta, GroupedVariant, Ops, RopeTables, RouteParams};
 use mlaserve_cuda::reference::{self, DecodeDims};
 use mlaserve_cuda::rng::Rng;
@@ -65,17 +65,31 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
     let mut rng = Rng::new(11);
     let mut fails = Vec::new();
     // linear_tc twice: its 128 × 128 tile above 64 rows, and at every row count (the same
-    // bits either way).
-    for (mode, large_from) in [
-        (GemmMode::Cublas, 64),
-        (GemmMode::BatchInvariant, 64),
-        (GemmMode::InvariantTc, 64),
-        (GemmMode::InvariantTc, 0),
+    // bits either way); then the same on the warpgroup-MMA kernels (Hopper).
+    let hopper = g.compute_capability == (9, 0);
+    let mut mma = Gemm::new(&g, GemmMode::InvariantTc).expect("gemm");
+    mma.tc_kernels = TcKernels::MmaSync;
+    use TcKernels::{MmaSync, Wgmma, WgmmaTma};
+    for (mode, large_from, kind) in [
+        (GemmMode::Cublas, 64, MmaSync),
+        (GemmMode::BatchInvariant, 64, MmaSync),
+        (GemmMode::InvariantTc, 64, MmaSync),
+        (GemmMode::InvariantTc, 0, MmaSync),
+        (GemmMode::InvariantTc, 64, Wgmma),
+        (GemmMode::InvariantTc, 0, Wgmma),
+        (GemmMode::InvariantTc, 64, WgmmaTma),
+        (GemmMode::InvariantTc, 0, WgmmaTma),
+        (GemmMode::InvariantTc, 64, TcKernels::Auto),
     ] {
+        if kind != MmaSync && !hopper {
+            continue;
+        }
         let mut gemm = Gemm::new(&g, mode).expect("gemm");
         gemm.large_from = large_from;
+        gemm.tc_kernels = kind;
         let mode_name = match (mode, large_from) {
-            (GemmMode::InvariantTc, 0) => "InvariantTc/128-row tile at every m".to_string(),
+            (GemmMode::InvariantTc, 0) => format!("InvariantTc/{kind:?}/128-row tile at every m"),
+            (GemmMode::InvariantTc, _) => format!("InvariantTc/{kind:?}"),
             _ => format!("{mode:?}"),
         };
         for (m, n, k) in [
@@ -134,6 +148,20 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
             println!("gemm {mode_name} n={n} k={k}: rows alone / of 7 == the same rows of 200: {same}");
             if mode.batch_invariant() && !same {
                 fails.push(format!("{mode_name} GEMM depends on the batch (n={n} k={k})"));
+            }
+            // wgmma's k16 sums must round as mma.sync's do: TcKernels::Auto picks one or
+            // the other by row count.
+            if mode == GemmMode::InvariantTc && kind != MmaSync && large_from > 0 {
+                mma.forward(s, &lin, &xd, m, &mut ym).expect("gemm");
+                let other = s.clone_dtoh(&ym).expect("dtoh");
+                let differ = all.iter().zip(&other).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                println!(
+                    "gemm n={n} k={k} m={m}: {kind:?} vs mma.sync, {differ} of {} outputs differ in bits",
+                    all.len()
+                );
+                if differ > 0 {
+                    fails.push(format!("{kind:?} and mma.sync round differently (n={n} k={k})"));
+                }
             }
         }
     }
@@ -585,40 +613,58 @@ fn grouped_experts_tensor_core_match_reference() {
         util.fill_bf16(s, &mut xd, seed, -1.0, 1.0).expect("fill");
         let xh: Vec<f64> = s.clone_dtoh(&xd).expect("x").iter().map(|v| v.to_f64()).collect();
         let len = (rows * n).next_multiple_of(2);
-        let mut yf = s.alloc_zeros::<f32>(len).expect("y");
-        util.poison_f32(s, &mut yf, 0x7fc0_0000).expect("poison");
-        let mut yb = s.alloc_zeros::<bf16>(len).expect("y");
-        util.poison_bf16(s, &mut yb, 0x7fc0_7fc0).expect("poison");
-        ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, true, GroupedVariant::TensorCore).expect("tc");
-        ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, false, GroupedVariant::TensorCore).expect("tc");
         let mut yc = s.alloc_zeros::<f32>(len).expect("y");
         ops.moe_grouped_sorted(s, &mut yc, &xd, &table, &offd, rows, true, GroupedVariant::Direct).expect("cc");
-        let got = s.clone_dtoh(&yf).expect("y");
-        let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("y").iter().map(|v| v.to_f32()).collect();
         let cuda_cores = s.clone_dtoh(&yc).expect("y");
+        let mut tc_bits: Option<Vec<f32>> = None;
+        let hopper = g.compute_capability == (9, 0);
+        for variant in [GroupedVariant::TensorCore, GroupedVariant::Wgmma] {
+            if variant == GroupedVariant::Wgmma && !hopper {
+                continue;
+            }
+            let mut yf = s.alloc_zeros::<f32>(len).expect("y");
+            util.poison_f32(s, &mut yf, 0x7fc0_0000).expect("poison");
+            let mut yb = s.alloc_zeros::<bf16>(len).expect("y");
+            util.poison_bf16(s, &mut yb, 0x7fc0_7fc0).expect("poison");
+            ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, true, variant).expect("tc");
+            ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, false, variant).expect("tc");
+            let got = s.clone_dtoh(&yf).expect("y");
+            let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("y").iter().map(|v| v.to_f32()).collect();
 
-        let cols: Vec<usize> = (0..n).filter(|&c| n <= 256 || c % 13 == 0 || c + 64 >= n).collect();
-        let (mut want, mut gf, mut gb) = (Vec::new(), Vec::new(), Vec::new());
-        for (e, w) in wh.iter().enumerate() {
-            for r in off[e] as usize..off[e + 1] as usize {
-                let xr = &xh[r * k..(r + 1) * k];
-                for &c in &cols {
-                    let wr = &w[c * k..(c + 1) * k];
-                    want.push(xr.iter().zip(wr).map(|(a, b)| a * b.to_f64()).sum::<f64>() as f32);
-                    gf.push(got[r * n + c]);
-                    gb.push(gotb[r * n + c]);
+            let cols: Vec<usize> = (0..n).filter(|&c| n <= 256 || c % 13 == 0 || c + 64 >= n).collect();
+            let (mut want, mut gf, mut gb) = (Vec::new(), Vec::new(), Vec::new());
+            for (e, w) in wh.iter().enumerate() {
+                for r in off[e] as usize..off[e + 1] as usize {
+                    let xr = &xh[r * k..(r + 1) * k];
+                    for &c in &cols {
+                        let wr = &w[c * k..(c + 1) * k];
+                        want.push(xr.iter().zip(wr).map(|(a, b)| a * b.to_f64()).sum::<f64>() as f32);
+                        gf.push(got[r * n + c]);
+                        gb.push(gotb[r * n + c]);
+                    }
                 }
             }
-        }
-        let name = format!("tensor-core grouped {}×[{n}×{k}], rows {counts:?}", counts.len());
-        check(&format!("{name} f32 out"), &gf, &want, 2e-3, &mut fails);
-        check(&format!("{name} bf16 out"), &gb, &want, 1e-2, &mut fails);
-        let (a, b) = (&got[..total * n], &cuda_cores[..total * n]);
-        check(&format!("{name} f32 out vs CUDA cores, every output"), a, b, 2e-3, &mut fails);
-        let untouched = got[total * n..rows * n].iter().chain(&gotb[total * n..rows * n]).all(|v| v.is_nan());
-        println!("{name}: rows outside every group untouched: {untouched}");
-        if !untouched {
-            fails.push(format!("tensor-core grouped [{n}x{k}] wrote rows outside every group"));
+            let name = format!("{variant:?} grouped {}×[{n}×{k}], rows {counts:?}", counts.len());
+            check(&format!("{name} f32 out"), &gf, &want, 2e-3, &mut fails);
+            check(&format!("{name} bf16 out"), &gb, &want, 1e-2, &mut fails);
+            let (a, b) = (&got[..total * n], &cuda_cores[..total * n]);
+            check(&format!("{name} f32 out vs CUDA cores, every output"), a, b, 2e-3, &mut fails);
+            let untouched = got[total * n..rows * n].iter().chain(&gotb[total * n..rows * n]).all(|v| v.is_nan());
+            println!("{name}: rows outside every group untouched: {untouched}");
+            if !untouched {
+                fails.push(format!("{variant:?} grouped [{n}x{k}] wrote rows outside every group"));
+            }
+            // wgmma's sums must round as mma.sync's (`Auto` picks by rows per expert).
+            match &tc_bits {
+                None => tc_bits = Some(got[..total * n].to_vec()),
+                Some(t) => {
+                    let differ = t.iter().zip(&got[..total * n]).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                    println!("{name}: wgmma vs mma.sync, {differ} of {} outputs differ in bits", total * n);
+                    if differ > 0 {
+                        fails.push(format!("{name}: wgmma and mma.sync round differently"));
+                    }
+                }
+            }
         }
     }
 
@@ -649,7 +695,7 @@ fn grouped_experts_tensor_core_timing() {
             .collect();
         let table = ExpertWeights::new(s, &lins.iter().collect::<Vec<_>>()).expect("table");
         let read_us = (experts * n * k * 2) as f64 / (copy_gbps * 1e9) * 1e6;
-        for per in [8usize, 64] {
+        for per in [8usize, 64, 128] {
             let rows = experts * per;
             let off: Vec<i32> = (0..=experts).map(|e| (e * per) as i32).collect();
             let offd = s.clone_htod(&off).expect("off");
@@ -670,10 +716,11 @@ fn grouped_experts_tensor_core_timing() {
             };
             let (direct, staged, tc) =
                 (time(GroupedVariant::Direct), time(GroupedVariant::Staged), time(GroupedVariant::TensorCore));
+            let wg = if g.compute_capability == (9, 0) { time(GroupedVariant::Wgmma) } else { f64::NAN };
             println!(
                 "grouped {what} [{n}×{k}] {experts} experts × {per} rows, median of 25 (µs): CUDA cores direct \
-                 {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}; weights once at copy bandwidth \
-                 ({copy_gbps:.0} GB/s) {read_us:.0}"
+                 {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}, wgmma {wg:.0}; weights once at copy \
+                 bandwidth ({copy_gbps:.0} GB/s) {read_us:.0}"
             );
         }
     }
@@ -693,10 +740,17 @@ fn gemm_invariant_tc_timing() {
     let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
     let peak = measure_gemm_bf16(&g, &util, 8192).expect("gemm rate");
     println!("ceilings: copy {copy_gbps:.0} GB/s, cuBLAS bf16 8192³ {peak:.0} TFLOP/s");
-    let mut gemms: Vec<Gemm> = [GemmMode::Cublas, GemmMode::InvariantTc, GemmMode::InvariantTc]
+    let mut gemms: Vec<Gemm> = [GemmMode::Cublas, GemmMode::InvariantTc, GemmMode::InvariantTc, GemmMode::InvariantTc]
         .map(|m| Gemm::new(&g, m).expect("gemm"))
         .into();
+    gemms[1].tc_kernels = TcKernels::MmaSync;
+    gemms[2].tc_kernels = TcKernels::MmaSync;
     gemms[2].large_from = 0;
+    if g.compute_capability == (9, 0) {
+        gemms[3].tc_kernels = TcKernels::Wgmma;
+        gemms.push(Gemm::new(&g, GemmMode::InvariantTc).expect("gemm"));
+        gemms[4].tc_kernels = TcKernels::WgmmaTma;
+    }
     for (what, n, k) in [
         ("q_a", 1536usize, 7168usize),
         ("q_b", 24576, 1536),
@@ -724,16 +778,26 @@ fn gemm_invariant_tc_timing() {
             let tf = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
             println!(
                 "gemm {what:>7} [{n}×{k}] m={m:>4}: cuBLAS {:.3} ms ({:.0} TFLOP/s), linear_tc {:.3} ms ({:.0} \
-                 TFLOP/s, {:.2}x cuBLAS), its 128-row tile at this m {:.3} ms ({:.0} TFLOP/s); weight once at copy \
-                 bandwidth {read_ms:.3} ms",
+                 TFLOP/s, {:.2}x cuBLAS), its 128-row tile at this m {:.3} ms ({:.0} TFLOP/s), wgmma {:.3} ms ({:.0} \
+                 TFLOP/s, {:.2}x cuBLAS); weight once at copy bandwidth {read_ms:.3} ms",
                 ms[0],
                 tf(ms[0]),
                 ms[1],
                 tf(ms[1]),
                 ms[1] / ms[0],
                 ms[2],
-                tf(ms[2])
+                tf(ms[2]),
+                ms[3],
+                tf(ms[3]),
+                ms[3] / ms[0]
             );
+            if let Some(&t) = ms.get(4) {
+                println!(
+                    "gemm {what:>7} [{n}×{k}] m={m:>4}: wgmma+TMA {t:.3} ms ({:.0} TFLOP/s, {:.2}x cuBLAS)",
+                    tf(t),
+                    t / ms[0]
+                );
+            }
         }
     }
 }

@@ -1,0 +1,227 @@
+//! [`Router`]: the MoE router's logits `y = x · Wᵀ` in f32 (x `[m][k]`, W `[n][k]`, both
+//! f32, as transformers' DeepSeek gate computes them: the expert choice is discrete, so no
+//! bf16 or TF32 rounding), batch-invariant.
+//!
+//! The kernels (`router_f32_tile16`, `router_f32_tile64`, `router_reduce_f32` in
+//! kernels/backend_ops.cu) are a tiled CUDA-core GEMM with k cut into ranges fixed by the
+//! weight's shape ([`plan::router_split`]): every logit is one FMA chain per range in
+//! increasing k, and the ranges' partials are added in range order. Neither the rows of a
+//! call nor the tile that runs it enter that order, so a token's logits have the same
+//! bits in any batch. Decode calls (a few rows) are bound by reading W and get a tile of
+//! 16 columns, so that the ranges give every SM blocks to stream it; prefill calls are
+//! bound by the arithmetic and get 64 × 64 tiles with 4 × 4 outputs per thread.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::kernels;
+use crate::ops::{i32_of, need};
+use crate::plan;
+
+/// [`RouterTile::Auto`] runs the decode tile up to this many rows, the prefill tile above
+/// (a first guess, not yet measured: `gpu_router`'s `router_timing` prints both at each m).
+pub const DECODE_MAX_ROWS: usize = 32;
+/// Bytes of f32 partials one launch may write; more rows run in slabs.
+const PARTIAL_BYTES: usize = 64 << 20;
+
+/// Which tile computes the logits. Every choice gives the same bits; only the time
+/// differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterTile {
+    /// [`RouterTile::Decode`] up to [`DECODE_MAX_ROWS`] rows, else [`RouterTile::Prefill`].
+    Auto,
+    /// `router_f32_tile16`: 16 rows × 16 columns per block, one logit per thread, 64-wide
+    /// k tiles four deep.
+    Decode,
+    /// `router_f32_tile64`: 64 rows × 64 columns per block, 4 × 4 logits per thread, 32-wide
+    /// k tiles double-buffered.
+    Prefill,
+}
+
+impl RouterTile {
+    /// (function, rows per block, columns per block) for a call of `m` rows.
+    fn pick(self, r: &Router, m: usize) -> (&CudaFunction, usize, usize) {
+        match self {
+            RouterTile::Auto if m <= DECODE_MAX_ROWS => RouterTile::Decode.pick(r, m),
+            RouterTile::Auto => RouterTile::Prefill.pick(r, m),
+            RouterTile::Decode => (&r.tile16, 16, plan::ROUTER_DECODE_BN),
+            RouterTile::Prefill => (&r.tile64, 64, 64),
+        }
+    }
+}
+
+/// The router's loaded kernels.
+#[derive(Debug)]
+pub struct Router {
+    tile16: CudaFunction,
+    tile64: CudaFunction,
+    reduce: CudaFunction,
+    /// `linear_f32_of32`, the first router kernel (one warp per logit): the baseline of
+    /// the timing test only.
+    warp: CudaFunction,
+    num_sms: usize,
+}
+
+impl Router {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Self::from_module(&gpu.load_module(kernels::BACKEND_OPS)?, gpu.num_sms)
+    }
+
+    /// From an already loaded `backend_ops` module ([`crate::ops::Ops`] shares its own).
+    pub(crate) fn from_module(m: &Arc<CudaModule>, num_sms: usize) -> Result<Self> {
+        Ok(Router {
+            tile16: m.load_function("router_f32_tile16")?,
+            tile64: m.load_function("router_f32_tile64")?,
+            reduce: m.load_function("router_reduce_f32")?,
+            warp: m.load_function("linear_f32_of32")?,
+            num_sms,
+        })
+    }
+
+    /// `y[m][n] = x[m][k] · w[n][k]`, the tile picked by the rows ([`RouterTile::Auto`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits(
+        &self,
+        s: &Arc<CudaStream>,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.logits_with(s, y, x, w, m, n, k, RouterTile::Auto)
+    }
+
+    /// As [`Router::logits`] on the given tile (the same bits; tests and timing).
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits_with(
+        &self,
+        s: &Arc<CudaStream>,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        tile: RouterTile,
+    ) -> Result<()> {
+        const K: &str = "router_f32";
+        need(K, "y", y.len(), m * n)?;
+        need(K, "x", x.len(), m * k)?;
+        need(K, "w", w.len(), n * k)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (ksplit, kchunk) = plan::router_split(n, k, self.num_sms);
+        let (f, tile_rows, tile_cols) = tile.pick(self, m);
+        i32_of(K, m)?; // also bounds the row tiles of grid.x
+        let (ni, ki, kci) = (i32_of(K, n)?, i32_of(K, k)?, i32_of(K, kchunk)?);
+        if n.div_ceil(tile_cols) > 65_535 || ksplit > 65_535 {
+            return Err(CudaError::shape(K, format!("grid too large: n = {n}, {ksplit} k ranges")));
+        }
+        // Rows per launch: all of them with one k range (the kernel writes y), else as many
+        // 64-row tiles as fit PARTIAL_BYTES of partials. Slabs change no logit's sum.
+        let slab = if ksplit == 1 { m } else { (PARTIAL_BYTES / (ksplit * n * 4)).max(64) / 64 * 64 }.min(m);
+        let mut part = if ksplit > 1 {
+            // SAFETY: every element a slab's reduce reads (ksplit × rows × n) is written by
+            // that slab's GEMM launch first, earlier on this stream: block (.., .., z)
+            // stores each of its rows < rows and columns < n, 0 for an empty k range.
+            Some(unsafe { s.alloc::<f32>(ksplit * slab * n) }?)
+        } else {
+            None
+        };
+        let (pp, _gp) = match part.as_mut() {
+            Some(p) => {
+                let (ptr, g) = p.device_ptr_mut(s);
+                (ptr, Some(g))
+            }
+            None => (0, None),
+        };
+        let (xp, _gx) = x.device_ptr(s);
+        let (wp, _gw) = w.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        let elem = std::mem::size_of::<f32>() as u64;
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = slab.min(m - r0);
+            let (xr, yr) = (xp + (r0 * k) as u64 * elem, yp + (r0 * n) as u64 * elem);
+            let out = if ksplit > 1 { pp } else { yr };
+            let ri = rows as i32; // <= m, checked above
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(tile_rows) as u32, n.div_ceil(tile_cols) as u32, ksplit as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: router_f32_tile{16,64}(out, x, w, m, n, k, kchunk) (static shared
+            // memory only) reads x rows r0..r0 + rows (rows × k floats: r0 + rows <= m, and
+            // x holds m × k, checked) and w (n × k, checked), only rows < rows and < n and
+            // k < k (the rest zero-filled), 16 bytes at a time only when k % 4 == 0 (row
+            // starts then 16-byte aligned: cudarc buffers are 256-byte aligned). With one k
+            // range (grid.z = 1) `out` is y from row r0 and the kernel writes y[r][c] for
+            // r < rows, c < n (y holds m × n, checked); with ksplit ranges block (.., .., z)
+            // writes part[z][r][c] for the same r and c: ksplit × rows × n floats, within
+            // the ksplit × slab × n allocation. kchunk is a multiple of both tiles' k width
+            // (64) and the ranges cover k (plan::router_split).
+            unsafe {
+                s.launch_builder(f).arg(&out).arg(&xr).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kci).launch(cfg)
+            }?;
+            if ksplit > 1 {
+                let len = (rows * n) as u64;
+                let rcfg = LaunchConfig {
+                    grid_dim: ((rows * n).div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let ksi = ksplit as i32; // <= 65_535, checked above
+                                         // SAFETY: router_reduce_f32(y, part, len, ksplit) reads part[z][i] for
+                                         // z < ksplit, i < len = rows × n (all written by the launch above, on this
+                                         // stream) and writes y[i] from row r0, i < len: within y's m × n (checked).
+                unsafe { s.launch_builder(&self.reduce).arg(&yr).arg(&pp).arg(&len).arg(&ksi).launch(rcfg) }?;
+            }
+            r0 += rows;
+        }
+        Ok(())
+    }
+
+    /// The same logits from the first router kernel, `linear_f32_of32` (one warp per
+    /// logit, lanes stride k, a warp tree): batch-invariant too but with other bits, and
+    /// it reads a row of x and of W per logit. The timing test's baseline, nothing else.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits_warp(
+        &self,
+        s: &Arc<CudaStream>,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        const K: &str = "linear_f32_of32";
+        need(K, "y", y.len(), m * n)?;
+        need(K, "x", x.len(), m * k)?;
+        need(K, "w", w.len(), n * k)?;
+        if m == 0 {
+            return Ok(());
+        }
+        if m.div_ceil(4) > 65_535 {
+            return Err(CudaError::shape(K, "too many rows"));
+        }
+        let (mi, ni, ki) = (i32_of(K, m)?, i32_of(K, n)?, i32_of(K, k)?);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8) as u32, m.div_ceil(4) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: warp (col, row) reads x[row*k..][..k] and w[col*k..][..k], writes
+        // y[row*n + col], row < m, col < n; lengths checked above.
+        unsafe { s.launch_builder(&self.warp).arg(y).arg(x).arg(w).arg(&mi).arg(&ni).arg(&ki).launch(cfg) }?;
+        Ok(())
+    }
+}
