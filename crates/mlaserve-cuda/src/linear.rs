@@ -18,7 +18,7 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
-use crate::mla_decode::TensorMapArg;
+use crate::mla_decode::{bf16_tensor_map, TensorMapArg};
 use crate::ops::need;
 use crate::plan;
 
@@ -124,34 +124,9 @@ impl TcKernels {
 /// (128 bytes, the swizzle span) × `box_outer` rows, 128-byte swizzle; out-of-range
 /// elements read as zero.
 fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result<TensorMapArg> {
-    use cudarc::driver::sys;
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    let dims: [u64; 2] = [inner as u64, outer as u64];
-    let strides: [u64; 1] = [(inner * 2) as u64];
-    let boxes: [u32; 2] = [64, box_outer];
-    let elem_strides: [u32; 2] = [1, 1];
-    // SAFETY: every pointer refers to a live local array of the rank (2) the call is
-    // given; the global address is a device allocation of at least outer × inner bf16
-    // (the callers' checked lengths), 16-byte aligned, its row stride a multiple of 16
-    // (inner % 8 == 0); the map is written in place.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()?;
-        Ok(TensorMapArg(map.assume_init()))
-    }
+    // The callers' checked lengths: a device allocation of at least outer × inner bf16,
+    // 16-byte aligned, its row stride a multiple of 16 (inner % 8 == 0).
+    bf16_tensor_map(ptr, &[inner as u64, outer as u64], &[(inner * 2) as u64], &[64, box_outer])
 }
 
 /// Output element of a projection: f32 (residual stream, logits) or bf16 (the next

@@ -87,21 +87,34 @@ fn kv_tensor_map(
     box_tokens: u32,
     box_blocks: u32,
 ) -> Result<TensorMapArg> {
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     let dims: [u64; 3] = [64, (num_blocks * PAGE) as u64, (dqk / 64) as u64];
-    let strides: [u64; 2] = [(dqk * 2) as u64, 128];
-    let boxes: [u32; 3] = [64, box_tokens, box_blocks];
-    let elem_strides: [u32; 3] = [1, 1, 1];
-    // SAFETY: every pointer refers to a live local array of the rank (3) the call is
-    // given; the global address is a device allocation of num_blocks*64*dqk bf16
-    // (256-byte aligned), both strides multiples of 16 and every element addressed
-    // inside it; the map is written in place.
+    // The global address is a device allocation of num_blocks*64*dqk bf16 (256-byte
+    // aligned), both strides multiples of 16 and every element addressed inside it.
+    bf16_tensor_map(cache_ptr, &dims, &[(dqk * 2) as u64, 128], &[64, box_tokens, box_blocks])
+}
+
+/// A bf16 tensor map (rank = `dims.len()`, ≤ 5) at `ptr` with 128-byte swizzle, unit
+/// element strides, 256-byte L2 promotion; out-of-range elements read as zero. `strides`
+/// are the byte strides of dims 1.. (multiples of 16); the caller guarantees that `ptr`
+/// is a device allocation covering every element the dims address, 16-byte aligned.
+pub(crate) fn bf16_tensor_map(
+    ptr: sys::CUdeviceptr,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+) -> Result<TensorMapArg> {
+    assert!(dims.len() <= 5 && strides.len() + 1 == dims.len() && boxes.len() == dims.len());
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    let elem_strides = [1u32; 5];
+    // SAFETY: every pointer refers to a live slice of at least the rank the call is given
+    // (checked above); the caller vouches for the global address; the map is written in
+    // place.
     unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            3,
-            cache_ptr as *mut std::ffi::c_void,
+            dims.len() as u32,
+            ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
