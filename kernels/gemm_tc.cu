@@ -604,6 +604,134 @@ __device__ void grouped_wg(T* __restrict__ y, const bf16* __restrict__ x, const 
 #endif
 }
 
+// The MoE experts with TMA and warp specialisation (moe_grouped_wgt_*, sm_90a only).
+// grid = (ceil(n / 128), experts); a block owns 128 columns of its expert's weight and
+// takes the expert's rows up to 192 at a time (a "pass"), so an expert with ≤ 192 rows
+// reads its weight slice once (moe_grouped_wg re-reads it per 64 rows, from HBM: the
+// slices of the resident blocks are far larger than L2). Warpgroup 0 (one thread) fills
+// a 5-stage ring: per 64 of k, the W tile [128][64] and one [64][64] tile of x per
+// 64-row chunk that holds rows of the pass (rows past the expert's end are the next
+// expert's, or zeros past the last row: never stored); consumer warpgroup cw runs
+// wgmma m64n64k16 for its 64 columns (64·cw ..) over every such chunk, so both
+// consumers work even when the expert has ≤ 64 rows. A row's sum is the wgmma of each
+// k16 group from k = 0 up, as in moe_grouped_wg and moe_grouped_tc, so the three give
+// the same bits (the experts test asserts it).
+// Tensor maps: x [rows][k] (box 64 × 64) as a parameter; each expert's W [n][k] (box
+// 64 × 128) in global memory, 128 bytes each (`wmaps`, indexed like `w`). Dynamic shared
+// memory: 1024 bytes of alignment slack, STAGES · STAGE, 16 · STAGES of barriers (the
+// host's GROUPED_WGT_SMEM).
+namespace gwt {
+constexpr int BN = 128, BK = 64, CH = 3, STAGES = 5, CONSUMERS = 2;
+constexpr int TILE_W = BN * BK * 2, TILE_X = 64 * BK * 2, STAGE = TILE_W + CH * TILE_X;  // bytes
+}  // namespace gwt
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// One pass of a consumer warpgroup of grouped_wgt: NCH chunks of 64 rows from row `base`
+// (rows < r1 stored) times its 64 columns, over the ring's steps step0 .. step0 + ksteps.
+template <typename T, int NCH>
+__device__ __forceinline__ void gwt_pass(uint32_t sbase, uint32_t full, uint32_t empty, int step0, int ksteps, int cw,
+                                         T* __restrict__ y, int base, int r1, int n0, int n) {
+    using namespace gwt;
+    float acc[NCH][32];
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[c][i] = 0.f;
+    bool prev_free = true;  // the previous step's stage already handed back
+    for (int kt = 0; kt < ksteps; ++kt) {
+        const int step = step0 + kt, st = step % STAGES;
+        mbar_wait(full + 8 * st, (step / STAGES) & 1);
+        const uint32_t ws = sbase + st * STAGE;
+        const uint64_t db = gmma_desc_sw128(ws + cw * 64 * BK * 2, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+            const uint64_t da = gmma_desc_sw128(ws + TILE_W + c * TILE_X, 16, 1024);
+#pragma unroll
+            for (int k16 = 0; k16 < BK / 16; ++k16)
+                wgmma_m64n64k16_ss(acc[c], gmma_desc_add(da, k16 * 32), gmma_desc_add(db, k16 * 32));
+        }
+        wgmma_commit();
+        const int prev = (step + STAGES - 1) % STAGES;
+        if (kt + 1 == ksteps) {  // the pass's last step: wait for all, free both stages
+            wgmma_wait<0>();
+            if (!prev_free) mbar_arrive(empty + 8 * prev);
+            mbar_arrive(empty + 8 * st);
+        } else {
+            wgmma_wait<1>();  // the previous step's wgmma has completed: its stage is free
+            if (!prev_free) mbar_arrive(empty + 8 * prev);
+            prev_free = false;
+        }
+    }
+    wgmma_wait<0>();  // nothing in flight; unconditional, so ptxas needs no wait of its own
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+        fence_operands(acc[c]);
+        wg_store<T, 64>(acc[c], y, base + 64 * c, min(64, r1 - base - 64 * c), n0 + 64 * cw, n, 0);
+    }
+}
+#endif
+
+template <typename T>
+__device__ void grouped_wgt(const CUtensorMap* tx, const CUtensorMap* __restrict__ wmaps, T* __restrict__ y,
+                            const int* __restrict__ experts, const int* __restrict__ off, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace gwt;
+    extern __shared__ __align__(1024) unsigned char gwt_smem[];
+    const uint32_t sbase = (smem_u32(gwt_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + STAGES * STAGE, empty = full + 8 * STAGES;
+    const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
+    if (r0 >= r1) return;  // the whole block: no row for this expert
+    const int tid = threadIdx.x, wg = tid >> 7, n0 = blockIdx.x * BN;
+    const int ksteps = (k + BK - 1) / BK, passes = (r1 - r0 + 64 * CH - 1) / (64 * CH);
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, CONSUMERS * 128);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        if (tid == 0) {
+            const CUtensorMap* tw = wmaps + (experts ? experts[g] : g);
+            // The maps were written by a host copy; order that write before the TMA
+            // unit's reads of them.
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(tw) : "memory");
+            int step = 0;
+            for (int p = 0; p < passes; ++p) {
+                const int base = r0 + p * 64 * CH, nch = min(CH, (r1 - base + 63) / 64);
+                for (int kt = 0; kt < ksteps; ++kt, ++step) {
+                    const int st = step % STAGES;
+                    if (step >= STAGES) mbar_wait(empty + 8 * st, ((step / STAGES) - 1) & 1);
+                    const uint32_t dst = sbase + st * STAGE;
+                    mbar_arrive_expect_tx(full + 8 * st, TILE_W + nch * TILE_X);
+                    tma_load_2d(dst, tw, kt * BK, n0, full + 8 * st);
+                    for (int c = 0; c < nch; ++c)
+                        tma_load_2d(dst + TILE_W + c * TILE_X, tx, kt * BK, base + 64 * c, full + 8 * st);
+                }
+            }
+        }
+        return;
+    }
+    const int cw = wg - 1;  // consumer warpgroup: columns n0 + 64·cw ..
+    int step = 0;
+    for (int p = 0; p < passes; ++p) {
+        const int base = r0 + p * 64 * CH, nch = min(CH, (r1 - base + 63) / 64);
+        // One instance per chunk count: a wgmma under a data-dependent branch inside the
+        // k loop makes ptxas serialise every wgmma of the kernel.
+        switch (nch) {
+            case 1: gwt_pass<T, 1>(sbase, full, empty, step, ksteps, cw, y, base, r1, n0, n); break;
+            case 2: gwt_pass<T, 2>(sbase, full, empty, step, ksteps, cw, y, base, r1, n0, n); break;
+            default: gwt_pass<T, 3>(sbase, full, empty, step, ksteps, cw, y, base, r1, n0, n); break;
+        }
+        step += ksteps;
+    }
+#else
+    __trap();
+#endif
+}
+
 #define LINEAR_TC(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(gtc::THREADS)                                             \
         NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk) {           \
@@ -637,6 +765,15 @@ LINEAR_WG(linear_wg128_bf16_of32, float, 128, 128)
     }
 MOE_GROUPED_WG(moe_grouped_wg_bf16_obf16, bf16)
 MOE_GROUPED_WG(moe_grouped_wg_bf16_of32, float)
+
+#define MOE_GROUPED_WGT(NAME, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128 + gwt::CONSUMERS * 128, 1)                              \
+        NAME(const __grid_constant__ CUtensorMap tx, const CUtensorMap* wmaps, T* y, const int* experts,     \
+             const int* off, int n, int k) {                                                                 \
+        grouped_wgt<T>(&tx, wmaps, y, experts, off, n, k);                                                   \
+    }
+MOE_GROUPED_WGT(moe_grouped_wgt_bf16_obf16, bf16)
+MOE_GROUPED_WGT(moe_grouped_wgt_bf16_of32, float)
 
 #define LINEAR_WGT(NAME, T, BM, BN)                                                                                \
     extern "C" __global__ void __launch_bounds__(128 + BM / 64 * 128, 1)                                         \

@@ -64,6 +64,9 @@ fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfi
 #[derive(Debug)]
 pub struct ExpertWeights {
     pub ptrs: CudaSlice<u64>,
+    /// Each weight's TMA tensor map (128 bytes: 16 words per expert; box 64 of k × 128
+    /// rows), for `moe_grouped_wgt_*`; `None` where the driver would not encode them.
+    maps: Option<CudaSlice<u64>>,
     pub count: usize,
     pub out: usize,
     pub inp: usize,
@@ -77,8 +80,26 @@ impl ExpertWeights {
             return Err(CudaError::shape("moe_grouped", "experts of different shapes"));
         }
         let ptrs: Vec<u64> = weights.iter().map(|l| l.w.device_ptr(s).0).collect();
+        // Tensor maps need 16-byte rows; a weight whose map cannot be encoded leaves the
+        // TMA kernel out (the other kernels take every shape).
+        let maps = if !ptrs.is_empty() && inp.is_multiple_of(8) {
+            let words: std::result::Result<Vec<u64>, _> = ptrs
+                .iter()
+                .map(|&p| {
+                    crate::mla_decode::bf16_tensor_map(p, &[inp as u64, out as u64], &[(inp * 2) as u64], &[64, 128])
+                        .map(|m| m.0.opaque)
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map(|v| v.concat());
+            match words {
+                Ok(w) => Some(s.clone_htod(&w)?),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
         let ptrs = s.clone_htod(if ptrs.is_empty() { &[0u64][..] } else { &ptrs })?;
-        Ok(ExpertWeights { ptrs, count: weights.len(), out, inp })
+        Ok(ExpertWeights { ptrs, maps, count: weights.len(), out, inp })
     }
 }
 
@@ -97,6 +118,9 @@ pub enum GroupedVariant {
     /// row's sum never depends on the expert's other rows, and equals `TensorCore`'s bit
     /// for bit on an H200 (asserted by the tensor-core experts test).
     Wgmma,
+    /// Hopper's warpgroup MMA fed by TMA (`moe_grouped_wgt_*`): up to 192 rows of an
+    /// expert per pass over its weight, 128 columns per block; the same bits as `Wgmma`.
+    WgmmaTma,
     /// By the backend's GEMM mode: [`GroupedVariant::TensorCore`] (or `Wgmma` on Hopper) in
     /// [`GemmMode::Cublas`] and [`GemmMode::InvariantTc`]; in [`GemmMode::BatchInvariant`]
     /// `Direct` or `Staged` by the average rows per expert (both sum as the invariant GEMM
@@ -123,6 +147,10 @@ pub struct RouteParams {
 /// bf16 each, and 1024 bytes to align them.
 const GROUPED_WG_SMEM: usize = 4 * (64 + 128) * 64 * 2 + 1024;
 
+/// `moe_grouped_wgt_*`'s dynamic shared memory: 5 stages of 128 rows of W and 192 of x,
+/// 64 bf16 each, a full and an empty barrier per stage, and 1024 bytes to align them.
+const GROUPED_WGT_SMEM: usize = 1024 + 5 * (128 + 192) * 64 * 2 + 5 * 16;
+
 /// The loaded functions of `backend_ops.cu`.
 #[derive(Debug)]
 pub struct Ops {
@@ -140,6 +168,8 @@ pub struct Ops {
     grouped_tc_f32: CudaFunction,
     /// The warpgroup-MMA experts (sm_90 only) [bf16, f32].
     grouped_wg: Option<[CudaFunction; 2]>,
+    /// The TMA-fed warpgroup-MMA experts (sm_90 only) [bf16, f32].
+    grouped_wgt: Option<[CudaFunction; 2]>,
     /// `Auto` runs the tensor-core experts on wgmma where the GPU has it (as
     /// [`crate::linear::Gemm::tc_kernels`]; `MLASERVE_LINEAR_TC=mma.sync` turns both off).
     pub wgmma: bool,
@@ -181,6 +211,12 @@ impl Ops {
             grouped_wg: if gpu.compute_capability == (9, 0) {
                 let f = |n: &str| crate::linear::with_smem(&tc, n, GROUPED_WG_SMEM);
                 Some([f("moe_grouped_wg_bf16_obf16")?, f("moe_grouped_wg_bf16_of32")?])
+            } else {
+                None
+            },
+            grouped_wgt: if gpu.compute_capability == (9, 0) {
+                let f = |n: &str| crate::linear::with_smem(&tc, n, GROUPED_WGT_SMEM);
+                Some([f("moe_grouped_wgt_bf16_obf16")?, f("moe_grouped_wgt_bf16_of32")?])
             } else {
                 None
             },
@@ -459,11 +495,14 @@ impl Ops {
             Staged,
             Tc,
             Wg,
+            Wgt,
         }
         // wgmma from 16 rows per expert on average (prefill; at 8 it was 2% slower than
-        // mma.sync, at 64 30% faster). Both round alike (the tensor-core experts test
-        // asserts it), so the choice by batch size keeps a row's bits.
+        // mma.sync, at 64 30% faster), fed by TMA where the weights have tensor maps. All
+        // round alike (the tensor-core experts test asserts it), so the choice by batch
+        // size keeps a row's bits.
         let wg_auto = self.wgmma && self.grouped_wg.is_some() && rows >= 16 * weights.count;
+        let tma = self.grouped_wgt.is_some() && weights.maps.is_some();
         let kind = match variant {
             GroupedVariant::Direct => Kind::Direct,
             GroupedVariant::Staged => Kind::Staged,
@@ -472,6 +511,13 @@ impl Ops {
                 return Err(CudaError::shape(K, "the wgmma experts need an sm_90 GPU"));
             }
             GroupedVariant::Wgmma => Kind::Wg,
+            GroupedVariant::WgmmaTma if !tma => {
+                return Err(CudaError::shape(K, "the TMA experts need an sm_90 GPU and encodable tensor maps"));
+            }
+            GroupedVariant::WgmmaTma => Kind::Wgt,
+            GroupedVariant::Auto(GemmMode::Cublas) | GroupedVariant::Auto(GemmMode::InvariantTc) if wg_auto && tma => {
+                Kind::Wgt
+            }
             GroupedVariant::Auto(GemmMode::Cublas) | GroupedVariant::Auto(GemmMode::InvariantTc) if wg_auto => Kind::Wg,
             GroupedVariant::Auto(GemmMode::Cublas) | GroupedVariant::Auto(GemmMode::InvariantTc) => Kind::Tc,
             // Measured on H200 (V3 experts): staging pays from about 4 rows per expert.
@@ -479,10 +525,12 @@ impl Ops {
             GroupedVariant::Auto(GemmMode::BatchInvariant) => Kind::Direct,
         };
         // CUDA cores: 32 columns per 256-thread block; tensor cores: 64 per 128 threads
-        // (static shared memory, 48 KiB); wgmma: 128 per 128 threads (dynamic).
+        // (static shared memory, 48 KiB); wgmma: 128 per 128 threads (dynamic); TMA: 128
+        // per producer and two consumer warpgroups.
         let (cols, threads, smem) = match kind {
             Kind::Tc => (64, 128, 0),
             Kind::Wg => (128, 128, GROUPED_WG_SMEM),
+            Kind::Wgt => (128, 384, GROUPED_WGT_SMEM),
             _ => (32, 256, 0),
         };
         let cfg = LaunchConfig {
@@ -490,6 +538,36 @@ impl Ops {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem as u32,
         };
+        let no_experts: u64 = 0; // null: group g is expert g
+        if kind == Kind::Wgt {
+            let (Some(fs), Some(maps)) = (&self.grouped_wgt, &weights.maps) else { unreachable!("checked above") };
+            // x [rows][k] in boxes of 64 × 64 (k % 8 == 0 checked: 16-byte rows).
+            let tx = crate::mla_decode::bf16_tensor_map(
+                x.device_ptr(s).0,
+                &[k as u64, rows as u64],
+                &[(k * 2) as u64],
+                &[64, 64],
+            )?;
+            // SAFETY: moe_grouped_wgt_*(const __grid_constant__ CUtensorMap tx, const
+            // CUtensorMap* wmaps, T* y, const int* experts, const int* off, int n, int k),
+            // T f32 when out_f32, else bf16 (the caller's y). tx covers rows*k elements of x
+            // (checked); `maps` holds `count` live 128-byte maps of the `[n][k]` weights
+            // (64-byte aligned: 128 bytes each from a 256-byte aligned allocation), g <
+            // count; `off` from moe_sort over `rows` slots is non-decreasing from 0 to rows,
+            // so group g writes rows < rows of y (rows*n, checked), columns < n.
+            unsafe {
+                s.launch_builder(&fs[out_f32 as usize])
+                    .arg(&tx)
+                    .arg(maps)
+                    .arg(y)
+                    .arg(&no_experts)
+                    .arg(off)
+                    .arg(&ni)
+                    .arg(&ki)
+                    .launch(cfg)
+            }?;
+            return Ok(());
+        }
         let wg = self.grouped_wg.as_ref();
         let f = match (kind, out_f32) {
             (Kind::Direct, false) => &self.grouped_bf16,
@@ -499,8 +577,8 @@ impl Ops {
             (Kind::Tc, false) => &self.grouped_tc_bf16,
             (Kind::Tc, true) => &self.grouped_tc_f32,
             (Kind::Wg, f32) => &wg.expect("checked above")[f32 as usize],
+            (Kind::Wgt, _) => unreachable!("launched above"),
         };
-        let no_experts: u64 = 0; // null: group g is expert g
 
         // SAFETY: every entry point takes (T* y, const bf16* x, const bf16* const* w,
         // const int* experts, const int* off, int n, int k) with T f32 when out_f32, else

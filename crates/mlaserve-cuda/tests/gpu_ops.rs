@@ -571,14 +571,14 @@ fn small_backend_ops_match_reference() {
 
 /// The tensor-core grouped expert GEMM (`GroupedVariant::TensorCore`, fast mode) against
 /// the f64 reference of `sorted_grouped_experts_match_reference_and_invariant_gemm` and
-/// against the CUDA-core kernel: experts with 0, 1, 7, 16, 17 and 100 rows (empty ones
-/// first, between and last; 100 rows take two 64-row chunks), V3's expert shapes and small
+/// against the CUDA-core kernel: experts with 0, 1, 7, 16, 17, 100, 150 and 300 rows (empty
+/// ones first, between and last; 100 rows take two 64-row chunks, 150 three, and 300 two
+/// passes of the TMA kernel: 192 rows, then 108), V3's expert shapes and small
 /// ones (k a multiple of 8 but not of 64, n not a multiple of the 64-column tile, odd n),
 /// bf16 and f32 outputs. Rows past `off[E]` belong to no group and must keep their NaN
 /// poison. At V3 shapes the reference covers every row and the columns c % 13 == 0 plus
-/// the last 64 (every residue of the tile), the CUDA-core comparison every output. Then
-/// times both kernels at V3 shapes (64 experts, 8 and 64 rows each) beside the time to
-/// read those experts' weights once at the copy bandwidth measured in the same run.
+/// the last 64 (every residue of the tile), the CUDA-core comparison every output. On
+/// Hopper the wgmma kernels (cp.async and TMA) must give mma.sync's bits.
 #[test]
 fn grouped_experts_tensor_core_match_reference() {
     use mlaserve_cuda::kernels::Util;
@@ -588,7 +588,7 @@ fn grouped_experts_tensor_core_match_reference() {
     let ops = Ops::new(&g).expect("ops");
     let util = Util::new(&g).expect("util");
     let mut fails = Vec::new();
-    let counts = [0usize, 1, 7, 16, 0, 17, 100, 0];
+    let counts = [0usize, 1, 7, 16, 0, 17, 100, 150, 300, 0];
     let mut off = vec![0i32];
     for c in counts {
         off.push(off.last().copied().unwrap_or(0) + c as i32);
@@ -618,8 +618,20 @@ fn grouped_experts_tensor_core_match_reference() {
         let cuda_cores = s.clone_dtoh(&yc).expect("y");
         let mut tc_bits: Option<Vec<f32>> = None;
         let hopper = g.compute_capability == (9, 0);
-        for variant in [GroupedVariant::TensorCore, GroupedVariant::Wgmma] {
-            if variant == GroupedVariant::Wgmma && !hopper {
+        // The f64 reference, once per shape.
+        let cols: Vec<usize> = (0..n).filter(|&c| n <= 256 || c % 13 == 0 || c + 64 >= n).collect();
+        let mut want = Vec::new();
+        for (e, w) in wh.iter().enumerate() {
+            for r in off[e] as usize..off[e + 1] as usize {
+                let xr = &xh[r * k..(r + 1) * k];
+                for &c in &cols {
+                    let wr = &w[c * k..(c + 1) * k];
+                    want.push(xr.iter().zip(wr).map(|(a, b)| a * b.to_f64()).sum::<f64>() as f32);
+                }
+            }
+        }
+        for variant in [GroupedVariant::TensorCore, GroupedVariant::Wgmma, GroupedVariant::WgmmaTma] {
+            if variant != GroupedVariant::TensorCore && !hopper {
                 continue;
             }
             let mut yf = s.alloc_zeros::<f32>(len).expect("y");
@@ -631,14 +643,10 @@ fn grouped_experts_tensor_core_match_reference() {
             let got = s.clone_dtoh(&yf).expect("y");
             let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("y").iter().map(|v| v.to_f32()).collect();
 
-            let cols: Vec<usize> = (0..n).filter(|&c| n <= 256 || c % 13 == 0 || c + 64 >= n).collect();
-            let (mut want, mut gf, mut gb) = (Vec::new(), Vec::new(), Vec::new());
-            for (e, w) in wh.iter().enumerate() {
+            let (mut gf, mut gb) = (Vec::new(), Vec::new());
+            for e in 0..wh.len() {
                 for r in off[e] as usize..off[e + 1] as usize {
-                    let xr = &xh[r * k..(r + 1) * k];
                     for &c in &cols {
-                        let wr = &w[c * k..(c + 1) * k];
-                        want.push(xr.iter().zip(wr).map(|(a, b)| a * b.to_f64()).sum::<f64>() as f32);
                         gf.push(got[r * n + c]);
                         gb.push(gotb[r * n + c]);
                     }
@@ -654,14 +662,15 @@ fn grouped_experts_tensor_core_match_reference() {
             if !untouched {
                 fails.push(format!("{variant:?} grouped [{n}x{k}] wrote rows outside every group"));
             }
-            // wgmma's sums must round as mma.sync's (`Auto` picks by rows per expert).
+            // wgmma's sums (with cp.async or TMA) must round as mma.sync's (`Auto` picks by
+            // rows per expert).
             match &tc_bits {
                 None => tc_bits = Some(got[..total * n].to_vec()),
                 Some(t) => {
                     let differ = t.iter().zip(&got[..total * n]).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-                    println!("{name}: wgmma vs mma.sync, {differ} of {} outputs differ in bits", total * n);
+                    println!("{name}: vs mma.sync, {differ} of {} outputs differ in bits", total * n);
                     if differ > 0 {
-                        fails.push(format!("{name}: wgmma and mma.sync round differently"));
+                        fails.push(format!("{name}: rounds differently from mma.sync"));
                     }
                 }
             }
@@ -695,9 +704,22 @@ fn grouped_experts_tensor_core_timing() {
             .collect();
         let table = ExpertWeights::new(s, &lins.iter().collect::<Vec<_>>()).expect("table");
         let read_us = (experts * n * k * 2) as f64 / (copy_gbps * 1e9) * 1e6;
-        for per in [8usize, 64, 128] {
-            let rows = experts * per;
-            let off: Vec<i32> = (0..=experts).map(|e| (e * per) as i32).collect();
+        // Rows per expert: even, and uneven around 64 (40 to 88, as a prefill's routing
+        // spreads them: experts past 64 rows take a second 64-row chunk).
+        let cases: Vec<(String, Vec<usize>)> = [8usize, 64, 128, 256]
+            .iter()
+            .map(|&per| (format!("{per} rows"), vec![per; experts]))
+            .chain(std::iter::once((
+                "40-88 rows (mean 64)".to_string(),
+                (0..experts).map(|e| 40 + (e * 37) % 49).collect(),
+            )))
+            .collect();
+        for (label, counts) in cases {
+            let rows: usize = counts.iter().sum();
+            let mut off = vec![0i32];
+            for c in &counts {
+                off.push(off.last().copied().unwrap_or(0) + *c as i32);
+            }
             let offd = s.clone_htod(&off).expect("off");
             let mut x = s.alloc_zeros::<bf16>(rows * k).expect("x");
             util.fill_bf16(s, &mut x, 77, -1.0, 1.0).expect("fill");
@@ -714,13 +736,20 @@ fn grouped_experts_tensor_core_timing() {
                 .expect("time");
                 t[t.len() / 2] * 1e3
             };
-            let (direct, staged, tc) =
-                (time(GroupedVariant::Direct), time(GroupedVariant::Staged), time(GroupedVariant::TensorCore));
-            let wg = if g.compute_capability == (9, 0) { time(GroupedVariant::Wgmma) } else { f64::NAN };
+            // The CUDA-core kernels only where they are candidates (few rows per expert).
+            let few = rows <= 64 * experts;
+            let (direct, staged) =
+                if few { (time(GroupedVariant::Direct), time(GroupedVariant::Staged)) } else { (f64::NAN, f64::NAN) };
+            let tc = time(GroupedVariant::TensorCore);
+            let hopper = g.compute_capability == (9, 0);
+            let wg = if hopper { time(GroupedVariant::Wgmma) } else { f64::NAN };
+            let wgt = if hopper { time(GroupedVariant::WgmmaTma) } else { f64::NAN };
+            let tflops = |us: f64| (2 * rows * n * k) as f64 / (us * 1e-6) / 1e12;
             println!(
-                "grouped {what} [{n}×{k}] {experts} experts × {per} rows, median of 25 (µs): CUDA cores direct \
-                 {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}, wgmma {wg:.0}; weights once at copy \
-                 bandwidth ({copy_gbps:.0} GB/s) {read_us:.0}"
+                "grouped {what} [{n}×{k}] {experts} experts × {label}, median of 25 (µs): CUDA cores direct \
+                 {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}, wgmma {wg:.0}, wgmma + TMA {wgt:.0} \
+                 ({:.0} TFLOP/s); weights once at copy bandwidth ({copy_gbps:.0} GB/s) {read_us:.0}",
+                tflops(wgt)
             );
         }
     }
