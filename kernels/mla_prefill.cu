@@ -33,6 +33,7 @@
 // later row of its warp needs them) are fully masked, which adds exact zeros. No split
 // over keys, so nothing depends on what else shares the launch (batch invariance).
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace mlap {
 
@@ -289,6 +290,229 @@ __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __re
     }
 }
 
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The same attention on Hopper's warpgroup MMA (mla_prefill_wg_*): the same CTA (64 query
+// rows of one head, the host's tile list), key tiles of 64 through the same 2-stage
+// cp.async ring, the same masking, online softmax and bf16 P, but the four warps run as
+// one warpgroup: S = Q K^T is wgmma m64n64k16 with Q and K read from shared memory, and
+// O += P V is wgmma m64nVDk16 with P from registers (the S accumulator repacked, as in
+// the mma.sync kernel) and V read N-major. The tiles are laid as wgmma's 128-byte-swizzle
+// blocks: [64-dim block][row][128 B], 16-byte chunk c of a row at c ^ (row % 8), each
+// block 1024-byte aligned. Each warp used to read the whole K and V tiles through
+// ldmatrix; wgmma reads them once per warpgroup. A row's result still depends on its own
+// sequence only: the same key tiles from key 0, fully masked tiles adding exact zeros.
+template <int QK, int VD>
+struct WgCfg {
+    static constexpr int BLOCK = 64 * 128;  // bytes of one 64-row x 64-dim block
+    static constexpr int Q_BYTES = QK / 64 * BLOCK, K_BYTES = QK / 64 * BLOCK, V_BYTES = VD / 64 * BLOCK;
+    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGE_BYTES;  // + alignment slack
+};
+
+// Byte offset of 16-byte chunk c (8 dims) of row r in the block layout.
+__device__ __forceinline__ uint32_t wsw(int r, int c) {
+    return static_cast<uint32_t>((c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+template <int VD>
+struct WgPV;
+template <>
+struct WgPV<64> {
+    static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+        wgmma_m64n64k16_rs_tb(d, a, b);
+    }
+};
+template <>
+struct WgPV<128> {
+    static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+        wgmma_m64n128k16_rs_tb(d, a, b);
+    }
+};
+
+template <int QK, int VD>
+__device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* __restrict__ q,
+                                            const bf16* __restrict__ kn, const bf16* __restrict__ kpe,
+                                            const bf16* __restrict__ v, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, const int* __restrict__ seqs,
+                                            const int* __restrict__ tiles, int heads, int nope, int rope, int vdim,
+                                            float scale_log2) {
+    using C = WgCfg<QK, VD>;
+    constexpr int QK_CHUNKS = QK / 8, V_CHUNKS = VD / 8, NO = VD / 2;
+    extern __shared__ __align__(1024) uint8_t smem_wg[];
+    const uint32_t raw = smem_u32(smem_wg), sQ = (raw + 1023u) & ~1023u, sKV = sQ + C::Q_BYTES;
+    uint8_t* pQ = smem_wg + (sQ - raw);
+
+    const int h = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int* sd = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
+    const int i0 = tiles[2 * blockIdx.x + 1];
+    const int q_row0 = sd[F_QROW], q_len = sd[F_QLEN], k_off = sd[F_KOFF], k_len = sd[F_KLEN];
+    const int base = k_len - q_len;
+    const int n_rows = min(BM, q_len - i0);
+    const int n_kt = (base + i0 + n_rows - 1) / BN + 1;
+    const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, v_c = vdim / 8, half = rope / 2;
+
+    auto load_kv = [&](int jt, int stage) {
+        const int k0 = jt * BN;
+        const uint32_t kdst = sKV + stage * C::STAGE_BYTES, vdst = kdst + C::K_BYTES;
+        for (int idx = tid; idx < BN * QK_CHUNKS; idx += NTHREADS) {
+            const int r = idx / QK_CHUNKS, c = idx % QK_CHUNKS, t = k0 + r;
+            const bf16* src = kpe;
+            int bytes = 0;  // keys past k_len and dims past qk: zeros, nothing read
+            if (t < k_len && c < qk_c) {
+                const size_t key = static_cast<size_t>(k_off + t);
+                src = c < nope_c ? kn + (key * heads + h) * nope + c * 8 : kpe + key * rope + (c - nope_c) * 8;
+                bytes = 16;
+            }
+            cp_async_16(kdst + wsw(r, c), src, bytes);
+        }
+        for (int idx = tid; idx < BN * V_CHUNKS; idx += NTHREADS) {
+            const int r = idx / V_CHUNKS, c = idx % V_CHUNKS, t = k0 + r;
+            const bool ok = t < k_len && c < v_c;
+            const bf16* src = ok ? v + (static_cast<size_t>(k_off + t) * heads + h) * vdim + c * 8 : v;
+            cp_async_16(vdst + wsw(r, c), src, ok ? 16 : 0);
+        }
+    };
+    load_kv(0, 0);
+    cp_async_commit();
+
+    // Q tile, as the mma.sync kernel's: RoPE applied, bf16, zeros past q_len and qk.
+    for (int idx = tid; idx < BM * QK_CHUNKS; idx += NTHREADS) {
+        const int r = idx / QK_CHUNKS, c = idx % QK_CHUNKS, i = i0 + r;
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+        if (r < n_rows && c < qk_c) {
+            const float* src = q + (static_cast<size_t>(q_row0 + i) * heads + h) * qk + c * 8;
+            const float4 x0 = *reinterpret_cast<const float4*>(src);
+            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+            float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            if (c >= nope_c) {
+                const size_t tab = static_cast<size_t>(base + i) * half + (c - nope_c) * 4;
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    rope_pair(x[2 * u], x[2 * u + 1], cos_t[tab + u], sin_t[tab + u], x[2 * u], x[2 * u + 1]);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) w[u] = pack_bf16x2(x[2 * u], x[2 * u + 1]);
+        }
+        *reinterpret_cast<uint4*>(pQ + wsw(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    fence_proxy_async_smem();  // st.shared -> wgmma's reads (the barrier below orders them)
+
+    // The thread's rows: 16·warp + lane / 4 (+ 8), as in the mma.sync layout.
+    const int tile_first = base + i0;  // position of the tile's first row
+    int pos_r[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) pos_r[i] = tile_first + warp * 16 + (lane >> 2) + 8 * i;
+
+    const uint64_t dq = gmma_desc_sw128(sQ, 16, 1024);
+    const uint64_t dk0 = gmma_desc_sw128(sKV, 16, 1024);
+    const uint64_t dv0 = gmma_desc_sw128(sKV + C::K_BYTES, C::BLOCK, 1024);  // N-major: LBO = 64-dim block
+
+    float acc[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) acc[i] = 0.f;
+    float m[2] = {-MLAS_INF, -MLAS_INF};
+    float l[2] = {0.f, 0.f};
+
+    for (int jt = 0; jt < n_kt; ++jt) {
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();  // tile jt visible to all; tile jt - 1's wgmma finished everywhere
+        if (jt + 1 < n_kt) {
+            load_kv(jt + 1, (jt + 1) & 1);
+            cp_async_commit();
+        }
+        const int k0 = jt * BN;
+        const uint32_t so = (jt & 1) * C::STAGE_BYTES;
+
+        float s[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        fence_operands(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < QK / 16; ++ks) {
+            const uint32_t off = (ks >> 2) * C::BLOCK + (ks & 3) * 32;
+            wgmma_m64n64k16_ss(s, gmma_desc_add(dq, off), gmma_desc_add(dk0, so + off));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(s);
+
+        // Causal mask: key k0 + 8j + 2(lane % 4) + (e & 1) of row (e >> 1).
+        if (k0 + BN - 1 > tile_first) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + j * 8 + 2 * (lane & 3) + (e & 1);
+                    if (key > pos_r[e >> 1]) s[4 * j + e] = -MLAS_INF;
+                }
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+        float ms[2], alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            ms[i] = mx[i] == -MLAS_INF ? 0.f : mx[i] * scale_log2;
+            alpha[i] = fast_exp2(m[i] * scale_log2 - ms[i]);
+            m[i] = mx[i];
+        }
+        uint32_t pa[4][4];
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                p[e] = fast_exp2(s[4 * j + e] * scale_log2 - ms[e >> 1]);
+                rs[e >> 1] += p[e];
+            }
+            pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16x2(p[0], p[1]);
+            pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + rs[i];
+        if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+            for (int i = 0; i < NO; ++i) acc[i] *= alpha[(i >> 1) & 1];
+        }
+
+        // O (64 x VD) += P (64 x 64 keys) V (64 keys x VD), V N-major.
+        fence_operands(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) WgPV<VD>::mma(acc, pa[kk], gmma_desc_add(dv0, so + kk * 16 * 128));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = warp * 16 + (lane >> 2) + 8 * i;
+        if (r >= n_rows) continue;
+        const float inv = 1.f / l[i];
+        bf16* dst = o + (static_cast<size_t>(q_row0 + i0 + r) * heads + h) * vdim + 2 * (lane & 3);
+#pragma unroll
+        for (int n = 0; n < VD / 8; ++n)
+            if (n * 8 < vdim) store2(dst + n * 8, acc[4 * n + 2 * i] * inv, acc[4 * n + 2 * i + 1] * inv);
+    }
+}
+#endif
+
 }  // namespace mlap
 
 // DeepSeek-V2/V3/K2 heads: qk = 128 + 64 (up to 192), v up to 128. 104 KiB of shared
@@ -311,6 +535,24 @@ extern "C" __global__ void __launch_bounds__(mlap::NTHREADS, 2)
                              int rope, int vdim, float scale_log2) {
     mlap::fwd_body<64, 64>(o, q, kn, kpe, v, cos_t, sin_t, seqs, tiles, heads, nope, rope, vdim, scale_log2);
 }
+
+// The warpgroup-MMA instances (sm_90a; elsewhere they trap and the host never picks them).
+#define MLA_PREFILL_WG(NAME, QK, VD)                                                                              \
+    extern "C" __global__ void __launch_bounds__(mlap::NTHREADS, 2)                                              \
+        NAME(bf16* __restrict__ o, const float* __restrict__ q, const bf16* __restrict__ kn,                      \
+             const bf16* __restrict__ kpe, const bf16* __restrict__ v, const float* __restrict__ cos_t,           \
+             const float* __restrict__ sin_t, const int* __restrict__ seqs, const int* __restrict__ tiles,        \
+             int heads, int nope, int rope, int vdim, float scale_log2) {                                         \
+        MLA_PREFILL_WG_BODY(QK, VD)                                                                               \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MLA_PREFILL_WG_BODY(QK, VD) \
+    mlap::fwd_wg_body<QK, VD>(o, q, kn, kpe, v, cos_t, sin_t, seqs, tiles, heads, nope, rope, vdim, scale_log2);
+#else
+#define MLA_PREFILL_WG_BODY(QK, VD) __trap();
+#endif
+MLA_PREFILL_WG(mla_prefill_wg_qk192_v128, 192, 128)
+MLA_PREFILL_WG(mla_prefill_wg_qk64_v64, 64, 64)
 
 // The sequences' cached latents, gathered from the paged cache into contiguous rows: key
 // t (sequence j = the last with k_off <= t, position p = t - k_off) -> ckv[t] = c_kv

@@ -5,7 +5,7 @@
 //! For the sequences that take this path, the cached latents of positions `0..k_len` (the
 //! cached prefix and the chunk just written) are gathered from the paged cache into
 //! contiguous rows and up-projected once per step by two GEMMs over all heads
-//! (`K_nope = c_kv · W_UKᵀ`, `V = c_kv · W_UVᵀ`); a flash-attention kernel (mma.sync,
+//! (`K_nope = c_kv · W_UKᵀ`, `V = c_kv · W_UVᵀ`); a flash-attention kernel (wgmma on Hopper, else mma.sync;
 //! online softmax, causal with the queries at the end of the keys) then writes each query
 //! row's `[heads][v_head_dim]` output straight into `o_proj`'s input. Per (query, key,
 //! head) it costs `2·(qk + v)` FLOPs (640 at DeepSeek-V3's 192 + 128) instead of the
@@ -58,6 +58,21 @@ impl PrefillDims {
 /// stages of K and V tiles, bf16.
 pub fn smem_bytes(qk: usize, v: usize) -> usize {
     TILE_ROWS * qk * 2 + 2 * KEY_TILE * (qk + v) * 2
+}
+
+/// The warpgroup-MMA instance's dynamic shared memory: the same tiles (64-dim blocks of
+/// 64 rows, 1024-byte aligned) and 1024 bytes of alignment slack.
+pub fn smem_bytes_wg(qk: usize, v: usize) -> usize {
+    1024 + smem_bytes(qk, v)
+}
+
+/// Which attention kernel an expanded-form call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// mma.sync (every GPU).
+    MmaSync,
+    /// Hopper's warpgroup MMA (`mla_prefill_wg_*`).
+    Wgmma,
 }
 
 /// One sequence's part of an expanded-form call.
@@ -127,7 +142,7 @@ mod device {
     use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
     use half::bf16;
 
-    use super::{check_seqs, smem_bytes, tile_list, PrefillDims, PrefillSeq, SEQ_FIELDS};
+    use super::{check_seqs, smem_bytes, smem_bytes_wg, tile_list, PrefillDims, PrefillKernel, PrefillSeq, SEQ_FIELDS};
     use crate::error::{CudaError, Result};
     use crate::gpu::Gpu;
     use crate::kernels;
@@ -243,9 +258,15 @@ mod device {
     pub struct MlaPrefill {
         fwd_small: CudaFunction,
         fwd_large: CudaFunction,
+        /// The warpgroup-MMA instances [small, large] (sm_90 only).
+        fwd_wg: Option<[CudaFunction; 2]>,
         gather: CudaFunction,
         scatter: CudaFunction,
         max_smem: usize,
+        /// The attention kernel: wgmma on Hopper, else mma.sync; `MLASERVE_PREFILL_KERNEL=
+        /// mma.sync` forces the older one (for comparisons). The two agree to rounding, not
+        /// in bits: keep one kernel for the runs whose outputs are compared.
+        pub kernel: PrefillKernel,
     }
 
     impl MlaPrefill {
@@ -259,12 +280,31 @@ mod device {
                     large as i32,
                 )?;
             }
+            let fwd_wg = if gpu.compute_capability == (9, 0) {
+                let f = |name: &str, qk: usize, v: usize| -> Result<CudaFunction> {
+                    let f = m.load_function(name)?;
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem_bytes_wg(qk, v) as i32,
+                    )?;
+                    Ok(f)
+                };
+                Some([f("mla_prefill_wg_qk64_v64", 64, 64)?, f("mla_prefill_wg_qk192_v128", 192, 128)?])
+            } else {
+                None
+            };
+            let kernel = match (std::env::var("MLASERVE_PREFILL_KERNEL").as_deref(), &fwd_wg) {
+                (Ok("mma.sync"), _) | (_, None) => PrefillKernel::MmaSync,
+                _ => PrefillKernel::Wgmma,
+            };
             Ok(MlaPrefill {
                 fwd_small: m.load_function("mla_prefill_fwd_qk64_v64")?,
                 fwd_large,
+                fwd_wg,
                 gather: m.load_function("mla_prefill_gather_bf16")?,
                 scatter: m.load_function("scatter_rows_bf16")?,
                 max_smem: gpu.max_smem_optin,
+                kernel,
             })
         }
 
@@ -431,14 +471,25 @@ mod device {
             if h > 65_535 {
                 return Err(CudaError::shape(K, format!("{h} heads > 65535")));
             }
-            let smem = smem_bytes(qk_pad, v_pad);
+            let wg = match (self.kernel, &self.fwd_wg) {
+                (PrefillKernel::Wgmma, Some(fs)) => Some(&fs[(qk_pad != 64) as usize]),
+                (PrefillKernel::Wgmma, None) => {
+                    return Err(CudaError::shape(K, "the wgmma prefill kernel needs an sm_90 GPU"));
+                }
+                (PrefillKernel::MmaSync, _) => None,
+            };
+            let smem = if wg.is_some() { smem_bytes_wg(qk_pad, v_pad) } else { smem_bytes(qk_pad, v_pad) };
             if smem > self.max_smem {
                 return Err(CudaError::shape(
                     K,
                     format!("needs {smem} B of shared memory, the GPU allows {}", self.max_smem),
                 ));
             }
-            let f = if qk_pad == 64 { &self.fwd_small } else { &self.fwd_large };
+            let f = match wg {
+                Some(f) => f,
+                None if qk_pad == 64 => &self.fwd_small,
+                None => &self.fwd_large,
+            };
             let (hi, ni, ri, vi) = (i32_of(h)?, i32_of(d.nope)?, i32_of(d.rope)?, i32_of(d.vdim)?);
             let scale_log2 = scale * std::f32::consts::LOG2_E;
             let cfg = LaunchConfig {
@@ -451,7 +502,7 @@ mod device {
             let (knp, _g3) = kn.device_ptr(s);
             let (kpp, _g4) = kpe.device_ptr(s);
             let (vp, _g5) = v.device_ptr(s);
-            // SAFETY: argument list matches mla_prefill_fwd_*(o, q, kn, kpe, v, cos, sin, seqs,
+            // SAFETY: argument list matches mla_prefill_{fwd,wg}_*(o, q, kn, kpe, v, cos, sin, seqs,
             // tiles, heads, nope, rope, vdim, scale_log2). CTA (tile, h < heads) reads its
             // tile descriptor (< num_tiles) and sequence descriptor, q rows q_row0 + i
             // (i < q_len, so < rows_end) of width heads*qk, keys k_off + t < keys of kn, kpe,
@@ -558,6 +609,7 @@ mod tests {
         let v3 = PrefillDims { heads: 128, nope: 128, rope: 64, vdim: 128 };
         assert_eq!(v3.instance(), Some((192, 128)));
         assert_eq!(smem_bytes(192, 128), 106_496); // two CTAs per SM on Hopper (228 KiB)
+        assert!(2 * (smem_bytes_wg(192, 128) + 1024) <= 228 * 1024); // the wgmma one too
         let tiny = PrefillDims { heads: 8, nope: 16, rope: 8, vdim: 24 };
         assert_eq!(tiny.instance(), Some((64, 64)));
         assert_eq!(PrefillDims { vdim: 20, ..tiny }.instance(), None);

@@ -32,7 +32,7 @@ use mlaserve_cpu::CpuBackend;
 use mlaserve_cuda::kernels::Util;
 use mlaserve_cuda::linear::{Gemm, GemmMode, Linear};
 use mlaserve_cuda::ops::RopeTables;
-use mlaserve_cuda::prefill::{LatentCache, MlaPrefill, PrefillDims, PrefillPlan, PrefillSeq};
+use mlaserve_cuda::prefill::{LatentCache, MlaPrefill, PrefillDims, PrefillKernel, PrefillPlan, PrefillSeq};
 use mlaserve_cuda::reference::{self, err_stats};
 use mlaserve_cuda::rng::Rng;
 use mlaserve_cuda::{CudaBackend, CudaOptions, Gpu, PrefillPath};
@@ -47,6 +47,20 @@ const KERNEL_TOL: f64 = 1e-2;
 
 fn v3(heads: usize) -> PrefillDims {
     PrefillDims { heads, nope: 128, rope: 64, vdim: 128 }
+}
+
+/// The attention kernels this GPU runs: mma.sync, and wgmma on Hopper.
+fn kernels(g: &Gpu) -> Vec<MlaPrefill> {
+    let mut v = Vec::new();
+    for k in [PrefillKernel::MmaSync, PrefillKernel::Wgmma] {
+        if k == PrefillKernel::Wgmma && g.compute_capability != (9, 0) {
+            continue;
+        }
+        let mut pre = MlaPrefill::new(g).expect("prefill");
+        pre.kernel = k;
+        v.push(pre);
+    }
+    v
 }
 
 fn rand(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -209,7 +223,8 @@ fn kernel_case(
     let qr = reference::rope_query(&x.q, &positions(&seqs, rows), d.heads, d.nope, &cos, &sin, d.rope);
     let want = reference::mla_prefill(&d, &seqs, &qr, &x.kn, &x.kpe, &x.v, scale, only);
     let name = format!(
-        "heads {} qk {}+{} v {} {:?}{}",
+        "{:?}: heads {} qk {}+{} v {} {:?}{}",
+        pre.kernel,
         d.heads,
         d.nope,
         d.rope,
@@ -228,19 +243,21 @@ fn kernel_matches_reference_deepseek_dims() {
         return;
     }
     let g = Gpu::new(0).expect("gpu");
-    let pre = MlaPrefill::new(&g).expect("prefill");
     let mut fails = Vec::new();
-    // One head: every length in one call, a row of another path between sequences.
-    kernel_case(&g, &pre, v3(1), &LENS, 1, None, 1, &mut fails);
-    // 8 heads: the lengths again plus chunks over cached prefixes (a page-crossing prefix,
-    // a single new token at position 1999, a chunk starting on a page boundary, one
-    // starting at position 1, a 130-row chunk over 170 cached tokens).
-    let mut parts = LENS.to_vec();
-    parts.extend([(65, 100), (1, 1999), (64, 64), (5, 1), (130, 170)]);
-    kernel_case(&g, &pre, v3(8), &parts, 2, None, 2, &mut fails);
-    // DeepSeek-V3's 128 heads: every head up to 300 + a chunk; 2000 tokens on 3 heads.
-    kernel_case(&g, &pre, v3(128), &[(1, 0), (63, 0), (64, 0), (65, 0), (300, 0), (130, 300)], 0, None, 3, &mut fails);
-    kernel_case(&g, &pre, v3(128), &[(2000, 0), (64, 1000)], 1, Some(&[0, 57, 127]), 4, &mut fails);
+    for pre in kernels(&g) {
+        // One head: every length in one call, a row of another path between sequences.
+        kernel_case(&g, &pre, v3(1), &LENS, 1, None, 1, &mut fails);
+        // 8 heads: the lengths again plus chunks over cached prefixes (a page-crossing
+        // prefix, a single new token at position 1999, a chunk starting on a page boundary,
+        // one starting at position 1, a 130-row chunk over 170 cached tokens).
+        let mut parts = LENS.to_vec();
+        parts.extend([(65, 100), (1, 1999), (64, 64), (5, 1), (130, 170)]);
+        kernel_case(&g, &pre, v3(8), &parts, 2, None, 2, &mut fails);
+        // DeepSeek-V3's 128 heads: every head up to 300 + a chunk; 2000 tokens on 3 heads.
+        let parts = [(1, 0), (63, 0), (64, 0), (65, 0), (300, 0), (130, 300)];
+        kernel_case(&g, &pre, v3(128), &parts, 0, None, 3, &mut fails);
+        kernel_case(&g, &pre, v3(128), &[(2000, 0), (64, 1000)], 1, Some(&[0, 57, 127]), 4, &mut fails);
+    }
     assert!(fails.is_empty(), "failed: {fails:?}");
 }
 
@@ -250,14 +267,17 @@ fn kernel_matches_reference_small_dims() {
         return;
     }
     let g = Gpu::new(0).expect("gpu");
-    let pre = MlaPrefill::new(&g).expect("prefill");
     let mut fails = Vec::new();
     let parts = [(1, 0), (63, 0), (64, 0), (65, 0), (300, 0), (700, 0), (400, 300)];
-    // tiny-v3's heads (padded to the 64 + 64 instance) and an exactly 64-wide one.
-    kernel_case(&g, &pre, PrefillDims { heads: 8, nope: 16, rope: 8, vdim: 24 }, &parts, 1, None, 5, &mut fails);
-    kernel_case(&g, &pre, PrefillDims { heads: 2, nope: 32, rope: 32, vdim: 64 }, &parts, 0, None, 6, &mut fails);
-    // The large instance with dims below its padding (V2-Lite-like widths pass through it).
-    kernel_case(&g, &pre, PrefillDims { heads: 4, nope: 64, rope: 32, vdim: 96 }, &parts[..5], 1, None, 7, &mut fails);
+    for pre in kernels(&g) {
+        // tiny-v3's heads (padded to the 64 + 64 instance) and an exactly 64-wide one.
+        let tiny = PrefillDims { heads: 8, nope: 16, rope: 8, vdim: 24 };
+        kernel_case(&g, &pre, tiny, &parts, 1, None, 5, &mut fails);
+        kernel_case(&g, &pre, PrefillDims { heads: 2, nope: 32, rope: 32, vdim: 64 }, &parts, 0, None, 6, &mut fails);
+        // The large instance with dims below its padding (V2-Lite-like widths pass through).
+        let lite = PrefillDims { heads: 4, nope: 64, rope: 32, vdim: 96 };
+        kernel_case(&g, &pre, lite, &parts[..5], 1, None, 7, &mut fails);
+    }
     assert!(fails.is_empty(), "failed: {fails:?}");
 }
 
@@ -269,7 +289,6 @@ fn kernel_is_batch_invariant() {
         return;
     }
     let g = Gpu::new(0).expect("gpu");
-    let pre = MlaPrefill::new(&g).expect("prefill");
     let d = v3(8);
     let (seqs, rows) = layout(&[(65, 0), (300, 50), (130, 20)], 3);
     let keys: usize = seqs.iter().map(|s| s.k_len).sum();
@@ -277,7 +296,6 @@ fn kernel_is_batch_invariant() {
     let all = Inputs::random(&mut rng, &d, rows, keys);
     let (rope, _, _) = rope_tables(&g, d.rope, 350);
     let scale = 1.0 / (d.qk() as f32).sqrt();
-    let together = run_kernel(&g, &pre, &d, &seqs, rows, &all, &rope, scale);
     // The middle sequence alone: its query rows and its keys cut out.
     let x = seqs[1];
     let k0 = seqs[0].k_len;
@@ -289,11 +307,14 @@ fn kernel_is_batch_invariant() {
         v: all.v[k0 * h * d.vdim..(k0 + x.k_len) * h * d.vdim].to_vec(),
     };
     let one = [PrefillSeq { q_row0: 0, table_row: 0, ..x }];
-    let alone = run_kernel(&g, &pre, &d, &one, x.q_len, &alone_in, &rope, scale);
     let w = h * d.vdim;
-    let same = alone[..] == together[x.q_row0 * w..(x.q_row0 + x.q_len) * w];
-    println!("300 rows over 350 keys alone == among two other sequences: {same}");
-    assert!(same, "the kernel's result for a sequence depends on what shares the call");
+    for pre in kernels(&g) {
+        let together = run_kernel(&g, &pre, &d, &seqs, rows, &all, &rope, scale);
+        let alone = run_kernel(&g, &pre, &d, &one, x.q_len, &alone_in, &rope, scale);
+        let same = alone[..] == together[x.q_row0 * w..(x.q_row0 + x.q_len) * w];
+        println!("{:?}: 300 rows over 350 keys alone == among two other sequences: {same}", pre.kernel);
+        assert!(same, "{:?}: the kernel's result for a sequence depends on what shares the call", pre.kernel);
+    }
 }
 
 /// The whole expanded path: latents gathered from a paged cache (pages shuffled, slots
