@@ -5,10 +5,10 @@
 //! For the sequences that take this path, the cached latents of positions `0..k_len` (the
 //! cached prefix and the chunk just written) are gathered from the paged cache into
 //! contiguous rows and up-projected once per step by two GEMMs over all heads
-//! (`K_nope = c_kv · W_UKᵀ`, `V = c_kv · W_UVᵀ`); a flash-attention kernel (wgmma on Hopper, else mma.sync;
-//! online softmax, causal with the queries at the end of the keys) then writes each query
-//! row's `[heads][v_head_dim]` output straight into `o_proj`'s input. Per (query, key,
-//! head) it costs `2·(qk + v)` FLOPs (640 at DeepSeek-V3's 192 + 128) instead of the
+//! (`K_nope = c_kv · W_UKᵀ`, `V = c_kv · W_UVᵀ`); a flash-attention kernel (wgmma on
+//! Hopper, else mma.sync; online softmax, causal with the queries at the end of the keys)
+//! then writes each query row's `[heads][v_head_dim]` output straight into `o_proj`'s
+//! input. Per (query, key, head) it costs `2·(qk + v)` FLOPs (640 at DeepSeek-V3's 192 + 128) instead of the
 //! absorbed form's `2·(576 + 512)`, plus the up-projection once per key: cheaper as soon
 //! as a sequence brings more than a few query rows, which is why decode windows keep the
 //! absorbed form (vLLM and SGLang split the same way).
