@@ -8,10 +8,10 @@
 //! (`K_nope = c_kv · W_UKᵀ`, `V = c_kv · W_UVᵀ`); a flash-attention kernel (wgmma on
 //! Hopper, else mma.sync; online softmax, causal with the queries at the end of the keys)
 //! then writes each query row's `[heads][v_head_dim]` output straight into `o_proj`'s
-//! input. Per (query, key, head) it costs `2·(qk + v)` FLOPs (640 at DeepSeek-V3's 192 + 128) instead of the
-//! absorbed form's `2·(576 + 512)`, plus the up-projection once per key: cheaper as soon
-//! as a sequence brings more than a few query rows, which is why decode windows keep the
-//! absorbed form (vLLM and SGLang split the same way).
+//! input. Per (query, key, head) it costs `2·(qk + v)` FLOPs (640 at DeepSeek-V3's
+//! 192 + 128) instead of the absorbed form's `2·(576 + 512)`, plus the up-projection once
+//! per key: cheaper as soon as a sequence brings more than a few query rows, which is why
+//! decode windows keep the absorbed form (vLLM and SGLang split the same way).
 //!
 //! A row's result depends only on its own sequence (no split over keys), so the kernel is
 //! batch-invariant; the K/V up-projection is too when the GEMM is
