@@ -292,27 +292,36 @@ __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __re
 
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The same attention on Hopper's warpgroup MMA (mla_prefill_wg_*): the same CTA (64 query
-// rows of one head, the host's tile list), key tiles of 64 through the same 2-stage
-// cp.async ring, the same masking, online softmax and bf16 P, but the four warps run as
-// one warpgroup: S = Q K^T is wgmma m64n64k16 with Q and K read from shared memory, and
-// O += P V is wgmma m64nVDk16 with P from registers (the S accumulator repacked, as in
-// the mma.sync kernel) and V read N-major. The tiles are laid as wgmma's 128-byte-swizzle
-// blocks: [64-dim block][row][128 B], 16-byte chunk c of a row at c ^ (row % 8), each
-// block 1024-byte aligned. Each warp used to read the whole K and V tiles through
-// ldmatrix; wgmma reads them once per warpgroup. A row's result still depends on its own
-// sequence only: the same key tiles from key 0, fully masked tiles adding exact zeros.
+// The same attention on Hopper's warpgroup MMA (mla_prefill_wg_*): a CTA owns 128 query
+// rows of one head (the host's 128-row tile list, WG_ROWS) as two warpgroups of 64 that
+// share every K/V tile, so each tile crosses L2 once per 128 rows instead of once per
+// 64. Key tiles of 64 come through a 3-stage cp.async ring (all 256 threads load); the
+// masking, online softmax and bf16 P are the mma.sync kernel's. S = Q K^T is wgmma
+// m64n64k16 with Q and K read from shared memory, O += P V is wgmma m64nVDk16 with P from
+// registers (the S accumulator repacked) and V read N-major. Tiles are laid as wgmma's
+// 128-byte-swizzle blocks: [64-dim block][row][128 B], 16-byte chunk c of a row at
+// c ^ (row % 8), blocks 1024-byte aligned. A row's result depends on its own sequence
+// only: every row takes the key tiles from key 0 in order, and the tiles past its
+// position that the CTA runs for its later rows are fully masked, which adds exact zeros
+// (p = 0, alpha = 1).
+namespace mlaw {
+constexpr int WGS = 2, ROWS = 64 * WGS, THREADS = 128 * WGS, STAGES = 3;
+}
+
 template <int QK, int VD>
 struct WgCfg {
-    static constexpr int BLOCK = 64 * 128;  // bytes of one 64-row x 64-dim block
-    static constexpr int Q_BYTES = QK / 64 * BLOCK, K_BYTES = QK / 64 * BLOCK, V_BYTES = VD / 64 * BLOCK;
+    static constexpr int KV_BLOCK = 64 * 128;          // bytes of a 64-key x 64-dim block
+    static constexpr int Q_BLOCK = mlaw::ROWS * 128;  // bytes of a 128-row x 64-dim block
+    static constexpr int Q_BYTES = QK / 64 * Q_BLOCK, K_BYTES = QK / 64 * KV_BLOCK, V_BYTES = VD / 64 * KV_BLOCK;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGE_BYTES;  // + alignment slack
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + mlaw::STAGES * STAGE_BYTES;  // + alignment slack
 };
 
-// Byte offset of 16-byte chunk c (8 dims) of row r in the block layout.
+// Byte offset of 16-byte chunk c (8 dims) of row r in the block layout (BLOCK bytes per
+// 64-dim block).
+template <int BLOCK>
 __device__ __forceinline__ uint32_t wsw(int r, int c) {
-    return static_cast<uint32_t>((c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+    return static_cast<uint32_t>((c >> 3) * BLOCK + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
 template <int VD>
@@ -338,25 +347,26 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
                                             const int* __restrict__ tiles, int heads, int nope, int rope, int vdim,
                                             float scale_log2) {
     using C = WgCfg<QK, VD>;
+    using namespace mlaw;
     constexpr int QK_CHUNKS = QK / 8, V_CHUNKS = VD / 8, NO = VD / 2;
     extern __shared__ __align__(1024) uint8_t smem_wg[];
     const uint32_t raw = smem_u32(smem_wg), sQ = (raw + 1023u) & ~1023u, sKV = sQ + C::Q_BYTES;
     uint8_t* pQ = smem_wg + (sQ - raw);
 
     const int h = blockIdx.y;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int* sd = seqs + tiles[2 * blockIdx.x] * SEQ_FIELDS;
     const int i0 = tiles[2 * blockIdx.x + 1];
     const int q_row0 = sd[F_QROW], q_len = sd[F_QLEN], k_off = sd[F_KOFF], k_len = sd[F_KLEN];
     const int base = k_len - q_len;
-    const int n_rows = min(BM, q_len - i0);
+    const int n_rows = min(ROWS, q_len - i0);
     const int n_kt = (base + i0 + n_rows - 1) / BN + 1;
     const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, v_c = vdim / 8, half = rope / 2;
 
     auto load_kv = [&](int jt, int stage) {
         const int k0 = jt * BN;
         const uint32_t kdst = sKV + stage * C::STAGE_BYTES, vdst = kdst + C::K_BYTES;
-        for (int idx = tid; idx < BN * QK_CHUNKS; idx += NTHREADS) {
+        for (int idx = tid; idx < BN * QK_CHUNKS; idx += THREADS) {
             const int r = idx / QK_CHUNKS, c = idx % QK_CHUNKS, t = k0 + r;
             const bf16* src = kpe;
             int bytes = 0;  // keys past k_len and dims past qk: zeros, nothing read
@@ -365,20 +375,24 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
                 src = c < nope_c ? kn + (key * heads + h) * nope + c * 8 : kpe + key * rope + (c - nope_c) * 8;
                 bytes = 16;
             }
-            cp_async_16(kdst + wsw(r, c), src, bytes);
+            cp_async_16(kdst + wsw<C::KV_BLOCK>(r, c), src, bytes);
         }
-        for (int idx = tid; idx < BN * V_CHUNKS; idx += NTHREADS) {
+        for (int idx = tid; idx < BN * V_CHUNKS; idx += THREADS) {
             const int r = idx / V_CHUNKS, c = idx % V_CHUNKS, t = k0 + r;
             const bool ok = t < k_len && c < v_c;
             const bf16* src = ok ? v + (static_cast<size_t>(k_off + t) * heads + h) * vdim + c * 8 : v;
-            cp_async_16(vdst + wsw(r, c), src, ok ? 16 : 0);
+            cp_async_16(vdst + wsw<C::KV_BLOCK>(r, c), src, ok ? 16 : 0);
         }
     };
-    load_kv(0, 0);
-    cp_async_commit();
+    // One cp.async group per tile slot, empty past n_kt, so the wait counts stay uniform.
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_kt) load_kv(st, st);
+        cp_async_commit();
+    }
 
     // Q tile, as the mma.sync kernel's: RoPE applied, bf16, zeros past q_len and qk.
-    for (int idx = tid; idx < BM * QK_CHUNKS; idx += NTHREADS) {
+    for (int idx = tid; idx < ROWS * QK_CHUNKS; idx += THREADS) {
         const int r = idx / QK_CHUNKS, c = idx % QK_CHUNKS, i = i0 + r;
         uint32_t w[4] = {0u, 0u, 0u, 0u};
         if (r < n_rows && c < qk_c) {
@@ -395,19 +409,20 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
 #pragma unroll
             for (int u = 0; u < 4; ++u) w[u] = pack_bf16x2(x[2 * u], x[2 * u + 1]);
         }
-        *reinterpret_cast<uint4*>(pQ + wsw(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(pQ + wsw<C::Q_BLOCK>(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     fence_proxy_async_smem();  // st.shared -> wgmma's reads (the barrier below orders them)
 
-    // The thread's rows: 16·warp + lane / 4 (+ 8), as in the mma.sync layout.
-    const int tile_first = base + i0;  // position of the tile's first row
+    // The warpgroup's rows start at tile row 64·wg; the thread's are 16·warp + lane / 4
+    // (+ 8) of those, as in the mma.sync layout.
+    const int wg_first = base + i0 + 64 * wg;  // position of the warpgroup's first row
     int pos_r[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) pos_r[i] = tile_first + warp * 16 + (lane >> 2) + 8 * i;
+    for (int i = 0; i < 2; ++i) pos_r[i] = wg_first + warp * 16 + (lane >> 2) + 8 * i;
 
-    const uint64_t dq = gmma_desc_sw128(sQ, 16, 1024);
+    const uint64_t dq = gmma_desc_sw128(sQ + wg * 64 * 128, 16, 1024);
     const uint64_t dk0 = gmma_desc_sw128(sKV, 16, 1024);
-    const uint64_t dv0 = gmma_desc_sw128(sKV + C::K_BYTES, C::BLOCK, 1024);  // N-major: LBO = 64-dim block
+    const uint64_t dv0 = gmma_desc_sw128(sKV + C::K_BYTES, C::KV_BLOCK, 1024);  // N-major: LBO = 64-dim block
 
     float acc[NO];
 #pragma unroll
@@ -416,15 +431,13 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
     float l[2] = {0.f, 0.f};
 
     for (int jt = 0; jt < n_kt; ++jt) {
-        cp_async_wait<0>();
+        cp_async_wait<STAGES - 2>();  // tile jt has landed (one later group may be in flight)
         fence_proxy_async_smem();
-        __syncthreads();  // tile jt visible to all; tile jt - 1's wgmma finished everywhere
-        if (jt + 1 < n_kt) {
-            load_kv(jt + 1, (jt + 1) & 1);
-            cp_async_commit();
-        }
+        __syncthreads();  // ... for every thread; tile jt - 1's wgmma finished everywhere
+        if (jt + STAGES - 1 < n_kt) load_kv(jt + STAGES - 1, (jt + STAGES - 1) % STAGES);
+        cp_async_commit();
         const int k0 = jt * BN;
-        const uint32_t so = (jt & 1) * C::STAGE_BYTES;
+        const uint32_t so = (jt % STAGES) * C::STAGE_BYTES;
 
         float s[32];
 #pragma unroll
@@ -433,15 +446,16 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < QK / 16; ++ks) {
-            const uint32_t off = (ks >> 2) * C::BLOCK + (ks & 3) * 32;
-            wgmma_m64n64k16_ss(s, gmma_desc_add(dq, off), gmma_desc_add(dk0, so + off));
+            const uint32_t qoff = (ks >> 2) * C::Q_BLOCK + (ks & 3) * 32;
+            const uint32_t koff = (ks >> 2) * C::KV_BLOCK + (ks & 3) * 32;
+            wgmma_m64n64k16_ss(s, gmma_desc_add(dq, qoff), gmma_desc_add(dk0, so + koff));
         }
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(s);
 
         // Causal mask: key k0 + 8j + 2(lane % 4) + (e & 1) of row (e >> 1).
-        if (k0 + BN - 1 > tile_first) {
+        if (k0 + BN - 1 > wg_first) {
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -502,7 +516,7 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + (lane >> 2) + 8 * i;
+        const int r = 64 * wg + warp * 16 + (lane >> 2) + 8 * i;
         if (r >= n_rows) continue;
         const float inv = 1.f / l[i];
         bf16* dst = o + (static_cast<size_t>(q_row0 + i0 + r) * heads + h) * vdim + 2 * (lane & 3);
@@ -538,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(mlap::NTHREADS, 2)
 
 // The warpgroup-MMA instances (sm_90a; elsewhere they trap and the host never picks them).
 #define MLA_PREFILL_WG(NAME, QK, VD)                                                                              \
-    extern "C" __global__ void __launch_bounds__(mlap::NTHREADS, 2)                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                          \
         NAME(bf16* __restrict__ o, const float* __restrict__ q, const bf16* __restrict__ kn,                      \
              const bf16* __restrict__ kpe, const bf16* __restrict__ v, const float* __restrict__ cos_t,           \
              const float* __restrict__ sin_t, const int* __restrict__ seqs, const int* __restrict__ tiles,        \

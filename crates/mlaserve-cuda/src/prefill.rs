@@ -19,6 +19,8 @@
 
 /// Query rows per CTA of the attention kernel (one head each).
 pub const TILE_ROWS: usize = 64;
+/// Query rows per CTA of the warpgroup-MMA kernel (two warpgroups of 64).
+pub const WG_TILE_ROWS: usize = 128;
 /// Keys per pipeline tile of the attention kernel.
 pub const KEY_TILE: usize = 64;
 /// Ints per sequence descriptor on the device (`kernels/mla_prefill.cu`'s `SEQ_FIELDS`):
@@ -60,10 +62,10 @@ pub fn smem_bytes(qk: usize, v: usize) -> usize {
     TILE_ROWS * qk * 2 + 2 * KEY_TILE * (qk + v) * 2
 }
 
-/// The warpgroup-MMA instance's dynamic shared memory: the same tiles (64-dim blocks of
-/// 64 rows, 1024-byte aligned) and 1024 bytes of alignment slack.
+/// The warpgroup-MMA instance's dynamic shared memory: the Q tile of 128 rows, three
+/// stages of K and V tiles, and 1024 bytes of alignment slack.
 pub fn smem_bytes_wg(qk: usize, v: usize) -> usize {
-    1024 + smem_bytes(qk, v)
+    1024 + WG_TILE_ROWS * qk * 2 + 3 * KEY_TILE * (qk + v) * 2
 }
 
 /// Which attention kernel an expanded-form call runs.
@@ -107,13 +109,13 @@ pub fn flops(seqs: &[PrefillSeq], d: &PrefillDims) -> f64 {
 }
 
 /// The attention kernel's CTA list (times the heads): `[sequence, first query]` per
-/// 64-row tile, the tiles with the most keys first so that the longest CTAs do not start
-/// last (causal work grows with the query's position).
-pub fn tile_list(seqs: &[PrefillSeq]) -> Vec<[usize; 2]> {
+/// tile of `rows` queries, the tiles with the most keys first so that the longest CTAs do
+/// not start last (causal work grows with the query's position).
+pub fn tile_list(seqs: &[PrefillSeq], rows: usize) -> Vec<[usize; 2]> {
     let mut t: Vec<(usize, usize, usize)> = Vec::new();
     for (j, s) in seqs.iter().enumerate() {
-        for i0 in (0..s.q_len).step_by(TILE_ROWS) {
-            let last = (i0 + TILE_ROWS).min(s.q_len) - 1;
+        for i0 in (0..s.q_len).step_by(rows) {
+            let last = (i0 + rows).min(s.q_len) - 1;
             t.push((s.k_len - s.q_len + last + 1, j, i0));
         }
     }
@@ -142,7 +144,10 @@ mod device {
     use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
     use half::bf16;
 
-    use super::{check_seqs, smem_bytes, smem_bytes_wg, tile_list, PrefillDims, PrefillKernel, PrefillSeq, SEQ_FIELDS};
+    use super::{
+        check_seqs, smem_bytes, smem_bytes_wg, tile_list, PrefillDims, PrefillKernel, PrefillSeq, SEQ_FIELDS,
+        TILE_ROWS, WG_TILE_ROWS,
+    };
     use crate::error::{CudaError, Result};
     use crate::gpu::Gpu;
     use crate::kernels;
@@ -168,7 +173,9 @@ mod device {
         max_k_len: usize,
         max_table_row: usize,
         num_tiles: usize,
+        num_tiles_wg: usize,
         d_seqs: CudaSlice<i32>,
+        /// 64-row tiles (the mma.sync kernel), then 128-row tiles (the wgmma one).
         d_tiles: CudaSlice<i32>,
     }
 
@@ -192,8 +199,8 @@ mod device {
             i32_of(keys)?;
             let rows_end = seqs.iter().map(|q| q.q_row0 + q.q_len).max().unwrap_or(0);
             i32_of(rows_end)?;
-            let tiles = tile_list(seqs);
-            let flat: Vec<i32> = tiles.iter().flat_map(|t| [t[0] as i32, t[1] as i32]).collect();
+            let (tiles, tiles_wg) = (tile_list(seqs, TILE_ROWS), tile_list(seqs, WG_TILE_ROWS));
+            let flat: Vec<i32> = tiles.iter().chain(&tiles_wg).flat_map(|t| [t[0] as i32, t[1] as i32]).collect();
             Ok(PrefillPlan {
                 seqs: seqs.to_vec(),
                 k_offs,
@@ -202,6 +209,7 @@ mod device {
                 max_k_len: seqs.iter().map(|q| q.k_len).max().unwrap_or(0),
                 max_table_row: seqs.iter().map(|q| q.table_row).max().unwrap_or(0),
                 num_tiles: tiles.len(),
+                num_tiles_wg: tiles_wg.len(),
                 d_seqs: s.clone_htod(&desc)?,
                 d_tiles: s.clone_htod(&flat)?,
             })
@@ -492,11 +500,15 @@ mod device {
             };
             let (hi, ni, ri, vi) = (i32_of(h)?, i32_of(d.nope)?, i32_of(d.rope)?, i32_of(d.vdim)?);
             let scale_log2 = scale * std::f32::consts::LOG2_E;
+            let (tiles, threads) = if wg.is_some() { (plan.num_tiles_wg, 256) } else { (plan.num_tiles, 128) };
             let cfg = LaunchConfig {
-                grid_dim: (plan.num_tiles as u32, h as u32, 1),
-                block_dim: (128, 1, 1),
+                grid_dim: (tiles as u32, h as u32, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
+            // The wgmma kernel's tiles follow the mma.sync kernel's in d_tiles.
+            let tile_skip = if wg.is_some() { 2 * plan.num_tiles } else { 0 };
+            let d_tiles = plan.d_tiles.slice(tile_skip..);
             let (op, _g1) = o.device_ptr_mut(s);
             let (qp, _g2) = q.device_ptr(s);
             let (knp, _g3) = kn.device_ptr(s);
@@ -504,7 +516,8 @@ mod device {
             let (vp, _g5) = v.device_ptr(s);
             // SAFETY: argument list matches mla_prefill_{fwd,wg}_*(o, q, kn, kpe, v, cos, sin, seqs,
             // tiles, heads, nope, rope, vdim, scale_log2). CTA (tile, h < heads) reads its
-            // tile descriptor (< num_tiles) and sequence descriptor, q rows q_row0 + i
+            // tile descriptor (< num_tiles, or num_tiles_wg after the 64-row list: d_tiles
+            // holds both) and sequence descriptor, q rows q_row0 + i
             // (i < q_len, so < rows_end) of width heads*qk, keys k_off + t < keys of kn, kpe,
             // v, RoPE rows of positions < k_len <= max_k_len, and writes o rows < rows_end
             // at columns < vdim; every length is checked above; nope, rope, vdim are
@@ -520,7 +533,7 @@ mod device {
                     .arg(&rope.cos)
                     .arg(&rope.sin)
                     .arg(&plan.d_seqs)
-                    .arg(&plan.d_tiles)
+                    .arg(&d_tiles)
                     .arg(&hi)
                     .arg(&ni)
                     .arg(&ri)
@@ -587,21 +600,23 @@ mod tests {
     #[test]
     fn tiles_cover_every_query_once_longest_first() {
         let seqs = [seq(0, 130, 130), seq(130, 1, 500), seq(131, 64, 64)];
-        let t = tile_list(&seqs);
-        // 3 + 1 + 1 tiles.
-        assert_eq!(t.len(), 5);
-        let work = |x: &[usize; 2]| {
-            let s = seqs[x[0]];
-            s.k_len - s.q_len + (x[1] + TILE_ROWS).min(s.q_len)
-        };
-        assert!(t.windows(2).all(|w| work(&w[0]) >= work(&w[1])), "{t:?}");
-        assert_eq!(t[0], [1, 0]); // 500 keys
-        let mut covered: Vec<(usize, usize)> =
-            t.iter().flat_map(|&[j, i0]| (i0..(i0 + TILE_ROWS).min(seqs[j].q_len)).map(move |i| (j, i))).collect();
-        covered.sort();
-        let want: Vec<(usize, usize)> =
-            seqs.iter().enumerate().flat_map(|(j, s)| (0..s.q_len).map(move |i| (j, i))).collect();
-        assert_eq!(covered, want);
+        // 3 + 1 + 1 tiles of 64 rows, 2 + 1 + 1 of 128.
+        for (rows, n) in [(TILE_ROWS, 5), (WG_TILE_ROWS, 4)] {
+            let t = tile_list(&seqs, rows);
+            assert_eq!(t.len(), n);
+            let work = |x: &[usize; 2]| {
+                let s = seqs[x[0]];
+                s.k_len - s.q_len + (x[1] + rows).min(s.q_len)
+            };
+            assert!(t.windows(2).all(|w| work(&w[0]) >= work(&w[1])), "{t:?}");
+            assert_eq!(t[0], [1, 0]); // 500 keys
+            let mut covered: Vec<(usize, usize)> =
+                t.iter().flat_map(|&[j, i0]| (i0..(i0 + rows).min(seqs[j].q_len)).map(move |i| (j, i))).collect();
+            covered.sort();
+            let want: Vec<(usize, usize)> =
+                seqs.iter().enumerate().flat_map(|(j, s)| (0..s.q_len).map(move |i| (j, i))).collect();
+            assert_eq!(covered, want);
+        }
     }
 
     #[test]
@@ -609,7 +624,7 @@ mod tests {
         let v3 = PrefillDims { heads: 128, nope: 128, rope: 64, vdim: 128 };
         assert_eq!(v3.instance(), Some((192, 128)));
         assert_eq!(smem_bytes(192, 128), 106_496); // two CTAs per SM on Hopper (228 KiB)
-        assert!(2 * (smem_bytes_wg(192, 128) + 1024) <= 228 * 1024); // the wgmma one too
+        assert!(smem_bytes_wg(192, 128) + 1024 <= 228 * 1024); // the wgmma one: one CTA per SM
         let tiny = PrefillDims { heads: 8, nope: 16, rope: 8, vdim: 24 };
         assert_eq!(tiny.instance(), Some((64, 64)));
         assert_eq!(PrefillDims { vdim: 20, ..tiny }.instance(), None);
