@@ -293,10 +293,11 @@ __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __re
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The same attention on Hopper's warpgroup MMA (mla_prefill_wg_*): a CTA owns 128 query
-// rows of one head (the host's 128-row tile list, WG_ROWS) as two warpgroups of 64 that
-// share every K/V tile, so each tile crosses L2 once per 128 rows instead of once per
-// 64. Key tiles of 64 come through a 3-stage cp.async ring (all 256 threads load); the
-// masking, online softmax and bf16 P are the mma.sync kernel's. S = Q K^T is wgmma
+// rows of one head (the host's 128-row tile list, WG_TILE_ROWS) as two warpgroups of 64
+// that share every K/V tile, so each tile crosses L2 once per 128 rows instead of once
+// per 64. Key tiles of 64 come through a 3-stage cp.async ring (all 256 threads load);
+// the masking, online softmax and bf16 P are the mma.sync kernel's, and S of the next
+// tile runs on the tensor cores during this tile's softmax. S = Q K^T is wgmma
 // m64n64k16 with Q and K read from shared memory, O += P V is wgmma m64nVDk16 with P from
 // registers (the S accumulator repacked) and V read N-major. Tiles are laid as wgmma's
 // 128-byte-swizzle blocks: [64-dim block][row][128 B], 16-byte chunk c of a row at
@@ -384,10 +385,12 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
             cp_async_16(vdst + wsw<C::KV_BLOCK>(r, c), src, ok ? 16 : 0);
         }
     };
-    // One cp.async group per tile slot, empty past n_kt, so the wait counts stay uniform.
+    // Tiles 0 and 1, one cp.async group each. Tile 1 even when n_kt = 1 (its keys lie past
+    // k_len: zero fill, nothing read): the extra step of an odd n_kt (below) multiplies a
+    // zero P by that stage's V, which must not hold NaN from uninitialised memory.
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_kt) load_kv(st, st);
+        load_kv(st, st);
         cp_async_commit();
     }
 
@@ -427,48 +430,58 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
     float acc[NO];
 #pragma unroll
     for (int i = 0; i < NO; ++i) acc[i] = 0.f;
+    fence_operands(acc);  // materialised here, not sunk past the first S
     float m[2] = {-MLAS_INF, -MLAS_INF};
     float l[2] = {0.f, 0.f};
 
-    for (int jt = 0; jt < n_kt; ++jt) {
-        cp_async_wait<STAGES - 2>();  // tile jt has landed (one later group may be in flight)
-        fence_proxy_async_smem();
-        __syncthreads();  // ... for every thread; tile jt - 1's wgmma finished everywhere
-        if (jt + STAGES - 1 < n_kt) load_kv(jt + STAGES - 1, (jt + STAGES - 1) % STAGES);
-        cp_async_commit();
-        const int k0 = jt * BN;
-        const uint32_t so = (jt % STAGES) * C::STAGE_BYTES;
-
-        float s[32];
+    // S of tile t into d from stage t % STAGES, issued and committed (not waited).
+    auto issue_s = [&](int t, float (&d)[32]) {
+        const uint32_t so = (t % STAGES) * C::STAGE_BYTES;
 #pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] = 0.f;
-        fence_operands(s);
+        for (int i = 0; i < 32; ++i) d[i] = 0.f;
+        fence_operands(d);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < QK / 16; ++ks) {
             const uint32_t qoff = (ks >> 2) * C::Q_BLOCK + (ks & 3) * 32;
             const uint32_t koff = (ks >> 2) * C::KV_BLOCK + (ks & 3) * 32;
-            wgmma_m64n64k16_ss(s, gmma_desc_add(dq, qoff), gmma_desc_add(dk0, so + koff));
+            wgmma_m64n64k16_ss(d, gmma_desc_add(dq, qoff), gmma_desc_add(dk0, so + koff));
         }
         wgmma_commit();
+    };
+    // Tile jt with its S in `cur` (issued by the previous step): S and P V of tile jt - 1
+    // are waited for; S(jt + 1) goes into `nxt` and runs on the tensor cores while this
+    // warpgroup does tile jt's softmax; then P V of tile jt is issued. Stages: jt (P V),
+    // jt + 1 (S), jt + 2 (loading). The two S buffers alternate by step (no copies: a
+    // copy between them defines a wgmma accumulator mid-pipeline, and ptxas serialises).
+    auto step = [&](int jt, float (&cur)[32], float (&nxt)[32]) {
         wgmma_wait<0>();
-        fence_operands(s);
+        fence_operands(cur);
+        fence_operands(acc);
+        cp_async_wait<0>();  // tile jt + 1 has landed
+        fence_proxy_async_smem();
+        __syncthreads();  // ... for all; every warpgroup is done with stage (jt - 1) % STAGES
+        if (jt + 2 < n_kt) load_kv(jt + 2, (jt + 2) % STAGES);
+        cp_async_commit();
+        // Past the last tile this reads a stale stage (nothing writes it any more):
+        // unconditional, so no wgmma sits under a branch.
+        issue_s(jt + 1, nxt);
+        const int k0 = jt * BN;
+        const uint32_t so = (jt % STAGES) * C::STAGE_BYTES;
 
+        // Masked scores read from `cur` without writing it back: a write to a wgmma
+        // accumulator while S(jt + 1) is in flight makes ptxas serialise every wgmma.
         // Causal mask: key k0 + 8j + 2(lane % 4) + (e & 1) of row (e >> 1).
-        if (k0 + BN - 1 > wg_first) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + j * 8 + 2 * (lane & 3) + (e & 1);
-                    if (key > pos_r[e >> 1]) s[4 * j + e] = -MLAS_INF;
-                }
-        }
+        const bool masked_tile = k0 + BN - 1 > wg_first;
+        auto score = [&](int j, int e) -> float {
+            const int key = k0 + j * 8 + 2 * (lane & 3) + (e & 1);
+            return masked_tile && key > pos_r[e >> 1] ? -MLAS_INF : cur[4 * j + e];
+        };
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(j, e));
         float ms[2], alpha[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -485,7 +498,7 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                p[e] = fast_exp2(s[4 * j + e] * scale_log2 - ms[e >> 1]);
+                p[e] = fast_exp2(score(j, e) * scale_log2 - ms[e >> 1]);
                 rs[e >> 1] += p[e];
             }
             pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16x2(p[0], p[1]);
@@ -503,10 +516,23 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) WgPV<VD>::mma(acc, pa[kk], gmma_desc_add(dv0, so + kk * 16 * 128));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc);
+        wgmma_commit();  // waited for by the next step
+    };
+    float s0[32], s1[32];
+    cp_async_wait<STAGES - 2>();  // tile 0 has landed (tile 1 may be in flight)
+    fence_proxy_async_smem();
+    __syncthreads();
+    issue_s(0, s0);
+    // Steps in pairs. With n_kt odd the last pair's second step runs tile n_kt, past every
+    // valid row's position: fully masked, it adds exact zeros (p = 0, alpha = 1). Its stage
+    // holds an earlier tile (or tile 1's zero fill when n_kt = 1): finite values.
+    for (int jt = 0; jt < n_kt; jt += 2) {
+        step(jt, s0, s1);
+        step(jt + 1, s1, s0);
     }
+    wgmma_wait<0>();  // the last P V (and the unused S past the last tile)
+    fence_operands(acc);
+    fence_operands(s0);
     cp_async_wait<0>();
 
 #pragma unroll
