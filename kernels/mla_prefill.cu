@@ -32,6 +32,8 @@
 // from key 0 in the same order, and tiles past a row's position (processed because a
 // later row of its warp needs them) are fully masked, which adds exact zeros. No split
 // over keys, so nothing depends on what else shares the launch (batch invariance).
+#include <cuda.h>  // CUtensorMap
+
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -315,7 +317,8 @@ struct WgCfg {
     static constexpr int Q_BLOCK = mlaw::ROWS * 128;  // bytes of a 128-row x 64-dim block
     static constexpr int Q_BYTES = QK / 64 * Q_BLOCK, K_BYTES = QK / 64 * KV_BLOCK, V_BYTES = VD / 64 * KV_BLOCK;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + mlaw::STAGES * STAGE_BYTES;  // + alignment slack
+    // + alignment slack and the TMA variant's full barriers (8 bytes per stage)
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + mlaw::STAGES * STAGE_BYTES + 64;
 };
 
 // Byte offset of 16-byte chunk c (8 dims) of row r in the block layout (BLOCK bytes per
@@ -340,19 +343,27 @@ struct WgPV<128> {
     }
 };
 
-template <int QK, int VD>
+// TMA: the K/V tiles come by TMA instead of cp.async (mla_prefill_wgt_*: DeepSeek's exact
+// widths, nope 128, rope 64, v 128). Tensor maps (bf16, 128-byte swizzle, boxes of 64
+// dims x 64 keys): tkn over kn [keys][heads * 128], tkpe over kpe [keys][64], tv over v
+// [keys][heads * 128]. Thread 0 issues a tile's five boxes on the stage's `full` barrier.
+// A box is not clipped at the sequence's k_len: keys past it are the next sequence's
+// (finite, and masked for every valid row, so P = 0) or zeros past the buffer's end.
+template <int QK, int VD, bool TMA>
 __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* __restrict__ q,
                                             const bf16* __restrict__ kn, const bf16* __restrict__ kpe,
                                             const bf16* __restrict__ v, const float* __restrict__ cos_t,
                                             const float* __restrict__ sin_t, const int* __restrict__ seqs,
                                             const int* __restrict__ tiles, int heads, int nope, int rope, int vdim,
-                                            float scale_log2) {
+                                            float scale_log2, const CUtensorMap* tkn, const CUtensorMap* tkpe,
+                                            const CUtensorMap* tv) {
     using C = WgCfg<QK, VD>;
     using namespace mlaw;
     constexpr int QK_CHUNKS = QK / 8, V_CHUNKS = VD / 8, NO = VD / 2;
     extern __shared__ __align__(1024) uint8_t smem_wg[];
     const uint32_t raw = smem_u32(smem_wg), sQ = (raw + 1023u) & ~1023u, sKV = sQ + C::Q_BYTES;
     uint8_t* pQ = smem_wg + (sQ - raw);
+    const uint32_t sBar = sKV + STAGES * C::STAGE_BYTES;  // TMA: full barrier of each stage
 
     const int h = blockIdx.y;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -385,13 +396,34 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
             cp_async_16(vdst + wsw<C::KV_BLOCK>(r, c), src, ok ? 16 : 0);
         }
     };
-    // Tiles 0 and 1, one cp.async group each. Tile 1 even when n_kt = 1 (its keys lie past
-    // k_len: zero fill, nothing read): the extra step of an odd n_kt (below) multiplies a
-    // zero P by that stage's V, which must not hold NaN from uninitialised memory.
+    // TMA: tile jt's five boxes into `stage`, completing on its barrier (thread 0 only).
+    auto load_tma = [&](int jt, int stage) {
+        const uint32_t kdst = sKV + stage * C::STAGE_BYTES, vdst = kdst + C::K_BYTES, bar = sBar + 8 * stage;
+        const int key = k_off + jt * BN, col = h * 128;
+        mbar_arrive_expect_tx(bar, C::STAGE_BYTES);
+        tma_load_2d(kdst, tkn, col, key, bar);
+        tma_load_2d(kdst + C::KV_BLOCK, tkn, col + 64, key, bar);
+        tma_load_2d(kdst + 2 * C::KV_BLOCK, tkpe, 0, key, bar);
+        tma_load_2d(vdst, tv, col, key, bar);
+        tma_load_2d(vdst + C::KV_BLOCK, tv, col + 64, key, bar);
+    };
+    // Tiles 0 and 1 (one cp.async group each). Tile 1 even when n_kt = 1 (its keys lie past
+    // k_len: zero fill or, by TMA, the next sequence's): the extra step of an odd n_kt
+    // (below) multiplies a zero P by that stage's V, which must not hold NaN from
+    // uninitialised memory.
+    if constexpr (TMA) {
+        if (tid == 0) {
+            for (int st = 0; st < STAGES; ++st) mbar_init(sBar + 8 * st, 1);
+            fence_mbar_init();
+            load_tma(0, 0);
+            load_tma(1, 1);
+        }
+    } else {
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        load_kv(st, st);
-        cp_async_commit();
+        for (int st = 0; st < STAGES - 1; ++st) {
+            load_kv(st, st);
+            cp_async_commit();
+        }
     }
 
     // Q tile, as the mma.sync kernel's: RoPE applied, bf16, zeros past q_len and qk.
@@ -458,11 +490,18 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
         wgmma_wait<0>();
         fence_operands(cur);
         fence_operands(acc);
-        cp_async_wait<0>();  // tile jt + 1 has landed
-        fence_proxy_async_smem();
-        __syncthreads();  // ... for all; every warpgroup is done with stage (jt - 1) % STAGES
-        if (jt + 2 < n_kt) load_kv(jt + 2, (jt + 2) % STAGES);
-        cp_async_commit();
+        if constexpr (TMA) {
+            // Tile jt + 1 has landed (tile 1 is always loaded: see the prologue).
+            if (jt + 1 < max(n_kt, 2)) mbar_wait(sBar + 8 * ((jt + 1) % STAGES), ((jt + 1) / STAGES) & 1);
+            __syncthreads();  // every warpgroup is done with stage (jt - 1) % STAGES
+            if (tid == 0 && jt + 2 < n_kt) load_tma(jt + 2, (jt + 2) % STAGES);
+        } else {
+            cp_async_wait<0>();  // tile jt + 1 has landed
+            fence_proxy_async_smem();
+            __syncthreads();  // ... for all; every warpgroup is done with stage (jt - 1) % STAGES
+            if (jt + 2 < n_kt) load_kv(jt + 2, (jt + 2) % STAGES);
+            cp_async_commit();
+        }
         // Past the last tile this reads a stale stage (nothing writes it any more):
         // unconditional, so no wgmma sits under a branch.
         issue_s(jt + 1, nxt);
@@ -519,9 +558,14 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
         wgmma_commit();  // waited for by the next step
     };
     float s0[32], s1[32];
-    cp_async_wait<STAGES - 2>();  // tile 0 has landed (tile 1 may be in flight)
-    fence_proxy_async_smem();
-    __syncthreads();
+    if constexpr (TMA) {
+        __syncthreads();  // the Q tile and the barriers' initialisation
+        mbar_wait(sBar, 0);
+    } else {
+        cp_async_wait<STAGES - 2>();  // tile 0 has landed (tile 1 may be in flight)
+        fence_proxy_async_smem();
+        __syncthreads();
+    }
     issue_s(0, s0);
     // Steps in pairs. With n_kt odd the last pair's second step runs tile n_kt, past every
     // valid row's position: fully masked, it adds exact zeros (p = 0, alpha = 1). Its stage
@@ -586,13 +630,29 @@ extern "C" __global__ void __launch_bounds__(mlap::NTHREADS, 2)
         MLA_PREFILL_WG_BODY(QK, VD)                                                                               \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MLA_PREFILL_WG_BODY(QK, VD) \
-    mlap::fwd_wg_body<QK, VD>(o, q, kn, kpe, v, cos_t, sin_t, seqs, tiles, heads, nope, rope, vdim, scale_log2);
+#define MLA_PREFILL_WG_BODY(QK, VD)                                                                             \
+    mlap::fwd_wg_body<QK, VD, false>(o, q, kn, kpe, v, cos_t, sin_t, seqs, tiles, heads, nope, rope, vdim, \
+                                     scale_log2, nullptr, nullptr, nullptr);
+#define MLA_PREFILL_WGT_BODY                                                                                     \
+    mlap::fwd_wg_body<192, 128, true>(o, q, kn, kpe, v, cos_t, sin_t, seqs, tiles, heads, nope, rope, vdim, \
+                                      scale_log2, &tkn, &tkpe, &tv);
 #else
 #define MLA_PREFILL_WG_BODY(QK, VD) __trap();
+#define MLA_PREFILL_WGT_BODY __trap();
 #endif
 MLA_PREFILL_WG(mla_prefill_wg_qk192_v128, 192, 128)
 MLA_PREFILL_WG(mla_prefill_wg_qk64_v64, 64, 64)
+
+// The TMA variant (DeepSeek's widths only: nope 128, rope 64, v 128).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    mla_prefill_wgt_qk192_v128(bf16* __restrict__ o, const float* __restrict__ q, const bf16* __restrict__ kn,
+                               const bf16* __restrict__ kpe, const bf16* __restrict__ v,
+                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                               const int* __restrict__ seqs, const int* __restrict__ tiles, int heads, int nope,
+                               int rope, int vdim, float scale_log2, const __grid_constant__ CUtensorMap tkn,
+                               const __grid_constant__ CUtensorMap tkpe, const __grid_constant__ CUtensorMap tv) {
+    MLA_PREFILL_WGT_BODY
+}
 
 // The sequences' cached latents, gathered from the paged cache into contiguous rows: key
 // t (sequence j = the last with k_off <= t, position p = t - k_off) -> ckv[t] = c_kv

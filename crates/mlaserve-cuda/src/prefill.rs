@@ -63,9 +63,10 @@ pub fn smem_bytes(qk: usize, v: usize) -> usize {
 }
 
 /// The warpgroup-MMA instance's dynamic shared memory: the Q tile of 128 rows, three
-/// stages of K and V tiles, and 1024 bytes of alignment slack.
+/// stages of K and V tiles, 1024 bytes of alignment slack and 64 for the TMA variant's
+/// barriers.
 pub fn smem_bytes_wg(qk: usize, v: usize) -> usize {
-    1024 + WG_TILE_ROWS * qk * 2 + 3 * KEY_TILE * (qk + v) * 2
+    1024 + WG_TILE_ROWS * qk * 2 + 3 * KEY_TILE * (qk + v) * 2 + 64
 }
 
 /// Which attention kernel an expanded-form call runs.
@@ -73,8 +74,11 @@ pub fn smem_bytes_wg(qk: usize, v: usize) -> usize {
 pub enum PrefillKernel {
     /// mma.sync (every GPU).
     MmaSync,
-    /// Hopper's warpgroup MMA (`mla_prefill_wg_*`).
+    /// Hopper's warpgroup MMA (`mla_prefill_wg_*`), K/V tiles by cp.async.
     Wgmma,
+    /// The same with the K/V tiles by TMA (`mla_prefill_wgt_qk192_v128`) where the head
+    /// widths are DeepSeek's exactly (nope 128, rope 64, v 128); `Wgmma` elsewhere.
+    WgmmaTma,
 }
 
 /// One sequence's part of an expanded-form call.
@@ -266,13 +270,13 @@ mod device {
     pub struct MlaPrefill {
         fwd_small: CudaFunction,
         fwd_large: CudaFunction,
-        /// The warpgroup-MMA instances [small, large] (sm_90 only).
-        fwd_wg: Option<[CudaFunction; 2]>,
+        /// The warpgroup-MMA instances [small, large, large by TMA] (sm_90 only).
+        fwd_wg: Option<[CudaFunction; 3]>,
         gather: CudaFunction,
         scatter: CudaFunction,
         max_smem: usize,
-        /// The attention kernel: wgmma on Hopper, else mma.sync; `MLASERVE_PREFILL_KERNEL=
-        /// mma.sync` forces the older one (for comparisons). The two agree to rounding, not
+        /// The attention kernel: wgmma with TMA on Hopper, else mma.sync;
+        /// `MLASERVE_PREFILL_KERNEL=mma.sync|wgmma|tma` picks one (for comparisons). The two agree to rounding, not
         /// in bits: keep one kernel for the runs whose outputs are compared.
         pub kernel: PrefillKernel,
     }
@@ -297,13 +301,18 @@ mod device {
                     )?;
                     Ok(f)
                 };
-                Some([f("mla_prefill_wg_qk64_v64", 64, 64)?, f("mla_prefill_wg_qk192_v128", 192, 128)?])
+                Some([
+                    f("mla_prefill_wg_qk64_v64", 64, 64)?,
+                    f("mla_prefill_wg_qk192_v128", 192, 128)?,
+                    f("mla_prefill_wgt_qk192_v128", 192, 128)?,
+                ])
             } else {
                 None
             };
             let kernel = match (std::env::var("MLASERVE_PREFILL_KERNEL").as_deref(), &fwd_wg) {
                 (Ok("mma.sync"), _) | (_, None) => PrefillKernel::MmaSync,
-                _ => PrefillKernel::Wgmma,
+                (Ok("wgmma"), _) => PrefillKernel::Wgmma,
+                _ => PrefillKernel::WgmmaTma,
             };
             Ok(MlaPrefill {
                 fwd_small: m.load_function("mla_prefill_fwd_qk64_v64")?,
@@ -479,12 +488,17 @@ mod device {
             if h > 65_535 {
                 return Err(CudaError::shape(K, format!("{h} heads > 65535")));
             }
-            let wg = match (self.kernel, &self.fwd_wg) {
-                (PrefillKernel::Wgmma, Some(fs)) => Some(&fs[(qk_pad != 64) as usize]),
-                (PrefillKernel::Wgmma, None) => {
-                    return Err(CudaError::shape(K, "the wgmma prefill kernel needs an sm_90 GPU"));
+            // The TMA variant loads whole 64-dim boxes: DeepSeek's widths exactly.
+            let tma_dims = (d.nope, d.rope, d.vdim) == (128, 64, 128);
+            let (wg, tma) = match (self.kernel, &self.fwd_wg) {
+                (PrefillKernel::WgmmaTma, Some(fs)) if tma_dims => (Some(&fs[2]), true),
+                (PrefillKernel::Wgmma | PrefillKernel::WgmmaTma, Some(fs)) => {
+                    (Some(&fs[(qk_pad != 64) as usize]), false)
                 }
-                (PrefillKernel::MmaSync, _) => None,
+                (PrefillKernel::Wgmma | PrefillKernel::WgmmaTma, None) => {
+                    return Err(CudaError::shape(K, "the wgmma prefill kernels need an sm_90 GPU"));
+                }
+                (PrefillKernel::MmaSync, _) => (None, false),
             };
             let smem = if wg.is_some() { smem_bytes_wg(qk_pad, v_pad) } else { smem_bytes(qk_pad, v_pad) };
             if smem > self.max_smem {
@@ -514,6 +528,16 @@ mod device {
             let (knp, _g3) = kn.device_ptr(s);
             let (kpp, _g4) = kpe.device_ptr(s);
             let (vp, _g5) = v.device_ptr(s);
+            // TMA maps over kn [keys][heads·128], kpe [keys][64], v [keys][heads·128] (lengths
+            // checked above; 16-byte rows), boxes of 64 dims × 64 keys.
+            let maps = if tma {
+                let map = |p: u64, inner: usize| {
+                    crate::mla_decode::bf16_tensor_map(p, &[inner as u64, t as u64], &[(inner * 2) as u64], &[64, 64])
+                };
+                Some([map(knp, h * d.nope)?, map(kpp, d.rope)?, map(vp, h * d.vdim)?])
+            } else {
+                None
+            };
             // SAFETY: argument list matches mla_prefill_{fwd,wg}_*(o, q, kn, kpe, v, cos, sin, seqs,
             // tiles, heads, nope, rope, vdim, scale_log2). CTA (tile, h < heads) reads its
             // tile descriptor (< num_tiles, or num_tiles_wg after the 64-row list: d_tiles
@@ -522,10 +546,12 @@ mod device {
             // v, RoPE rows of positions < k_len <= max_k_len, and writes o rows < rows_end
             // at columns < vdim; every length is checked above; nope, rope, vdim are
             // multiples of 8 (instance()), so the 16-byte and float4 accesses are aligned;
-            // the dynamic shared memory is the instance's size (opted in at new()).
+            // the dynamic shared memory is the instance's size (opted in at new()). The TMA
+            // variant's maps cover exactly the kn, kpe and v elements checked above (its
+            // boxes past a sequence's keys read other sequences' rows or zero fill).
             unsafe {
-                s.launch_builder(f)
-                    .arg(&op)
+                let mut b = s.launch_builder(f);
+                b.arg(&op)
                     .arg(&qp)
                     .arg(&knp)
                     .arg(&kpp)
@@ -538,8 +564,12 @@ mod device {
                     .arg(&ni)
                     .arg(&ri)
                     .arg(&vi)
-                    .arg(&scale_log2)
-                    .launch(cfg)
+                    .arg(&scale_log2);
+                // mla_prefill_wgt_* takes the three tensor maps after scale_log2.
+                if let Some(m) = &maps {
+                    b.arg(&m[0]).arg(&m[1]).arg(&m[2]);
+                }
+                b.launch(cfg)
             }?;
             Ok(())
         }

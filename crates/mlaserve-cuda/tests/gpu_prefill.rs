@@ -49,11 +49,11 @@ fn v3(heads: usize) -> PrefillDims {
     PrefillDims { heads, nope: 128, rope: 64, vdim: 128 }
 }
 
-/// The attention kernels this GPU runs: mma.sync, and wgmma on Hopper.
+/// The attention kernels this GPU runs: mma.sync, and wgmma (cp.async and TMA) on Hopper.
 fn kernels(g: &Gpu) -> Vec<MlaPrefill> {
     let mut v = Vec::new();
-    for k in [PrefillKernel::MmaSync, PrefillKernel::Wgmma] {
-        if k == PrefillKernel::Wgmma && g.compute_capability != (9, 0) {
+    for k in [PrefillKernel::MmaSync, PrefillKernel::Wgmma, PrefillKernel::WgmmaTma] {
+        if k != PrefillKernel::MmaSync && g.compute_capability != (9, 0) {
             continue;
         }
         let mut pre = MlaPrefill::new(g).expect("prefill");
