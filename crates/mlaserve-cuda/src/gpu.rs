@@ -40,6 +40,9 @@ impl Gpu {
         // SAFETY: set before any buffer exists; nothing here uses a second stream.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
+        if ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? > 0 {
+            keep_pool_memory(&ctx)?;
+        }
         let num_sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let max_smem_optin =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
@@ -68,4 +71,27 @@ impl Gpu {
         self.ctx.check_err()?;
         Ok(())
     }
+}
+
+/// Stream-ordered allocations (cudarc's `alloc`, `alloc_zeros`) come from the device's
+/// default memory pool, which by default hands its free memory back to the system at
+/// every synchronisation: a step's activations (hundreds of MB in prefill) were then
+/// mapped anew in every step. A release threshold of "never" keeps them for the next
+/// step, as the caching allocators of other inference engines do.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the device handle is the live context's; the pool handle is written by the
+    // driver before it is used, and the attribute takes a pointer to a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
 }

@@ -357,7 +357,13 @@ impl CudaBackend {
         };
         self.mark("MoE shared experts")?;
         let rows = n * k;
-        let mut ys = s.alloc_zeros::<f32>(rows * h)?;
+        // The expert buffers below are not zeroed (in prefill they are hundreds of MB per
+        // layer): each is written whole before it is read. moe_sort counts every slot
+        // (out-of-range ids as expert 0), so the experts' row ranges cover rows 0..rows,
+        // and the gather, the grouped GEMMs and SiLU write every column of their rows; the
+        // host path below runs every slot's expert over its rows too.
+        // SAFETY: uninitialised device memory of a plain type, written before any read.
+        let mut ys = unsafe { s.alloc::<f32>(rows * h) }?;
         let inv_d = match &m.grouped {
             // Sorted and run on the device: no host round trip, three expert launches.
             Some((gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
@@ -365,16 +371,23 @@ impl CudaBackend {
                 let mut perm = s.alloc_zeros::<i32>(rows)?;
                 let mut inv = s.alloc_zeros::<i32>(rows)?;
                 self.ops.moe_sort(s, &ids, n, k, e, &mut off, &mut perm, &mut inv)?;
-                let mut xs = s.alloc_zeros::<bf16>(rows * h)?;
+                // SAFETY: as `ys`: the gather writes all `rows` rows.
+                let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
                 self.ops.gather_bf16_sorted(s, &mut xs, xn, &perm, rows, h)?;
+                self.mark("MoE routed experts: sort, gather")?;
                 // Tensor cores in fast mode; the invariant mode keeps `linear_inv`'s sums.
                 let variant = GroupedVariant::Auto(self.gemm.mode);
                 let i = gate_up.out / 2;
-                let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
+                // SAFETY: as `ys`: the experts' ranges cover every row.
+                let mut gu = unsafe { s.alloc::<bf16>(rows * 2 * i) }?;
                 self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false, variant)?;
-                let mut act = s.alloc_zeros::<bf16>(rows * i)?;
+                self.mark("MoE routed experts: gate_up")?;
+                // SAFETY: as `ys`: SiLU-mul writes every element.
+                let mut act = unsafe { s.alloc::<bf16>(rows * i) }?;
                 self.silu.launch(s, &mut act, &gu, i)?;
+                self.mark("MoE routed experts: SiLU")?;
                 self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true, variant)?;
+                self.mark("MoE routed experts: down")?;
                 inv
             }
             // Dimensions the grouped kernel does not take: sorted on the host, each touched
