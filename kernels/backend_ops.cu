@@ -339,23 +339,56 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
 }
 
 // out[t] += sum over its k slots in ascending expert id of weight * y[inv[t*k + j]].
-// grid = tokens.
+// grid = tokens. Thread 0 puts the token's slots in that order once (k <= COMBINE_MAX_K,
+// checked by the host); every thread then sums its columns, four at a time where h allows,
+// each column in the same order (so the same bits whatever the vector width).
+constexpr int COMBINE_MAX_K = 32;
 extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float* __restrict__ y,
                                            const int* __restrict__ ids, const float* __restrict__ weights,
                                            const int* __restrict__ inv, int k, int h) {
+    __shared__ int rows_s[COMBINE_MAX_K];
+    __shared__ float w_s[COMBINE_MAX_K];
+    __shared__ int cnt_s;
     const int t = blockIdx.x;
-    const int* id = ids + static_cast<size_t>(t) * k;
-    for (int c = threadIdx.x; c < h; c += blockDim.x) {
-        float acc = 0.f;
-        int prev = -1;
+    if (threadIdx.x == 0) {
+        const int* id = ids + static_cast<size_t>(t) * k;
+        int prev = -1, c = 0;
         for (int it = 0; it < k; ++it) {
             int j = -1;
             for (int q = 0; q < k; ++q)
                 if (id[q] > prev && (j < 0 || id[q] < id[j])) j = q;
+            if (j < 0) break;  // only repeated ids are left (routing never repeats one)
             prev = id[j];
-            acc += weights[static_cast<size_t>(t) * k + j] * y[static_cast<size_t>(inv[t * k + j]) * h + c];
+            rows_s[c] = inv[t * k + j];
+            w_s[c] = weights[static_cast<size_t>(t) * k + j];
+            ++c;
         }
-        out[static_cast<size_t>(t) * h + c] += acc;
+        cnt_s = c;
+    }
+    __syncthreads();
+    const int cnt = cnt_s;
+    float* o = out + static_cast<size_t>(t) * h;
+    if (h % 4 == 0) {
+        for (int c4 = threadIdx.x; c4 < h / 4; c4 += blockDim.x) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int i = 0; i < cnt; ++i) {
+                const float4 v = reinterpret_cast<const float4*>(y + static_cast<size_t>(rows_s[i]) * h)[c4];
+                const float w = w_s[i];
+                acc.x = fmaf(w, v.x, acc.x);
+                acc.y = fmaf(w, v.y, acc.y);
+                acc.z = fmaf(w, v.z, acc.z);
+                acc.w = fmaf(w, v.w, acc.w);
+            }
+            float4 r = reinterpret_cast<float4*>(o)[c4];
+            r.x += acc.x, r.y += acc.y, r.z += acc.z, r.w += acc.w;
+            reinterpret_cast<float4*>(o)[c4] = r;
+        }
+    } else {
+        for (int c = threadIdx.x; c < h; c += blockDim.x) {
+            float acc = 0.f;
+            for (int i = 0; i < cnt; ++i) acc = fmaf(w_s[i], y[static_cast<size_t>(rows_s[i]) * h + c], acc);
+            o[c] += acc;
+        }
     }
 }
 

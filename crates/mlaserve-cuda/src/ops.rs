@@ -143,6 +143,9 @@ pub struct RouteParams {
     pub scale: f32,
 }
 
+/// Experts per token `moe_combine_f32` takes (its shared order of the slots).
+const COMBINE_MAX_K: usize = 32;
+
 /// `moe_grouped_wg_*`'s dynamic shared memory: 4 stages of 64 rows of x and 128 of W, 64
 /// bf16 each, and 1024 bytes to align them.
 const GROUPED_WG_SMEM: usize = 4 * (64 + 128) * 64 * 2 + 1024;
@@ -1078,12 +1081,17 @@ impl Ops {
         need(K, "ids", ids.len(), n * k)?;
         need(K, "weights", weights.len(), n * k)?;
         need(K, "inv", inv.len(), n * k)?;
+        if k > COMBINE_MAX_K {
+            return Err(CudaError::shape(K, format!("k = {k} experts per token > {COMBINE_MAX_K}")));
+        }
         if n == 0 {
             return Ok(());
         }
         let (ki, hi) = (i32_of(K, k)?, i32_of(K, h)?);
-        // SAFETY: block t reads ids/weights/inv[t*k..][..k] and rows inv[..] < n*k of y
-        // (a permutation built by the caller), writes out[t*h..][..h]; lengths checked.
+        // SAFETY: block t reads ids/weights/inv[t*k..][..k] (k <= COMBINE_MAX_K, the size
+        // of its shared order) and rows inv[..] < n*k of y (a permutation built by the
+        // caller), writes out[t*h..][..h]; lengths checked. float4 accesses only when
+        // h % 4 == 0, on cudarc's 256-byte aligned allocations.
         unsafe {
             s.launch_builder(&self.combine)
                 .arg(out)

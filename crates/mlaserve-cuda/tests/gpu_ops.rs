@@ -533,8 +533,10 @@ fn small_backend_ops_match_reference() {
             }
         }
         check(&format!("rmsnorm_f32 strided h={h} n={n}"), &got, &want, 1e-5, &mut fails);
-
-        // Combine: k = 8 slots per token, rows of y in a random permutation.
+    }
+    // Combine: k = 8 slots per token, rows of y in a random permutation; widths with the
+    // kernel's float4 path (h % 4 == 0) and without.
+    for (h, n) in [(7168usize, 9usize), (64, 33), (70, 5)] {
         let k = 8;
         let y = rand(&mut rng, n * k * h, -1.0, 1.0);
         let wts = rand(&mut rng, n * k, 0.0, 1.0);
