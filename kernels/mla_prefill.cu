@@ -76,6 +76,78 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c, float s, fl
     y = a * s + b * c;
 }
 
+// The Q tile of a CTA: rows r < ROWS (query i0 + r of the sequence whose first query row
+// is q_row0 and first position base), 16-byte chunks c < QK / 8 of [q_nope | RoPE(q_pe,
+// position)] rounded to bf16, stored at dst + at(r, c); rows past n_rows and dims past qk
+// are zero. A chunk is 8 dims, all nope or all rope (nope % 8 == 0).
+template <int ROWS, int QK, int THREADS, typename At>
+__device__ __forceinline__ void load_q_tile(uint8_t* dst, const At& at, const float* __restrict__ q,
+                                            const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                            int heads, int h, int nope, int rope, int q_row0, int i0, int base,
+                                            int n_rows) {
+    constexpr int CHUNKS = QK / 8;
+    const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, half = rope / 2;
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = idx % CHUNKS, i = i0 + r;
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+        if (r < n_rows && c < qk_c) {
+            const float* src = q + (static_cast<size_t>(q_row0 + i) * heads + h) * qk + c * 8;
+            const float4 x0 = *reinterpret_cast<const float4*>(src);
+            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+            float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            if (c >= nope_c) {
+                const size_t tab = static_cast<size_t>(base + i) * half + (c - nope_c) * 4;  // pair index
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    rope_pair(x[2 * u], x[2 * u + 1], cos_t[tab + u], sin_t[tab + u], x[2 * u], x[2 * u + 1]);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) w[u] = pack_bf16x2(x[2 * u], x[2 * u + 1]);
+        }
+        *reinterpret_cast<uint4*>(dst + at(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// The online softmax of one key tile for the thread's two rows, in the mma accumulator
+// layout (element e of n8-tile j: row e >> 1, key 8j + 2(lane % 4) + (e & 1)); score(j, e)
+// is the masked raw score. Updates the running max m (raw) and the row sums l, packs P =
+// exp2(scale_log2 · s − max) as bf16 A fragments of O += P V (n-tiles 2kk, 2kk + 1 are
+// k16 step kk) and gives the factors alpha by which O must be rescaled. A row that has
+// seen only masked keys keeps max −inf and uses 0 as its reference, so exp2 sees −inf,
+// never NaN (only padding rows get there).
+template <int NT, typename Score>
+__device__ __forceinline__ void softmax_tile(const Score& score, float scale_log2, float (&m)[2], float (&l)[2],
+                                             uint32_t (&pa)[NT / 2][4], float (&alpha)[2]) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(j, e));
+    float ms[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        ms[i] = mx[i] == -MLAS_INF ? 0.f : mx[i] * scale_log2;
+        alpha[i] = fast_exp2(m[i] * scale_log2 - ms[i]);
+        m[i] = mx[i];
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[e] = fast_exp2(score(j, e) * scale_log2 - ms[e >> 1]);
+            rs[e >> 1] += p[e];
+        }
+        pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16x2(p[0], p[1]);
+        pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(p[2], p[3]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + rs[i];
+}
+
 template <int QK, int VD>
 __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __restrict__ q,
                                          const bf16* __restrict__ kn, const bf16* __restrict__ kpe,
@@ -96,7 +168,7 @@ __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __re
     const int base = k_len - q_len;               // position of query 0
     const int n_rows = min(BM, q_len - i0);       // valid rows of the tile
     const int n_kt = (base + i0 + n_rows - 1) / BN + 1;  // key tiles up to the last row's position
-    const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, v_c = vdim / 8, half = rope / 2;
+    const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, v_c = vdim / 8;
 
     auto load_kv = [&](int jt, int stage) {
         const int k0 = jt * BN;
@@ -123,27 +195,8 @@ __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __re
     load_kv(0, 0);
     cp_async_commit();
 
-    // Q tile: [q_nope | RoPE(q_pe, p)] rounded to bf16; rows past q_len and dims past qk
-    // are zero. A 16-byte chunk is 8 dims, all nope or all rope (nope % 8 == 0).
-    for (int idx = tid; idx < BM * C::QK_CHUNKS; idx += NTHREADS) {
-        const int r = idx / C::QK_CHUNKS, c = idx % C::QK_CHUNKS, i = i0 + r;
-        uint32_t w[4] = {0u, 0u, 0u, 0u};
-        if (r < n_rows && c < qk_c) {
-            const float* src = q + (static_cast<size_t>(q_row0 + i) * heads + h) * qk + c * 8;
-            const float4 x0 = *reinterpret_cast<const float4*>(src);
-            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-            float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-            if (c >= nope_c) {
-                const size_t tab = static_cast<size_t>(base + i) * half + (c - nope_c) * 4;  // pair index
-#pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    rope_pair(x[2 * u], x[2 * u + 1], cos_t[tab + u], sin_t[tab + u], x[2 * u], x[2 * u + 1]);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) w[u] = pack_bf16x2(x[2 * u], x[2 * u + 1]);
-        }
-        *reinterpret_cast<uint4*>(sQ + swz<QK * 2>(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    load_q_tile<BM, QK, NTHREADS>(sQ, [](int r, int c) { return swz<QK * 2>(r, c); }, q, cos_t, sin_t, heads, h,
+                                  nope, rope, q_row0, i0, base, n_rows);
     __syncthreads();
 
     // This warp's rows: tile rows 16*warp .. +15; the thread holds rows g and g + 8 of
@@ -212,40 +265,9 @@ __device__ __forceinline__ void fwd_body(bf16* __restrict__ o, const float* __re
                 }
         }
 
-        // Online softmax: new running max over the quad (the 4 lanes holding a row).
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < C::NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-        float ms[2], alpha[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            // A row that has seen only masked keys keeps max -inf: use 0 as its reference
-            // so that exp2 sees -inf, never NaN (only padding rows can get here).
-            ms[i] = mx[i] == -MLAS_INF ? 0.f : mx[i] * scale_log2;
-            alpha[i] = fast_exp2(m[i] * scale_log2 - ms[i]);
-            m[i] = mx[i];
-        }
-        // P = exp2(scale_log2 * s - ms), packed as the A fragments of O += P V: the S
-        // accumulator of n-tiles 2kk, 2kk + 1 is the A fragment of k16 step kk.
         uint32_t pa[C::KV_STEPS][4];
-        float rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < C::NT_S; ++j) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[e] = fast_exp2(s[j][e] * scale_log2 - ms[e >> 1]);
-                rs[e >> 1] += p[e];
-            }
-            pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16x2(p[0], p[1]);
-            pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(p[2], p[3]);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + rs[i];
+        float alpha[2];
+        softmax_tile<C::NT_S>([&](int j, int e) { return s[j][e]; }, scale_log2, m, l, pa, alpha);
         // Once the running max settles alpha is exactly 1: skip the rescale.
         if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
@@ -373,7 +395,7 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
     const int base = k_len - q_len;
     const int n_rows = min(ROWS, q_len - i0);
     const int n_kt = (base + i0 + n_rows - 1) / BN + 1;
-    const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, v_c = vdim / 8, half = rope / 2;
+    const int qk = nope + rope, nope_c = nope / 8, qk_c = qk / 8, v_c = vdim / 8;
 
     auto load_kv = [&](int jt, int stage) {
         const int k0 = jt * BN;
@@ -426,26 +448,8 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
         }
     }
 
-    // Q tile, as the mma.sync kernel's: RoPE applied, bf16, zeros past q_len and qk.
-    for (int idx = tid; idx < ROWS * QK_CHUNKS; idx += THREADS) {
-        const int r = idx / QK_CHUNKS, c = idx % QK_CHUNKS, i = i0 + r;
-        uint32_t w[4] = {0u, 0u, 0u, 0u};
-        if (r < n_rows && c < qk_c) {
-            const float* src = q + (static_cast<size_t>(q_row0 + i) * heads + h) * qk + c * 8;
-            const float4 x0 = *reinterpret_cast<const float4*>(src);
-            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-            float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-            if (c >= nope_c) {
-                const size_t tab = static_cast<size_t>(base + i) * half + (c - nope_c) * 4;
-#pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    rope_pair(x[2 * u], x[2 * u + 1], cos_t[tab + u], sin_t[tab + u], x[2 * u], x[2 * u + 1]);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) w[u] = pack_bf16x2(x[2 * u], x[2 * u + 1]);
-        }
-        *reinterpret_cast<uint4*>(pQ + wsw<C::Q_BLOCK>(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    load_q_tile<ROWS, QK, THREADS>(pQ, [](int r, int c) { return wsw<C::Q_BLOCK>(r, c); }, q, cos_t, sin_t, heads,
+                                   h, nope, rope, q_row0, i0, base, n_rows);
     fence_proxy_async_smem();  // st.shared -> wgmma's reads (the barrier below orders them)
 
     // The warpgroup's rows start at tile row 64·wg; the thread's are 16·warp + lane / 4
@@ -516,35 +520,9 @@ __device__ __forceinline__ void fwd_wg_body(bf16* __restrict__ o, const float* _
             const int key = k0 + j * 8 + 2 * (lane & 3) + (e & 1);
             return masked_tile && key > pos_r[e >> 1] ? -MLAS_INF : cur[4 * j + e];
         };
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], score(j, e));
-        float ms[2], alpha[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            ms[i] = mx[i] == -MLAS_INF ? 0.f : mx[i] * scale_log2;
-            alpha[i] = fast_exp2(m[i] * scale_log2 - ms[i]);
-            m[i] = mx[i];
-        }
         uint32_t pa[4][4];
-        float rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[e] = fast_exp2(score(j, e) * scale_log2 - ms[e >> 1]);
-                rs[e >> 1] += p[e];
-            }
-            pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16x2(p[0], p[1]);
-            pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(p[2], p[3]);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + rs[i];
+        float alpha[2];
+        softmax_tile<8>(score, scale_log2, m, l, pa, alpha);
         if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
             for (int i = 0; i < NO; ++i) acc[i] *= alpha[(i >> 1) & 1];
