@@ -265,19 +265,27 @@ mod device {
         pub v: CudaSlice<bf16>,
     }
 
+    /// The warpgroup-MMA instances of the attention kernel (sm_90 only).
+    #[derive(Debug)]
+    struct WgKernels {
+        small: CudaFunction,
+        large: CudaFunction,
+        large_tma: CudaFunction,
+    }
+
     /// The loaded functions of `mla_prefill.cu`.
     #[derive(Debug)]
     pub struct MlaPrefill {
         fwd_small: CudaFunction,
         fwd_large: CudaFunction,
-        /// The warpgroup-MMA instances [small, large, large by TMA] (sm_90 only).
-        fwd_wg: Option<[CudaFunction; 3]>,
+        fwd_wg: Option<WgKernels>,
         gather: CudaFunction,
         scatter: CudaFunction,
         max_smem: usize,
         /// The attention kernel: wgmma with TMA on Hopper, else mma.sync;
-        /// `MLASERVE_PREFILL_KERNEL=mma.sync|wgmma|tma` picks one (for comparisons). The two agree to rounding, not
-        /// in bits: keep one kernel for the runs whose outputs are compared.
+        /// `MLASERVE_PREFILL_KERNEL=mma.sync|wgmma|tma` picks one (for comparisons). They
+        /// agree to rounding, not in bits: keep one kernel for the runs whose outputs are
+        /// compared.
         pub kernel: PrefillKernel,
     }
 
@@ -301,11 +309,11 @@ mod device {
                     )?;
                     Ok(f)
                 };
-                Some([
-                    f("mla_prefill_wg_qk64_v64", 64, 64)?,
-                    f("mla_prefill_wg_qk192_v128", 192, 128)?,
-                    f("mla_prefill_wgt_qk192_v128", 192, 128)?,
-                ])
+                Some(WgKernels {
+                    small: f("mla_prefill_wg_qk64_v64", 64, 64)?,
+                    large: f("mla_prefill_wg_qk192_v128", 192, 128)?,
+                    large_tma: f("mla_prefill_wgt_qk192_v128", 192, 128)?,
+                })
             } else {
                 None
             };
@@ -491,9 +499,9 @@ mod device {
             // The TMA variant loads whole 64-dim boxes: DeepSeek's widths exactly.
             let tma_dims = (d.nope, d.rope, d.vdim) == (128, 64, 128);
             let (wg, tma) = match (self.kernel, &self.fwd_wg) {
-                (PrefillKernel::WgmmaTma, Some(fs)) if tma_dims => (Some(&fs[2]), true),
-                (PrefillKernel::Wgmma | PrefillKernel::WgmmaTma, Some(fs)) => {
-                    (Some(&fs[(qk_pad != 64) as usize]), false)
+                (PrefillKernel::WgmmaTma, Some(k)) if tma_dims => (Some(&k.large_tma), true),
+                (PrefillKernel::Wgmma | PrefillKernel::WgmmaTma, Some(k)) => {
+                    (Some(if qk_pad == 64 { &k.small } else { &k.large }), false)
                 }
                 (PrefillKernel::Wgmma | PrefillKernel::WgmmaTma, None) => {
                     return Err(CudaError::shape(K, "the wgmma prefill kernels need an sm_90 GPU"));
