@@ -2,8 +2,9 @@
 //! loading only its shards. TP = 2, 4, 8 must reproduce TP = 1's logits within 1e-5
 //! (relative to the largest logit), for the target model and the MTP layers.
 
-use mlaserve_core::{Backend, Batch, Collective, LocalGroup, SeqChunk};
+use mlaserve_core::{Backend, Batch, Collective, SeqChunk};
 use mlaserve_cpu::{CpuBackend, CpuOptions};
+use mlaserve_tp::LocalGroup;
 use std::path::Path;
 use std::time::Duration;
 
@@ -116,12 +117,12 @@ fn leader_follower_plans_reproduce_tp_1() {
             .map(|(g, p)| {
                 s.spawn(move || {
                     let mut b = load(dir, Box::new(g));
-                    mlaserve_core::run_follower(&mut b, &p)
+                    mlaserve_tp::run_follower(&mut b, &p)
                 })
             })
             .collect();
         let b0 = load(dir, Box::new(inner.pop().unwrap()));
-        let mut leader = mlaserve_core::TpLeader::new(b0, plans.pop().unwrap()).unwrap();
+        let mut leader = mlaserve_tp::TpLeader::new(b0, plans.pop().unwrap()).unwrap();
         let got = run_script(&mut leader);
         leader.shutdown().unwrap();
         for f in followers {

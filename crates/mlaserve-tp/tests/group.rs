@@ -6,9 +6,10 @@
 //! with GPUs, the same check runs with one OS process per rank over real NCCL, and a
 //! killed rank must make the leader fail within 30 s.
 
-use mlaserve_core::{Backend, Collective, LocalGroup, TpLeader};
+use mlaserve_core::{Backend, Collective};
 use mlaserve_cpu::{CpuBackend, CpuOptions};
 use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
+use mlaserve_tp::{LocalGroup, TpLeader};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
@@ -44,7 +45,10 @@ fn run<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<Vec<Vec<u32>>>
         for (id, ev) in e.step() {
             match ev {
                 Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                Event::Finished { reason: mlaserve_engine::FinishReason::Error(m), .. } => {
+                Event::Finished {
+                    reason: mlaserve_engine::FinishReason::Error(m) | mlaserve_engine::FinishReason::Unavailable(m),
+                    ..
+                } => {
                     return Err(mlaserve_core::Error::Backend(m));
                 }
                 Event::Finished { .. } => done += 1,
@@ -78,7 +82,7 @@ fn tp_2_and_4_threads_equal_tp_1_with_and_without_speculation() {
                 let followers: Vec<_> = inner
                     .drain(1..)
                     .zip(plans.drain(1..))
-                    .map(|(g, p)| s.spawn(move || mlaserve_core::run_follower(&mut load(dir, Box::new(g)), &p)))
+                    .map(|(g, p)| s.spawn(move || mlaserve_tp::run_follower(&mut load(dir, Box::new(g)), &p)))
                     .collect();
                 let leader =
                     TpLeader::new(load(dir, Box::new(inner.pop().expect("rank 0"))), plans.pop().expect("rank 0"))
@@ -129,7 +133,7 @@ mod nccl {
         let (a, b) = comms(rank, world, &ids);
         let mut backend = load(Path::new(&dir), Box::new(a));
         // Returns Ok on shutdown; an error when the leader vanishes.
-        let r = mlaserve_core::run_follower(&mut backend, &b);
+        let r = mlaserve_tp::run_follower(&mut backend, &b);
         eprintln!("follower {rank}: {r:?}");
     }
 
@@ -228,7 +232,7 @@ mod nccl {
         let err = loop {
             let evs = e.step();
             if let Some(m) = evs.iter().find_map(|(_, ev)| match ev {
-                Event::Finished { reason: mlaserve_engine::FinishReason::Error(m), .. } => Some(m.clone()),
+                Event::Finished { reason: mlaserve_engine::FinishReason::Unavailable(m), .. } => Some(m.clone()),
                 _ => None,
             }) {
                 break m;
@@ -264,13 +268,13 @@ fn a_lost_rank_fails_the_group_for_good() {
     let mut errors = 0;
     for _ in 0..3 {
         for (_, ev) in e.step() {
-            if let Event::Finished { reason: mlaserve_engine::FinishReason::Error(m), .. } = ev {
+            if let Event::Finished { reason: mlaserve_engine::FinishReason::Unavailable(m), .. } = ev {
                 assert!(m.contains("left the group"), "{m}");
                 errors += 1;
             }
         }
     }
-    assert_eq!(errors, 4, "every request ends with the group's error");
+    assert_eq!(errors, 4, "every request ends UNAVAILABLE with the group's error");
     assert!(e.stats().failed.is_some());
     let refused = e.add_request(reqs[5].clone()).expect_err("refused").to_string();
     assert!(refused.contains("engine failed"), "{refused}");

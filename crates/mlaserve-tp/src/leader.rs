@@ -14,11 +14,11 @@
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
 //! the number in an MTP plan; followers keep their own under the same numbers.
 
-use crate::backend::{Backend, Batch, ForwardOutput, SeqChunk};
-use crate::collective::Collective;
-use crate::config::ModelConfig;
-use crate::error::{Error, Result};
-use crate::sampling::SampleRow;
+use mlaserve_core::backend::{Backend, Batch, ForwardOutput, SeqChunk};
+use mlaserve_core::Collective;
+use mlaserve_core::ModelConfig;
+use mlaserve_core::SampleRow;
+use mlaserve_core::{Error, Result};
 use std::collections::VecDeque;
 
 const OP_FORWARD: u32 = 1;

@@ -6,8 +6,8 @@
 //! timeout makes every other rank's next collective fail with an error naming it, instead
 //! of hanging — the same contract the NCCL implementation keeps.
 
-use crate::collective::Collective;
-use crate::error::{Error, Result};
+use mlaserve_core::Collective;
+use mlaserve_core::{Error, Result};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
