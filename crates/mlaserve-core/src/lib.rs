@@ -1,21 +1,19 @@
 //! mlaserve-core: the vocabulary every other crate speaks.
 //!
 //! It owns the model configuration (HF `config.json`), the error type, sampling
-//! parameters, the batch/step types a backend consumes, and the [`Backend`] and
-//! [`Collective`] traits. It knows nothing about CUDA, tonic or the scheduler.
+//! parameters and the rules a request must follow ([`request`]), the batch types a
+//! backend consumes, and the [`Backend`] and [`Collective`] traits. It knows nothing about CUDA, tonic or the scheduler.
 
 pub mod backend;
 pub mod collective;
 pub mod config;
 pub mod error;
-pub mod local_group;
+pub mod request;
 pub mod sampling;
-pub mod tp;
 
 pub use backend::{argmax, Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
 pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};
-pub use local_group::LocalGroup;
+pub use request::{InvalidField, RequestLimits};
 pub use sampling::{sample_from, sample_token, target_distribution, SampleRow, SamplingParams, TargetDist};
-pub use tp::{run_follower, TpHidden, TpLeader};

@@ -25,8 +25,8 @@ fn worker(etcd: &str, group: &str) -> Background<WorkerHandle> {
     a.cluster = CLUSTER.into();
     a.group = Some(group.into());
     a.lease_ttl_s = 2;
-    a.kv_blocks = 256;
-    Background::start(move || async move { mlaserve_worker::start_cpu(a).await.unwrap() })
+    a.engine.kv_blocks = 256;
+    Background::start(move || async move { start_cpu_worker(a).await })
 }
 
 fn router(etcd: &str) -> Background<RouterHandle> {

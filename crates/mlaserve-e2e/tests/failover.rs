@@ -17,9 +17,9 @@ use tonic::Code;
 fn worker(max_num_seqs: usize) -> Background<WorkerHandle> {
     let mut a = WorkerArgs::new(model_path());
     a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.max_num_seqs = max_num_seqs;
-    a.kv_blocks = 128;
-    Background::start(move || async move { mlaserve_worker::start_cpu(a).await.unwrap() })
+    a.engine.max_num_seqs = max_num_seqs;
+    a.engine.kv_blocks = 128;
+    Background::start(move || async move { start_cpu_worker(a).await })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

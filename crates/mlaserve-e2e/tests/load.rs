@@ -9,8 +9,8 @@
 mod common;
 
 use common::*;
-use mlaserve_proto::worker::{worker_client::WorkerClient, RouterBatch, SamplingParams, Submit};
-use mlaserve_router::client::{bench, bench_prompt, timed_request, BenchArgs, Pcts};
+use mlaserve::client::{bench, bench_prompt, timed_request, BenchArgs, Pcts};
+use mlaserve_proto::worker::{worker_client::WorkerClient, RouterBatch, SamplingParams, StoppingCriteria, Submit};
 use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
@@ -21,7 +21,7 @@ const NEW: u32 = 16;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousand_concurrent_streams() {
     let s = serve(|a| {
-        a.kv_blocks = 1024;
+        a.engine.kv_blocks = 1024;
         a.queue_size = 2048;
         a.metrics_listen = None;
     });
@@ -46,7 +46,8 @@ async fn thousand_concurrent_streams() {
         let sub = Submit {
             id: i + 1,
             prompt: bench_prompt(i as usize, PROMPT, 500),
-            sampling: Some(SamplingParams { max_new_tokens: 1, ignore_eos: true, top_p: 1.0, ..Default::default() }),
+            sampling: Some(SamplingParams { top_p: 1.0, ..Default::default() }),
+            stopping: Some(StoppingCriteria { max_new_tokens: 1, ignore_eos: true, ..Default::default() }),
         };
         tx.send(RouterBatch { submit: vec![sub], abort: vec![] }).await.unwrap();
         let mut first = None;

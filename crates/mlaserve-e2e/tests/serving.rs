@@ -8,8 +8,8 @@
 mod common;
 
 use common::*;
+use mlaserve::serve::ServeHandle;
 use mlaserve_proto::v1::{FinishReason, GetModelInfoRequest, SamplingParams, StoppingCriteria, TokenizeRequest};
-use mlaserve_worker::ServeHandle;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -283,8 +283,8 @@ async fn overload_gets_resource_exhausted_at_once() {
 #[tokio::test]
 async fn cancelled_streams_free_the_kv_pool() {
     let s = serve(|a| {
-        a.kv_blocks = 128;
-        a.max_num_seqs = 64;
+        a.engine.kv_blocks = 128;
+        a.engine.max_num_seqs = 64;
     });
     let h = s.get();
     let engine = h.worker.engine.clone();

@@ -44,8 +44,13 @@ pub enum FinishReason {
     Length,
     /// Aborted by the caller (or the receiver of its events was dropped).
     Abort,
-    /// The engine could not run the request (a backend failure); the message says why.
+    /// The engine could not run the request (a backend failure of this step); the
+    /// message says why. Serving reports it as INTERNAL.
     Error(String),
+    /// The group failed for good (it lost a rank, or a collective failed) while the
+    /// request was in it; the message says why. Serving reports it as UNAVAILABLE: the
+    /// request may succeed on another group.
+    Unavailable(String),
 }
 
 /// Which stop condition ended a request.

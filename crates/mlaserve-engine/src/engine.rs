@@ -13,6 +13,7 @@ use crate::sampling::{sample_row, verify_ids_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
 use mlaserve_core::{Backend, Batch};
+use mlaserve_core::{InvalidField, RequestLimits};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -66,6 +67,47 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
     }
 }
 
+/// Whether a backend error means the group itself is gone (a collective failed: a rank
+/// died or stalled, or NCCL reported an error), not just this step.
+fn is_group_failure(e: &mlaserve_core::Error) -> bool {
+    matches!(e, mlaserve_core::Error::Collective(_))
+}
+
+/// Blocks one request of `len` tokens needs at most, in every state it can reach.
+fn blocks_for_len(lim: &Limits, len: usize) -> usize {
+    blocks_for(lim.decode_positions(len - 2).max(lim.prefill_positions(len - 1, true)))
+}
+
+/// The longest sequence the KV cache can hold for one request: `len` when it fits; an
+/// explicit `--max-model-len` that does not fit is refused, a default one is clipped.
+fn fit_max_model_len(lim: &Limits, len: usize, explicit: bool, blocks: usize) -> Result<usize> {
+    if blocks_for_len(lim, len) <= blocks {
+        return Ok(len);
+    }
+    if explicit {
+        return Err(EngineError::Config(format!(
+            "max_model_len {len}: one request of that length needs {} KV cache blocks, the cache has {blocks} \
+             (raise --kv-blocks or lower --max-model-len)",
+            blocks_for_len(lim, len)
+        )));
+    }
+    // The largest length that fits (blocks_for_len grows with len).
+    let (mut lo, mut hi) = (1, len);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if blocks_for_len(lim, mid) <= blocks {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    if lo < 2 {
+        return Err(EngineError::Config(format!("the KV cache ({blocks} blocks) cannot hold one request")));
+    }
+    tracing::info!(max_model_len = lo, blocks, "max_model_len clipped to what the KV cache holds for one request");
+    Ok(lo)
+}
+
 impl<B: Backend> Engine<B> {
     /// Builds an engine over `backend`, checking `config` against the model and cache.
     pub fn new(backend: B, config: EngineConfig) -> Result<Self> {
@@ -100,6 +142,8 @@ impl<B: Backend> Engine<B> {
         if backend.num_blocks() == 0 {
             return Err(EngineError::Config("the backend has no cache blocks".into()));
         }
+        let max_model_len =
+            fit_max_model_len(&lim, max_model_len, config.max_model_len.is_some(), backend.num_blocks())?;
         Ok(Engine {
             vocab: m.vocab_size,
             eos: m.eos_token_ids.clone(),
@@ -169,42 +213,21 @@ impl<B: Backend> Engine<B> {
 
     fn validate(&self, req: &Request) -> Result<()> {
         let p = &req.sampling;
-        if req.prompt.is_empty() {
-            return Err(EngineError::invalid("prompt", "must not be empty"));
-        }
-        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
-            return Err(EngineError::invalid("prompt", format!("token id {t} >= vocab size {}", self.vocab)));
-        }
-        if req.prompt.len() >= self.max_model_len {
-            return Err(EngineError::invalid(
-                "prompt",
-                format!("{} tokens leave no room below max_model_len {}", req.prompt.len(), self.max_model_len),
-            ));
-        }
-        if p.max_new_tokens == 0 {
-            return Err(EngineError::invalid("max_new_tokens", "must be at least 1"));
-        }
-        if !(p.temperature.is_finite() && p.temperature >= 0.0) {
-            return Err(EngineError::invalid("temperature", format!("{} is not a finite value >= 0", p.temperature)));
-        }
-        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
-            return Err(EngineError::invalid("top_p", format!("{} is not in (0, 1]", p.top_p)));
-        }
-        if p.stop_sequences.iter().any(|s| s.is_empty()) {
-            return Err(EngineError::invalid("stop_sequences", "an empty sequence"));
-        }
+        let limits = RequestLimits { vocab_size: self.vocab as u32, max_context: self.max_model_len as u32 };
+        p.check(&req.prompt, limits)?;
         // The request must fit the pool alone, in every state it can reach.
         let longest = (req.prompt.len() + p.max_new_tokens as usize).min(self.max_model_len);
         let need = self.lim.decode_positions(longest - 2).max(self.lim.prefill_positions(longest - 1, true));
         if blocks_for(need) > self.blocks.total() {
-            return Err(EngineError::invalid(
-                "max_new_tokens",
+            return Err(InvalidField::new(
+                "stopping.max_new_tokens",
                 format!(
                     "prompt + max_new_tokens need {} cache blocks; the cache has {}",
                     blocks_for(need),
                     self.blocks.total()
                 ),
-            ));
+            )
+            .into());
         }
         Ok(())
     }
@@ -301,7 +324,12 @@ impl<B: Backend> Engine<B> {
         if let Some(e) = &draft_err {
             tracing::error!(error = %e, "MTP drafting failed; failing the step's requests");
             for job in &jobs {
-                finished.push((job.seq, FinishReason::Error(format!("drafting failed: {e}"))));
+                let reason = if is_group_failure(e) {
+                    FinishReason::Unavailable(format!("group failed: {e}"))
+                } else {
+                    FinishReason::Error(format!("drafting failed: {e}"))
+                };
+                finished.push((job.seq, reason));
             }
         }
         self.jobs = jobs;
@@ -453,30 +481,35 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Fails every scheduled request after a target forward error.
+    /// Fails every scheduled request after a target forward error (every request, when
+    /// the error is the group's: [`Engine::note_backend_error`]).
     fn fail_scheduled(&mut self, e: &mlaserve_core::Error, events: &mut Vec<(RequestId, Event)>) {
+        if is_group_failure(e) {
+            self.note_backend_error(e, events);
+            return;
+        }
         tracing::error!(error = %e, "target forward failed; failing the step's requests");
         let failed: Vec<(usize, FinishReason)> = (0..self.running.len())
             .filter(|&i| self.running[i].sched.is_some())
             .map(|i| (i, FinishReason::Error(format!("forward failed: {e}"))))
             .collect();
         self.finish(failed, events);
-        self.note_backend_error(e, events);
     }
 
-    /// A collective failure is permanent (the TP group lost a rank): fail every request,
-    /// running or waiting, and refuse new ones.
+    /// A collective failure is permanent (the TP group lost a rank, or NCCL failed): fail
+    /// every request, running or waiting, as [`FinishReason::Unavailable`], and refuse
+    /// new ones.
     fn note_backend_error(&mut self, e: &mlaserve_core::Error, events: &mut Vec<(RequestId, Event)>) {
-        if !matches!(e, mlaserve_core::Error::Collective(_)) {
+        if !is_group_failure(e) {
             return;
         }
         let why = e.to_string();
         tracing::error!(error = %why, "the tensor-parallel group failed; refusing new requests");
         let all: Vec<(usize, FinishReason)> =
-            (0..self.running.len()).map(|i| (i, FinishReason::Error(format!("group failed: {why}")))).collect();
+            (0..self.running.len()).map(|i| (i, FinishReason::Unavailable(format!("group failed: {why}")))).collect();
         self.finish(all, events);
         while let Some(seq) = self.waiting.pop_front() {
-            let ev = self.retire(seq, FinishReason::Error(format!("group failed: {why}")));
+            let ev = self.retire(seq, FinishReason::Unavailable(format!("group failed: {why}")));
             events.push(ev);
         }
         self.failed = Some(why);

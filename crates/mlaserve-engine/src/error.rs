@@ -4,9 +4,10 @@
 /// Errors returned by [`crate::Engine`] and [`crate::EngineHandle`].
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// The request is invalid; `field` names the offending request field.
+    /// The request is invalid; `field` names the offending field as the public API
+    /// names it (`sampling.top_p`, `stopping.max_new_tokens`).
     #[error("invalid request field `{field}`: {msg}")]
-    InvalidRequest { field: &'static str, msg: String },
+    InvalidRequest { field: String, msg: String },
     /// Too many requests are waiting for admission (maps to RESOURCE_EXHAUSTED).
     #[error("engine queue full ({0} requests waiting)")]
     QueueFull(usize),
@@ -28,9 +29,9 @@ pub enum EngineError {
     Backend(#[from] mlaserve_core::Error),
 }
 
-impl EngineError {
-    pub(crate) fn invalid(field: &'static str, msg: impl Into<String>) -> Self {
-        EngineError::InvalidRequest { field, msg: msg.into() }
+impl From<mlaserve_core::InvalidField> for EngineError {
+    fn from(e: mlaserve_core::InvalidField) -> Self {
+        EngineError::InvalidRequest { field: e.field, msg: e.msg }
     }
 }
 

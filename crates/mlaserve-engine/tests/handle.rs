@@ -73,7 +73,7 @@ async fn streams_abort_and_stats() {
     assert_eq!(st.load.kv_blocks_free, st.load.kv_blocks_total);
     assert!(st.totals.draft_tokens > 0 && st.times.steps > 0);
     match h.submit(Request::new(vec![], SamplingParams::default())).await {
-        Err(EngineError::InvalidRequest { field, .. }) => assert_eq!(field, "prompt"),
+        Err(EngineError::InvalidRequest { field, .. }) => assert_eq!(field, "prompt.token_ids"),
         other => panic!("{other:?}"),
     }
     h.shutdown().await.expect("shutdown");

@@ -118,7 +118,7 @@ fn no_leak_random_ops() {
             match e.add_request(Request::new(prompt, sp)) {
                 Ok(id) => live.push(id),
                 Err(EngineError::InvalidRequest { field, .. }) => {
-                    assert_eq!(field, "max_new_tokens")
+                    assert_eq!(field, "stopping.max_new_tokens")
                 }
                 Err(err) => panic!("{err}"),
             }
@@ -201,12 +201,14 @@ fn context_length_and_validation() {
         Err(EngineError::InvalidRequest { field, .. }) => field,
         other => panic!("expected invalid request, got {other:?}"),
     };
-    assert_eq!(bad(Request::new(vec![], sp.clone())), "prompt");
-    assert_eq!(bad(Request::new(vec![VOCAB as u32], sp.clone())), "prompt");
-    assert_eq!(bad(Request::new(vec![3; 56], sp.clone())), "prompt");
-    assert_eq!(bad(Request::new(vec![3], SamplingParams { max_new_tokens: 0, ..sp.clone() })), "max_new_tokens");
-    assert_eq!(bad(Request::new(vec![3], SamplingParams { top_p: 0.0, ..sp.clone() })), "top_p");
-    assert_eq!(bad(Request::new(vec![3], SamplingParams { temperature: -1.0, ..sp.clone() })), "temperature");
+    assert_eq!(bad(Request::new(vec![], sp.clone())), "prompt.token_ids");
+    assert_eq!(bad(Request::new(vec![3, VOCAB as u32], sp.clone())), "prompt.token_ids[1]");
+    assert_eq!(bad(Request::new(vec![3; 56], sp.clone())), "prompt.token_ids");
+    let bad_max = SamplingParams { max_new_tokens: 0, ..sp.clone() };
+    assert_eq!(bad(Request::new(vec![3], bad_max)), "stopping.max_new_tokens");
+    assert_eq!(bad(Request::new(vec![3], SamplingParams { top_p: 0.0, ..sp.clone() })), "sampling.top_p");
+    let bad_t = SamplingParams { temperature: -1.0, ..sp.clone() };
+    assert_eq!(bad(Request::new(vec![3], bad_t)), "sampling.temperature");
     let b = SyntheticBackend::new(VOCAB, 0, 64, 64);
     assert!(Engine::new(b, EngineConfig { num_speculative_tokens: Some(1), ..Default::default() }).is_err());
     let b = SyntheticBackend::new(VOCAB, 0, 64, 64);

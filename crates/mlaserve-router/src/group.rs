@@ -143,10 +143,15 @@ impl Group {
     }
 
     /// Submits a request; its events arrive on the returned submission.
-    pub fn submit(self: &Arc<Self>, prompt: Vec<u32>, sampling: wire::SamplingParams) -> Submission {
+    pub fn submit(
+        self: &Arc<Self>,
+        prompt: Vec<u32>,
+        sampling: wire::SamplingParams,
+        stopping: wire::StoppingCriteria,
+    ) -> Submission {
         let id = self.state.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
-        let owed = prompt.len() as u64 + sampling.max_new_tokens as u64;
+        let owed = prompt.len() as u64 + stopping.max_new_tokens as u64;
         let mut done = false;
         {
             let mut inflight = lock(&self.state.inflight);
@@ -158,7 +163,12 @@ impl Group {
                 done = true;
             }
         }
-        if !done && self.cmd.send(Cmd::Submit(Submit { id, prompt, sampling: Some(sampling) })).is_err() {
+        if !done
+            && self
+                .cmd
+                .send(Cmd::Submit(Submit { id, prompt, sampling: Some(sampling), stopping: Some(stopping) }))
+                .is_err()
+        {
             self.fail_all("session closed");
         }
         Submission { id, group: self.clone(), events: rx, done }

@@ -11,12 +11,10 @@
 
 pub mod admission;
 pub mod args;
-pub mod client;
 pub mod deadline;
 pub mod detok;
 pub mod discovery;
 pub mod error;
-pub mod etcd;
 pub mod group;
 pub mod health;
 mod limit;

@@ -59,9 +59,9 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
     };
 
     let metrics_addr = match args.metrics_listen {
-        Some(a) => Some(crate::metrics::serve(a).await.map_err(|e| StartError::Bind(a, e))?),
+        Some(a) => Some(mlaserve_cluster::metrics::serve(a).await.map_err(|e| StartError::Bind(a, e))?),
         None => {
-            crate::metrics::handle();
+            mlaserve_cluster::metrics::handle();
             None
         }
     };
@@ -158,31 +158,9 @@ pub async fn run(args: RouterArgs) -> Result<(), StartError> {
     if let Some(m) = h.metrics_addr {
         println!("metrics on http://{m}/metrics");
     }
-    shutdown_signal().await;
+    mlaserve_cluster::shutdown_signal().await;
     tracing::info!("draining");
     h.drain(drain).await;
     h.shutdown().await;
     Ok(())
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

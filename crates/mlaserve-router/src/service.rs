@@ -250,7 +250,7 @@ impl<'a> Run<'a> {
                 metrics::histogram!("mlaserve_router_overhead_seconds").record(self.arrival.elapsed().as_secs_f64());
                 metrics::counter!("mlaserve_prompt_tokens_total").increment(self.v.prompt.len() as u64);
             }
-            let mut sub = group.submit(self.v.prompt.clone(), self.v.sampling.clone());
+            let mut sub = group.submit(self.v.prompt.clone(), self.v.sampling, self.v.stopping.clone());
             let client = self.tx.clone();
             let end = tokio::select! {
                 biased;

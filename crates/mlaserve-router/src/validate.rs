@@ -1,33 +1,32 @@
 //! Request validation: every bad input is refused with INVALID_ARGUMENT naming the
-//! field, before any work is queued. Cheap checks run before tokenization.
+//! field, before any work is queued. The rules are `mlaserve_core::request`'s, the same
+//! the engine applies; this module maps the public request onto them, tokenizes a text
+//! prompt, and resolves the defaults. Cheap checks run before tokenization.
 
 use crate::error::RouterError;
+use mlaserve_core::request::{self, InvalidField};
 use mlaserve_proto::v1::{generate_request::Prompt, GenerateRequest};
-use mlaserve_proto::worker::SamplingParams as WireSampling;
+use mlaserve_proto::worker::{SamplingParams as WireSampling, StoppingCriteria as WireStopping};
 
-/// Most stop strings per request (as the OpenAI API and TGI allow 4–16; we take 16).
-pub const MAX_STOP_STRINGS: usize = 16;
-/// Longest stop string, in bytes (bounds the hold-back work per token).
-pub const MAX_STOP_BYTES: usize = 256;
-/// `max_new_tokens` when the request leaves it unset (clipped to the context left).
-pub const DEFAULT_MAX_NEW_TOKENS: u32 = 256;
-
+pub use mlaserve_core::request::{DEFAULT_MAX_NEW_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS};
 /// What validation needs to know about the served model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ModelLimits {
-    pub vocab_size: u32,
-    /// Longest sequence (prompt + generated) a group accepts.
-    pub max_context: u32,
-}
+pub use mlaserve_core::RequestLimits as ModelLimits;
 
 /// A request that passed validation, with its prompt tokenized.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidRequest {
     pub prompt: Vec<u32>,
     pub sampling: WireSampling,
+    pub stopping: WireStopping,
     pub stop: Vec<String>,
     pub keep_special_tokens: bool,
     pub echo_prompt_ids: bool,
+}
+
+impl From<InvalidField> for RouterError {
+    fn from(e: InvalidField) -> Self {
+        RouterError::Invalid { field: e.field, msg: e.msg }
+    }
 }
 
 /// Validates `req`; `tokenize` turns a text prompt into ids (BOS included).
@@ -37,117 +36,37 @@ pub fn validate(
     tokenize: impl FnOnce(&str) -> Result<Vec<u32>, RouterError>,
 ) -> Result<ValidRequest, RouterError> {
     let s = req.sampling.unwrap_or_default();
-    let temperature = s.temperature.unwrap_or(0.0);
-    if !temperature.is_finite() || temperature < 0.0 {
-        return Err(RouterError::invalid(
-            "sampling.temperature",
-            format!("must be finite and >= 0, got {temperature}"),
-        ));
-    }
-    let top_k = s.top_k.unwrap_or(0);
-    if top_k < 0 {
-        return Err(RouterError::invalid("sampling.top_k", format!("must be >= 0 (0 = no cut), got {top_k}")));
-    }
-    let top_p = s.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(RouterError::invalid("sampling.top_p", format!("must be in (0, 1], got {top_p}")));
-    }
-
+    let (temperature, top_k, top_p) = (s.temperature.unwrap_or(0.0), s.top_k.unwrap_or(0), s.top_p.unwrap_or(1.0));
+    request::check_sampling(temperature, top_k as i64, top_p)?;
     let st = req.stopping.clone().unwrap_or_default();
-    if st.stop.len() > MAX_STOP_STRINGS {
-        return Err(RouterError::invalid(
-            "stopping.stop",
-            format!("at most {MAX_STOP_STRINGS} stop strings, got {}", st.stop.len()),
-        ));
-    }
-    for (i, stop) in st.stop.iter().enumerate() {
-        if stop.is_empty() {
-            return Err(RouterError::invalid(format!("stopping.stop[{i}]"), "must not be empty"));
-        }
-        if stop.len() > MAX_STOP_BYTES {
-            return Err(RouterError::invalid(
-                format!("stopping.stop[{i}]"),
-                format!("at most {MAX_STOP_BYTES} bytes, got {}", stop.len()),
-            ));
-        }
-    }
-    for (i, &id) in st.stop_token_ids.iter().enumerate() {
-        if id >= limits.vocab_size {
-            return Err(RouterError::invalid(
-                format!("stopping.stop_token_ids[{i}]"),
-                format!("id {id} is not below the vocabulary size {}", limits.vocab_size),
-            ));
-        }
-    }
-    if st.max_new_tokens == Some(0) {
-        return Err(RouterError::invalid("stopping.max_new_tokens", "must be >= 1"));
-    }
+    request::check_stopping(st.max_new_tokens, &st.stop_token_ids, &st.stop, limits.vocab_size)?;
 
-    let prompt = match &req.prompt {
+    let (field, prompt) = match &req.prompt {
         None => return Err(RouterError::invalid("prompt", "must be set (text or token_ids)")),
+        Some(Prompt::TokenIds(t)) => ("prompt.token_ids", t.ids.clone()),
         Some(Prompt::Text(t)) if t.is_empty() => return Err(RouterError::invalid("prompt.text", "must not be empty")),
-        Some(Prompt::TokenIds(t)) if t.ids.is_empty() => {
-            return Err(RouterError::invalid("prompt.token_ids", "must not be empty"))
-        }
-        Some(Prompt::TokenIds(t)) => {
-            if let Some((i, id)) = t.ids.iter().enumerate().find(|(_, &id)| id >= limits.vocab_size) {
-                return Err(RouterError::invalid(
-                    format!("prompt.token_ids[{i}]"),
-                    format!("id {id} is not below the vocabulary size {}", limits.vocab_size),
-                ));
-            }
-            t.ids.clone()
-        }
         Some(Prompt::Text(t)) => {
             // Cheap bound first: a byte-level tokenizer makes at most one token per byte,
             // so only absurdly long texts are refused before tokenizing.
             if t.len() > 64 * limits.max_context as usize {
                 return Err(RouterError::invalid(
                     "prompt.text",
-                    format!("{} bytes cannot fit the model's context of {} tokens", t.len(), limits.max_context),
+                    format!(
+                        "{} bytes cannot fit the served context of {} tokens (max_model_len)",
+                        t.len(),
+                        limits.max_context
+                    ),
                 ));
             }
-            tokenize(t)?
+            ("prompt.text", tokenize(t)?)
         }
     };
-    let field = if matches!(req.prompt, Some(Prompt::Text(_))) { "prompt.text" } else { "prompt.token_ids" };
-    // One position must remain for at least one new token.
-    if prompt.len() >= limits.max_context as usize {
-        return Err(RouterError::invalid(
-            field,
-            format!(
-                "{} prompt tokens leave no room in the model's context of {} tokens",
-                prompt.len(),
-                limits.max_context
-            ),
-        ));
-    }
-    let room = limits.max_context - prompt.len() as u32;
-    let max_new_tokens = match st.max_new_tokens {
-        None => DEFAULT_MAX_NEW_TOKENS.min(room),
-        Some(n) if n > room => {
-            return Err(RouterError::invalid(
-                "stopping.max_new_tokens",
-                format!(
-                    "{n} new tokens after {} prompt tokens exceed the model's context of {} tokens (at most {room})",
-                    prompt.len(),
-                    limits.max_context
-                ),
-            ))
-        }
-        Some(n) => n,
-    };
+    request::check_prompt(&prompt, field, limits)?;
+    let max_new_tokens = request::resolve_max_new_tokens(st.max_new_tokens, prompt.len(), limits)?;
     Ok(ValidRequest {
         prompt,
-        sampling: WireSampling {
-            temperature,
-            top_k: top_k as u32,
-            top_p,
-            seed: s.seed,
-            max_new_tokens,
-            stop_token_ids: st.stop_token_ids,
-            ignore_eos: st.ignore_eos,
-        },
+        sampling: WireSampling { temperature, top_k: top_k as u32, top_p, seed: s.seed },
+        stopping: WireStopping { max_new_tokens, stop_token_ids: st.stop_token_ids, ignore_eos: st.ignore_eos },
         stop: st.stop,
         keep_special_tokens: req.keep_special_tokens,
         echo_prompt_ids: req.echo_prompt_ids,
@@ -192,7 +111,7 @@ mod tests {
     fn defaults() {
         let v = validate(&text("hello"), LIMITS, chars).expect("valid");
         assert_eq!(v.prompt.len(), 5);
-        assert_eq!(v.sampling.max_new_tokens, 45, "default clipped to the room left");
+        assert_eq!(v.stopping.max_new_tokens, 45, "default clipped to the room left");
         assert_eq!(v.sampling.temperature, 0.0);
         assert_eq!(v.sampling.top_p, 1.0);
     }

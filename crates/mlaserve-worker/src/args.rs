@@ -1,7 +1,67 @@
-//! Settings of `mlaserve worker` (and the worker half of `mlaserve serve`).
+//! Settings of `mlaserve worker` (and the worker half of `mlaserve serve`): the group's
+//! server ([`WorkerArgs`]) and its engine ([`EngineArgs`], flattened into both commands
+//! so each flag and default is written once).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+
+const DEFAULT_KV_BLOCKS: usize = 512;
+const DEFAULT_MAX_BATCH_TOKENS: usize = 2048;
+const DEFAULT_MAX_NUM_SEQS: usize = 256;
+const DEFAULT_MAX_QUEUED: usize = 4096;
+
+/// The engine of a worker group: its KV cache, batching and speculation.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct EngineArgs {
+    /// KV cache blocks (64 tokens each).
+    #[arg(long, default_value_t = DEFAULT_KV_BLOCKS)]
+    pub kv_blocks: usize,
+    /// Longest sequence (prompt + generated tokens) a request may reach. Default: the
+    /// model's `max_position_embeddings` less the drafter's headroom, clipped to what the
+    /// KV cache holds for one request. Given explicitly, the worker refuses to start if
+    /// one request of this length cannot fit the cache.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Draft tokens per decode step (0..=4); default: 3 when the model has MTP layers.
+    #[arg(long)]
+    pub speculative_tokens: Option<usize>,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
+    pub max_batch_tokens: usize,
+    /// Most requests holding cache at once.
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
+    pub max_num_seqs: usize,
+    /// Requests waiting in the engine beyond which submissions are refused.
+    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED)]
+    pub max_queued: usize,
+}
+
+impl Default for EngineArgs {
+    fn default() -> Self {
+        EngineArgs {
+            kv_blocks: DEFAULT_KV_BLOCKS,
+            max_model_len: None,
+            speculative_tokens: None,
+            max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_queued: DEFAULT_MAX_QUEUED,
+        }
+    }
+}
+
+impl EngineArgs {
+    /// The engine configuration these settings describe.
+    pub fn engine_config(&self) -> mlaserve_engine::EngineConfig {
+        mlaserve_engine::EngineConfig {
+            num_speculative_tokens: self.speculative_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            max_queued: self.max_queued,
+            ..Default::default()
+        }
+    }
+}
 
 /// Worker group (leader) settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -28,21 +88,8 @@ pub struct WorkerArgs {
     /// Lease TTL in seconds: how long a dead group stays registered at most.
     #[arg(long, default_value_t = 3)]
     pub lease_ttl_s: u64,
-    /// KV cache blocks (64 tokens each).
-    #[arg(long, default_value_t = 512)]
-    pub kv_blocks: usize,
-    /// Draft tokens per decode step (0..=4); default: 3 when the model has MTP layers.
-    #[arg(long)]
-    pub speculative_tokens: Option<usize>,
-    /// Token budget of one engine step.
-    #[arg(long, default_value_t = 2048)]
-    pub max_batch_tokens: usize,
-    /// Most requests holding cache at once.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Requests waiting in the engine beyond which submissions are refused.
-    #[arg(long, default_value_t = 4096)]
-    pub max_queued: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Address of the Prometheus `/metrics` endpoint; none when unset.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
@@ -59,23 +106,29 @@ impl WorkerArgs {
             etcd: Vec::new(),
             cluster: "default".into(),
             lease_ttl_s: 3,
-            kv_blocks: 512,
-            speculative_tokens: None,
-            max_batch_tokens: 2048,
-            max_num_seqs: 256,
-            max_queued: 4096,
+            engine: EngineArgs::default(),
             metrics_listen: None,
         }
     }
+}
 
-    /// The engine configuration these settings describe.
-    pub fn engine_config(&self) -> mlaserve_engine::EngineConfig {
-        mlaserve_engine::EngineConfig {
-            num_speculative_tokens: self.speculative_tokens,
-            max_batch_tokens: self.max_batch_tokens,
-            max_num_seqs: self.max_num_seqs,
-            max_queued: self.max_queued,
-            ..Default::default()
-        }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        e: EngineArgs,
+    }
+
+    #[test]
+    fn flag_defaults_are_the_struct_defaults() {
+        let parsed = Cli::try_parse_from(["mlaserve"]).expect("parses").e;
+        assert_eq!(parsed, EngineArgs::default());
+        let set = Cli::try_parse_from(["mlaserve", "--max-model-len", "1000", "--kv-blocks", "7"]).expect("parses").e;
+        assert_eq!((set.max_model_len, set.kv_blocks), (Some(1000), 7));
+        assert_eq!(set.engine_config().max_model_len, Some(1000));
     }
 }

@@ -3,19 +3,19 @@
 //! [`service`] speaks `mlaserve.worker.v1` to routers over the engine's async handle;
 //! [`start`] brings up the engine-backed server, health, and (with `--etcd`) the
 //! group's registration under a lease, which happens only once the group is ready.
-//! [`serve`] runs a router and one group in one process (`mlaserve serve`).
+//! [`nccl_id`] hands a multi-process group's NCCL ids to its ranks through etcd. The
+//! worker knows neither the router nor a particular backend: it serves whatever
+//! [`EngineHandle`] it is given.
 
 pub mod args;
 pub mod nccl_id;
-pub mod serve;
 pub mod service;
 
-pub use args::WorkerArgs;
-pub use serve::{ServeArgs, ServeHandle};
+pub use args::{EngineArgs, WorkerArgs};
 
+use mlaserve_cluster::{keys, LeasedKey, Registration};
 use mlaserve_engine::{EngineError, EngineHandle};
 use mlaserve_proto::worker::{worker_server::WorkerServer, GroupInfo};
-use mlaserve_router::discovery::{self, Registered, Registration};
 use service::WorkerService;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -32,7 +32,7 @@ pub enum WorkerError {
     #[error("cannot listen on {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error("etcd registration: {0}")]
-    Etcd(#[from] mlaserve_router::etcd::EtcdError),
+    Etcd(#[from] mlaserve_cluster::EtcdError),
 }
 
 /// A running group leader.
@@ -43,24 +43,16 @@ pub struct WorkerHandle {
     /// The group's name (its etcd key).
     pub group: String,
     pub engine: EngineHandle,
-    registration: Option<Registered>,
+    registration: Option<LeasedKey>,
     shutdown_tx: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     stats: tokio::task::JoinHandle<()>,
 }
 
-/// Starts the engine on the CPU reference backend, then the server.
-pub async fn start_cpu(args: WorkerArgs) -> Result<WorkerHandle, WorkerError> {
-    let dir = args.model.clone();
-    let blocks = args.kv_blocks;
-    let engine =
-        EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&dir, blocks), args.engine_config()).await?;
-    start(args, engine).await
-}
-
-/// Serves `engine` (already running the model in `args.model`); registers in etcd when
-/// configured. Returns once the server listens and the group is registered.
-pub async fn start(args: WorkerArgs, engine: EngineHandle) -> Result<WorkerHandle, WorkerError> {
+/// Serves `engine` (already running the model in `args.model` on `tp_size` ranks);
+/// registers in etcd when configured. Returns once the server listens and the group is
+/// registered.
+pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Result<WorkerHandle, WorkerError> {
     let config = mlaserve_model::load_config(&args.model)?;
     let tokenizer_eos = mlaserve_model::Tokenizer::from_dir(&args.model, &config)
         .map(|t| t.eos_token_ids().to_vec())
@@ -76,12 +68,12 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle) -> Result<WorkerHandl
         max_context_tokens: ei.max_model_len as u32,
         eos_token_ids: tokenizer_eos,
         speculative_tokens: ei.num_speculative_tokens as u32,
-        tp_size: 1,
+        tp_size: tp_size as u32,
         kv_blocks_total: ei.kv_blocks_total as u32,
         block_size: mlaserve_core::BLOCK_SIZE as u32,
     };
     if let Some(m) = args.metrics_listen {
-        mlaserve_router::metrics::serve(m).await.map_err(|e| WorkerError::Bind(m, e))?;
+        mlaserve_cluster::metrics::serve(m).await.map_err(|e| WorkerError::Bind(m, e))?;
     }
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<WorkerServer<WorkerService>>().await;
@@ -106,11 +98,13 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle) -> Result<WorkerHandl
         None
     } else {
         let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
-        let reg = Registration { addr: discovery::normalize_addr(&advertise), tp_size: 1 };
-        Some(
-            discovery::register(args.etcd.clone(), &args.cluster, &group, reg, Duration::from_secs(args.lease_ttl_s))
-                .await?,
-        )
+        let reg = Registration { addr: keys::normalize_addr(&advertise), tp_size: tp_size as u32 };
+        let value = serde_json::to_vec(&reg).map_err(|e| mlaserve_cluster::EtcdError::Protocol(e.to_string()))?;
+        let key = keys::group_key(&args.cluster, &group);
+        let ttl = Duration::from_secs(args.lease_ttl_s);
+        let leased = LeasedKey::put(&args.etcd, key, value, ttl).await?;
+        tracing::info!(key = leased.key(), addr = %reg.addr, tp_size, "registered in etcd");
+        Some(leased)
     };
     tracing::info!(%addr, group, "worker listening");
     Ok(WorkerHandle { addr, group, engine, registration, shutdown_tx: Some(shutdown_tx), server, stats })
@@ -120,7 +114,7 @@ impl WorkerHandle {
     /// Deregisters, stops the server and the engine (in-flight requests are aborted).
     pub async fn shutdown(mut self) {
         if let Some(r) = self.registration.take() {
-            r.deregister().await;
+            r.stop().await;
         }
         if let Some(tx) = self.shutdown_tx.take() {
             let _ = tx.send(());
@@ -154,14 +148,4 @@ async fn export_stats(engine: EngineHandle, health: tonic_health::server::Health
             metrics::gauge!("mlaserve_engine_step_seconds_total", "phase" => phase).set(us as f64 / 1e6);
         }
     }
-}
-
-/// `mlaserve worker` on the CPU backend: starts, prints where it listens, serves until
-/// SIGTERM or Ctrl-C, then deregisters and stops.
-pub async fn run_cpu(args: WorkerArgs) -> Result<(), WorkerError> {
-    let h = start_cpu(args).await?;
-    println!("mlaserve worker group `{}` listening on {}", h.group, h.addr);
-    mlaserve_router::server::shutdown_signal().await;
-    h.shutdown().await;
-    Ok(())
 }

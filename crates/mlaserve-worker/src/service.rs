@@ -117,16 +117,16 @@ async fn read_session(
 async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSender<Event>, live: Live) {
     let id = s.id;
     let submitted = Instant::now();
-    let sp = s.sampling.unwrap_or_default();
+    let (sp, st) = (s.sampling.unwrap_or_default(), s.stopping.unwrap_or_default());
     let sampling = SamplingParams {
         temperature: sp.temperature,
         top_k: sp.top_k,
         top_p: sp.top_p,
         seed: sp.seed,
-        max_new_tokens: sp.max_new_tokens,
-        stop_token_ids: sp.stop_token_ids,
+        max_new_tokens: st.max_new_tokens,
+        stop_token_ids: st.stop_token_ids,
         stop_sequences: Vec::new(),
-        ignore_eos: sp.ignore_eos,
+        ignore_eos: st.ignore_eos,
     };
     let mut rx = match engine.submit(Request::new(s.prompt, sampling)).await {
         Ok((_, rx)) => rx,
@@ -163,6 +163,7 @@ async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSe
                     FinishReason::Length => (wire::FinishReason::Length, String::new(), Code::Ok),
                     FinishReason::Abort => (wire::FinishReason::Aborted, String::new(), Code::Ok),
                     FinishReason::Error(m) => (wire::FinishReason::Error, m, Code::Internal),
+                    FinishReason::Unavailable(m) => (wire::FinishReason::Error, m, Code::Unavailable),
                 };
                 let usage = wire::Usage {
                     prompt_tokens: usage.prompt_tokens as u32,

@@ -4,11 +4,13 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+use mlaserve::serve::{ServeArgs, ServeHandle};
+use mlaserve_engine::EngineHandle;
 use mlaserve_proto::v1::{
     generate_request::Prompt, generation_client::GenerationClient, Finish, GenerateRequest, GenerateResponse,
     SamplingParams, StoppingCriteria, TokenIds,
 };
-use mlaserve_worker::{ServeArgs, ServeHandle};
+use mlaserve_worker::{WorkerArgs, WorkerHandle};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -87,13 +89,28 @@ impl<H> Drop for Background<H> {
 pub fn serve(customize: impl FnOnce(&mut ServeArgs)) -> Background<ServeHandle> {
     let mut args = ServeArgs::new(model_path());
     args.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    args.kv_blocks = 256;
+    args.engine.kv_blocks = 256;
     customize(&mut args);
     Background::start(move || async move {
-        let h = mlaserve_worker::serve::start_cpu(&args).await.unwrap();
+        let engine = cpu_engine(&args.worker_args()).await;
+        let h = mlaserve::serve::start_with_engine(&args, engine).await.unwrap();
         assert!(h.wait_ready(Duration::from_secs(10)).await, "the group never became ready");
         h
     })
+}
+
+/// The engine of a worker group on the CPU reference backend.
+pub async fn cpu_engine(args: &WorkerArgs) -> EngineHandle {
+    let (dir, blocks) = (args.model.clone(), args.engine.kv_blocks);
+    EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&dir, blocks), args.engine.engine_config())
+        .await
+        .unwrap()
+}
+
+/// A single-rank worker group on the CPU backend.
+pub async fn start_cpu_worker(args: WorkerArgs) -> WorkerHandle {
+    let engine = cpu_engine(&args).await;
+    mlaserve_worker::start(args, engine, 1).await.unwrap()
 }
 
 pub async fn client(addr: SocketAddr) -> GenerationClient<Channel> {
@@ -268,7 +285,7 @@ impl EtcdServer {
         let ok = std::thread::spawn(move || {
             rt.block_on(async {
                 for _ in 0..200 {
-                    if let Ok(e) = mlaserve_router::etcd::Etcd::connect(std::slice::from_ref(&ep)).await {
+                    if let Ok(e) = mlaserve_cluster::Etcd::connect(std::slice::from_ref(&ep)).await {
                         if e.list(b"/").await.is_ok() {
                             return true;
                         }

@@ -1,8 +1,8 @@
 //! `mlaserve generate`: stream one completion to the terminal, then a usage line.
 
-pub use mlaserve_router::client::GenerateArgs as Args;
+pub use mlaserve::client::GenerateArgs as Args;
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    super::runtime()?.block_on(mlaserve_router::client::generate(args))?;
+    super::runtime()?.block_on(mlaserve::client::generate(args))?;
     Ok(())
 }

@@ -6,7 +6,7 @@ use super::backend::{spawn_engine, BackendArgs};
 #[derive(Debug, clap::Args)]
 pub struct Args {
     #[command(flatten)]
-    pub serve: mlaserve_worker::ServeArgs,
+    pub serve: mlaserve::serve::ServeArgs,
     #[command(flatten)]
     pub backend: BackendArgs,
 }
@@ -14,8 +14,8 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     super::runtime()?.block_on(async move {
         let w = a.serve.worker_args();
-        let engine = spawn_engine(&a.backend, w.model.clone(), w.kv_blocks, w.engine_config()).await?;
-        mlaserve_worker::serve::run_with_engine(a.serve, engine).await?;
+        let engine = spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, w.engine.engine_config()).await?;
+        mlaserve::serve::run_with_engine(a.serve, engine).await?;
         anyhow::Ok(())
     })
 }

@@ -56,7 +56,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return super::runtime()?.block_on(async move {
             let w = a.worker;
             let engine =
-                super::backend::spawn_engine(&a.backend, w.model.clone(), w.kv_blocks, w.engine_config()).await?;
+                super::backend::spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, w.engine.engine_config())
+                    .await?;
             serve_group(w, engine, 1).await
         });
     }
@@ -69,9 +70,9 @@ async fn serve_group(
     engine: mlaserve_engine::EngineHandle,
     world: usize,
 ) -> anyhow::Result<()> {
-    let h = mlaserve_worker::start(w, engine).await?;
+    let h = mlaserve_worker::start(w, engine, world).await?;
     println!("mlaserve worker group `{}` (TP {world}) listening on {}", h.group, h.addr);
-    mlaserve_router::server::shutdown_signal().await;
+    mlaserve_cluster::shutdown_signal().await;
     h.shutdown().await;
     Ok(())
 }
@@ -87,10 +88,11 @@ mod tp {
 mod tp {
     use super::*;
     use anyhow::Context;
-    use mlaserve_core::{run_follower, Backend, TpLeader};
+    use mlaserve_core::Backend;
     use mlaserve_cpu::{CpuBackend, CpuOptions};
     use mlaserve_tp::nccl::{new_group_ids, NcclCollective, GROUP_ID_BYTES, ID_BYTES};
     use mlaserve_tp::rendezvous;
+    use mlaserve_tp::{run_follower, TpLeader};
     use std::path::Path;
     use std::time::Duration;
 
@@ -179,7 +181,7 @@ mod tp {
         let timeout = Duration::from_secs(a.tp.collective_timeout_s.max(30));
         let via_etcd = !a.worker.etcd.is_empty();
         let gpu = on_gpu(&a.backend, &a.tp)?;
-        let (model, kv_blocks) = (a.worker.model.clone(), a.worker.kv_blocks);
+        let (model, kv_blocks) = (a.worker.model.clone(), a.worker.engine.kv_blocks);
         if a.tp.rank > 0 {
             let ids = if via_etcd {
                 let (eps, cluster) = (a.worker.etcd.clone(), a.worker.cluster.clone());
@@ -224,7 +226,7 @@ mod tp {
             } else {
                 None
             };
-            let cfg = worker.engine_config();
+            let cfg = worker.engine.engine_config();
             let engine = if gpu {
                 let make = move || {
                     join()?;

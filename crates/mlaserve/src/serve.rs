@@ -1,10 +1,11 @@
 //! `mlaserve serve`: a router and one worker group in one process — the embedded
 //! default. The group listens on a private loopback port and the router reaches it
-//! over real gRPC, exactly as in a split deployment.
+//! over real gRPC, exactly as in a split deployment. Composing the two servers is this
+//! crate's job: neither server crate knows the other.
 
-use crate::{WorkerArgs, WorkerError, WorkerHandle};
 use mlaserve_engine::EngineHandle;
 use mlaserve_router::{RouterArgs, RouterHandle, StartError};
+use mlaserve_worker::{EngineArgs, WorkerArgs, WorkerError, WorkerHandle};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -24,18 +25,8 @@ pub struct ServeArgs {
     /// Model directory (default: the bundled model, relative to the repository root).
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: PathBuf,
-    /// KV cache blocks (64 tokens each).
-    #[arg(long, default_value_t = 512)]
-    pub kv_blocks: usize,
-    /// Draft tokens per decode step (0..=4); default: 3 when the model has MTP layers.
-    #[arg(long)]
-    pub speculative_tokens: Option<usize>,
-    /// Token budget of one engine step.
-    #[arg(long, default_value_t = 2048)]
-    pub max_batch_tokens: usize,
-    /// Most requests holding cache at once.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Requests admitted at once; the next one gets RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 2048)]
     pub queue_size: usize,
@@ -50,15 +41,11 @@ pub struct ServeArgs {
 impl ServeArgs {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         let r = RouterArgs::new(model);
-        let w = WorkerArgs::new(r.model.clone());
         ServeArgs {
             listen: r.listen,
             metrics_listen: None,
             model: r.model,
-            kv_blocks: w.kv_blocks,
-            speculative_tokens: None,
-            max_batch_tokens: w.max_batch_tokens,
-            max_num_seqs: w.max_num_seqs,
+            engine: EngineArgs::default(),
             queue_size: r.queue_size,
             max_message_bytes: r.max_message_bytes,
             drain_timeout_s: r.drain_timeout_s,
@@ -69,10 +56,7 @@ impl ServeArgs {
     pub fn worker_args(&self) -> WorkerArgs {
         WorkerArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            kv_blocks: self.kv_blocks,
-            speculative_tokens: self.speculative_tokens,
-            max_batch_tokens: self.max_batch_tokens,
-            max_num_seqs: self.max_num_seqs,
+            engine: self.engine.clone(),
             group: Some("local".into()),
             ..WorkerArgs::new(self.model.clone())
         }
@@ -129,22 +113,11 @@ impl ServeHandle {
 
 /// Starts the group on `engine`, then the router in front of it.
 pub async fn start_with_engine(args: &ServeArgs, engine: EngineHandle) -> Result<ServeHandle, ServeError> {
-    let worker = crate::start(args.worker_args(), engine).await?;
+    let worker = mlaserve_worker::start(args.worker_args(), engine, 1).await?;
     let router = mlaserve_router::start(args.router_args(worker.addr)).await?;
     let h = ServeHandle { router, worker };
     h.wait_ready(Duration::from_secs(10)).await;
     Ok(h)
-}
-
-/// Starts the group on the CPU reference backend, then the router.
-pub async fn start_cpu(args: &ServeArgs) -> Result<ServeHandle, ServeError> {
-    let dir = args.model.clone();
-    let blocks = args.kv_blocks;
-    let engine =
-        EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&dir, blocks), args.worker_args().engine_config())
-            .await
-            .map_err(WorkerError::from)?;
-    start_with_engine(args, engine).await
 }
 
 /// `mlaserve serve` once the engine runs: prints where it listens, serves until SIGTERM
@@ -152,16 +125,7 @@ pub async fn start_cpu(args: &ServeArgs) -> Result<ServeHandle, ServeError> {
 pub async fn run_with_engine(args: ServeArgs, engine: EngineHandle) -> Result<(), ServeError> {
     let h = start_with_engine(&args, engine).await?;
     announce(&h);
-    mlaserve_router::server::shutdown_signal().await;
-    h.shutdown(Duration::from_secs(args.drain_timeout_s)).await;
-    Ok(())
-}
-
-/// `mlaserve serve` on the CPU backend.
-pub async fn run_cpu(args: ServeArgs) -> Result<(), ServeError> {
-    let h = start_cpu(&args).await?;
-    announce(&h);
-    mlaserve_router::server::shutdown_signal().await;
+    mlaserve_cluster::shutdown_signal().await;
     h.shutdown(Duration::from_secs(args.drain_timeout_s)).await;
     Ok(())
 }

@@ -1,7 +1,6 @@
 //! Client side of the public API: `mlaserve generate` (stream one completion to the
 //! terminal) and `mlaserve bench serve` (many concurrent streams; TTFT, inter-token
-//! latency, end-to-end latency and throughput percentiles). Also what the serving
-//! tests and the load test drive.
+//! latency, end-to-end latency and throughput percentiles). The load test drives it too.
 
 use mlaserve_proto::v1::{
     generate_request::Prompt, generation_client::GenerationClient, FinishReason, GenerateRequest, SamplingParams,
@@ -51,7 +50,7 @@ pub enum ClientError {
 
 /// Connects a client to `addr` (`host:port` or a URL).
 pub async fn connect(addr: &str) -> Result<GenerationClient<Channel>, ClientError> {
-    let url = crate::discovery::normalize_addr(addr);
+    let url = mlaserve_cluster::keys::normalize_addr(addr);
     let ch = Endpoint::from_shared(url.clone())
         .map_err(|e| ClientError::Connect(url.clone(), e.to_string()))?
         .tcp_nodelay(true)
