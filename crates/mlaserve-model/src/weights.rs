@@ -53,8 +53,20 @@ impl std::fmt::Debug for Weights {
 
 impl Weights {
     /// Opens `dir/model.safetensors.index.json` if present, else every `*.safetensors`
-    /// file in `dir`. `fp8` comes from the config's `quantization_config`.
+    /// file in `dir`. `fp8` comes from the config's `quantization_config`. When `dir` has a
+    /// `config.json`, the checkpoint must hold exactly the tensors it describes
+    /// ([`crate::expected::check_tensors`]): an unused tensor is an error naming it.
     pub fn open(dir: &Path, fp8: Option<Fp8Config>) -> Result<Self> {
+        let w = Self::open_unchecked(dir, fp8)?;
+        if dir.join("config.json").is_file() {
+            let cfg = crate::load_config(dir)?;
+            crate::expected::check_tensors(&cfg, &w)?;
+        }
+        Ok(w)
+    }
+
+    /// [`Weights::open`] without comparing the tensors with `dir/config.json`.
+    pub fn open_unchecked(dir: &Path, fp8: Option<Fp8Config>) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|e| Error::file(&index_path, e.to_string()))?;
@@ -134,6 +146,16 @@ impl Weights {
         let f = &self.files[fi];
         let info = f.meta.info(name).ok_or_else(|| Error::tensor(name, "missing from the checkpoint"))?;
         Ok((f, info))
+    }
+
+    /// The tensor's dtype as stored.
+    pub fn dtype(&self, name: &str) -> Result<Dtype> {
+        Ok(self.info(name)?.1.dtype)
+    }
+
+    /// The file that holds tensor `name`.
+    pub fn path_of(&self, name: &str) -> Option<&Path> {
+        self.index.get(name).map(|&fi| self.files[fi].path.as_path())
     }
 
     /// The tensor's shape as stored.
