@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the pinned CUDA 13.0 compiler toolchain (DESIGN.md §8) from PyPI into a venv,
+# Installs the pinned CUDA 13.0 compiler toolchain from PyPI into a venv,
 # so that `cargo build -p mlaserve-cuda --features cuda` can compile kernels/*.cu on a
 # machine with no GPU and no system CUDA (developers' machines, CI).
 #

@@ -21,7 +21,7 @@ Everything runs in one process, inside one wall-clock budget (default 555 s from
      and teacher-forced greedy MTP acceptance on held-out code prompts; README.md and
      eval.json are written into the export.
 
-MTP convention (DESIGN.md section 3, tools/reference/make_goldens.py `Oracle.mtp`):
+MTP convention (as vLLM and SGLang read DeepSeek-V3; tools/reference/make_goldens.py `Oracle.mtp`):
 MTP layer d runs over its own positions j (RoPE position j, causal) with input
 x_j = eh_proj(concat[enorm(embed(t_{j+d+1})), hnorm(h^d_j)]) -- embedding first -- the
 embedding zeroed at j == 0; h^0 = the target's final-normed last hidden state, h^d (d>0)

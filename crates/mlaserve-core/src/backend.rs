@@ -187,7 +187,7 @@ pub trait Backend {
 
     /// MTP layer `layer` (0-based, < `num_nextn_predict_layers`) over `batch`, where the
     /// token at row `r` is the embedding input and row `hidden_rows[r]` of `prev` is the
-    /// hidden input (`h_i` of DESIGN §3). Writes that MTP layer's latent cache. Logits
+    /// hidden input (`h_i`: the target's final-normed hidden state for the first MTP layer, the previous layer's block output after it). Writes that MTP layer's latent cache. Logits
     /// come from the layer's `shared_head`.
     fn mtp_forward(
         &mut self,

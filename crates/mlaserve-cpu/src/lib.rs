@@ -4,7 +4,7 @@
 //! default when a machine has no GPU. Clarity and exactness come first: f32 weights and
 //! activations, f32 latent cache, reductions in a fixed order so a token's result never
 //! depends on the rest of its batch. One instance is one tensor-parallel rank; with a
-//! [`Collective`] of world size > 1 it loads only its shards (DESIGN §6) and all-reduces
+//! [`Collective`] of world size > 1 it loads only its shards (heads, intermediate columns and vocabulary split as vLLM and SGLang do) and all-reduces
 //! twice per layer.
 
 pub mod attention;
@@ -85,7 +85,7 @@ impl VocabShard {
     }
 }
 
-/// An MTP layer (DESIGN §3).
+/// An MTP layer: `eh_proj(concat[enorm(embed(t)), hnorm(h)])`, a decoder block, its own head norm.
 #[derive(Debug)]
 struct MtpLayer {
     enorm: Vec<f32>,

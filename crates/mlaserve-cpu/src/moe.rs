@@ -1,5 +1,5 @@
 //! Feed-forward blocks: the dense SwiGLU MLP and DeepSeekMoE (router + routed experts +
-//! shared experts), with every routing variant of DESIGN §3.
+//! shared experts), with every routing variant the config names (`topk_method`, `scoring_func`, groups).
 //!
 //! Under tensor parallelism each rank holds a slice of every expert's intermediate
 //! dimension; the router is replicated so all ranks pick the same experts, and the
@@ -53,7 +53,7 @@ pub struct Route {
     pub weights: Vec<f32>,
 }
 
-/// Picks experts for one token from its gate logits (DESIGN §3).
+/// Picks experts for one token from its gate logits.
 pub fn route(cfg: &MoeConfig, arch: Arch, logits: &[f32], bias: Option<&[f32]>) -> Route {
     let n = logits.len();
     let scores: Vec<f32> = match cfg.scoring_func {

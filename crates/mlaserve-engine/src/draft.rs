@@ -1,4 +1,4 @@
-//! Padded MTP drafting (DESIGN §5).
+//! Padded MTP drafting (docs/engine.md, "Padded drafting").
 //!
 //! Stage 0 runs MTP layer 0 once over every token of the step — decode windows and
 //! prefill chunks alike — pairing the target hidden state of position `p` with the
@@ -246,7 +246,7 @@ pub(crate) fn draft<B: Backend>(
             last_tok: s.last_token,
             tok_off,
         });
-        // Embedding input of position p: the token after it (DESIGN §5, padded), i.e.
+        // Embedding input of position p: the token after it (padded), i.e.
         // `tokens[min(p + 1, len − 1)]`.
         let len = c.tokens.len();
         match draft_off {

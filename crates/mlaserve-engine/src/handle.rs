@@ -1,5 +1,5 @@
 //! The async shell: [`EngineHandle`] owns one OS thread that builds the backend and
-//! runs the step loop (backends are used from one thread, DESIGN §6). Callers talk to
+//! runs the step loop (a backend, and a TP rank's NCCL communicator in it, is used from one thread). Callers talk to
 //! it through a bounded command channel with `oneshot` replies; each request's events
 //! come back on its own channel.
 //!

@@ -1,4 +1,4 @@
-//! The router's error type and its one mapping to gRPC status codes (DESIGN §7).
+//! The router's error type and its one mapping to gRPC status codes.
 
 use tonic::{Code, Status};
 

@@ -1,4 +1,4 @@
-//! mlaserve-router: the public gRPC front of mlaserve (DESIGN §1, §7).
+//! mlaserve-router: the public gRPC front of mlaserve.
 //!
 //! A request flows: [`admission`] (bounded, RESOURCE_EXHAUSTED when full) →
 //! [`validate`] (INVALID_ARGUMENT naming the field; the prompt is tokenized here) →

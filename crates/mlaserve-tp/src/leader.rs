@@ -1,4 +1,4 @@
-//! Leader/follower execution of a tensor-parallel group (DESIGN §6).
+//! Leader/follower execution of a tensor-parallel group.
 //!
 //! The leader (rank 0) runs the engine on a [`TpLeader`], which is itself a [`Backend`]:
 //! before each call it broadcasts the step plan (the op and its [`Batch`]) over the

@@ -1,4 +1,4 @@
-//! mlaserve-worker: a worker group's leader as a gRPC server (DESIGN §1, §7).
+//! mlaserve-worker: a worker group's leader as a gRPC server.
 //!
 //! [`service`] speaks `mlaserve.worker.v1` to routers over the engine's async handle;
 //! [`start`] brings up the engine-backed server, health, and (with `--etcd`) the

@@ -1,4 +1,4 @@
-//! `mlaserve`: one binary, one subcommand per job (DESIGN §1).
+//! `mlaserve`: one binary, one subcommand per job.
 
 mod cmd;
 
