@@ -1,13 +1,15 @@
 //! Static checks of the deployment files: every non-template YAML parses; the chart's
 //! values, its templates and `docs/deploy.md` agree; `values.yaml` documents every
-//! key; the chart renders to valid manifests under each switch; the image bundles the
+//! key; Helm renders the chart (and `helm lint` passes) under every documented values
+//! variant, to manifests that the Kubernetes API schemas accept; the image bundles the
 //! model the chart points at.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use common::render::{set_value, Chart};
+use common::chart::{set_value, Chart, VARIANTS};
+use common::k8s::{to_yaml_stream, Tools, CRD_GROUPS};
 use common::*;
 use serde_yaml_ng::Value;
 use std::path::{Path, PathBuf};
@@ -106,8 +108,12 @@ fn docs_name_every_value() {
     let missing: Vec<String> =
         value_paths(&chart.values, &used).into_iter().filter(|p| !doc.contains(&format!("`{p}`"))).collect();
     assert!(missing.is_empty(), "docs/deploy.md does not name (in backticks): {missing:?}");
-    for must in ["helm lint", "helm template", "LoadBalancer", "NCCL_NVLS_ENABLE=0"] {
+    for must in ["helm lint", "helm template", "LoadBalancer", "NCCL_NVLS_ENABLE=0", "tools/ci/install-k8s-validate.sh"]
+    {
         assert!(doc.contains(must), "docs/deploy.md does not mention {must}");
+    }
+    for v in VARIANTS {
+        assert!(doc.contains(&format!("`{}`", v.name)), "docs/deploy.md does not list the values variant `{}`", v.name);
     }
 }
 
@@ -125,8 +131,9 @@ fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
 
 #[test]
 fn chart_renders_valid_manifests() {
+    let Some(helm) = Tools::find() else { return };
     let base = Chart::load(&chart_dir());
-    let docs = base.manifests("r").unwrap_or_else(|e| panic!("{e}"));
+    let docs = helm.manifests(&base, "r").unwrap_or_else(|e| panic!("{e}"));
     for d in &docs {
         for key in ["apiVersion", "kind"] {
             assert!(d[key].is_string(), "a manifest lacks {key}: {d:?}");
@@ -197,6 +204,8 @@ fn chart_renders_valid_manifests() {
     }
     assert_eq!(wargs[wargs.iter().position(|a| *a == "--world-size").unwrap() + 1], tp.to_string());
     assert!(script.contains("--rank"), "the launcher gives each process its --rank");
+    // GPUs requested: the group must run on them, never fall back to the CPU.
+    assert_eq!(wargs[wargs.iter().position(|a| *a == "--backend").unwrap() + 1], "cuda");
 
     // Switches: external etcd, a model PVC, no GPU resource, the ServiceMonitor.
     let mut c = base.clone();
@@ -207,7 +216,7 @@ fn chart_renders_valid_manifests() {
     set_value(&mut c.values, "serviceMonitor.enabled", true);
     set_value(&mut c.values, "serviceMonitor.labels", serde_yaml_ng::from_str::<Value>("release: prom").unwrap());
     set_value(&mut c.values, "router.nodeSelector", serde_yaml_ng::from_str::<Value>("pool: cpu").unwrap());
-    let docs = c.manifests("r").unwrap_or_else(|e| panic!("{e}"));
+    let docs = helm.manifests(&c, "r").unwrap_or_else(|e| panic!("{e}"));
     let names = kinds(&docs);
     assert!(!names.iter().any(|n| n.contains("etcd")), "no in-chart etcd when etcd.enabled=false: {names:?}");
     assert_eq!(find(&docs, "ServiceMonitor", "r")["metadata"]["labels"]["release"], "prom");
@@ -215,6 +224,7 @@ fn chart_renders_valid_manifests() {
     let wc = &pod["containers"][0];
     assert!(wc["resources"]["limits"]["nvidia.com/gpu"].is_null());
     let wargs: Vec<&str> = wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert_eq!(wargs[wargs.iter().position(|a| *a == "--backend").unwrap() + 1], "auto", "no GPUs: --backend auto");
     assert_eq!(wargs[wargs.iter().position(|a| *a == "--etcd").unwrap() + 1], "e1:2379,e2:2379");
     assert!(pod["volumes"]
         .as_sequence()
@@ -228,35 +238,108 @@ fn chart_renders_valid_manifests() {
 }
 
 #[test]
-fn renderer_prints_numbers_as_helm_does() {
-    // Helm hands numbers to templates as float64: without `int`, 4194304 would reach
-    // the command line as 4.194304e+06 and clap would refuse it.
-    let mut c = Chart::load(&chart_dir());
-    c.templates = vec![(
-        "t.yaml".into(),
-        "a: {{ .Values.router.maxMessageBytes }}\nb: {{ .Values.router.maxMessageBytes | int }}\nc: {{ .Values.router.grpcPort | quote }}\n".into(),
-    )];
-    let out = &c.render("r").unwrap()[0].1;
-    let grpc = c.values["router"]["grpcPort"].as_u64().unwrap();
-    assert_eq!(out, &format!("a: 4.194304e+06\nb: 4194304\nc: \"{grpc}\"\n"));
+fn numbers_reach_command_lines_as_integers() {
+    // Helm hands numbers from values.yaml to templates as float64: a value of a million
+    // or more prints as 4.194304e+06 unless piped through `int`, and clap would refuse it.
+    let Some(helm) = Tools::find() else { return };
+    let base = Chart::load(&chart_dir());
+    let mut bad = Vec::new();
+    for v in VARIANTS {
+        for d in helm.manifests(&v.apply(&base), "r").unwrap_or_else(|e| panic!("{}: {e}", v.name)) {
+            let containers = d["spec"]["template"]["spec"]["containers"].as_sequence().cloned().unwrap_or_default();
+            for c in containers {
+                for a in c["args"].as_sequence().into_iter().flatten().filter_map(Value::as_str) {
+                    if a.parse::<f64>().is_ok() && a.contains(['e', 'E']) {
+                        bad.push(format!("{}: {}: {a}", v.name, d["metadata"]["name"].as_str().unwrap_or("?")));
+                    }
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "float-formatted numbers on command lines (pipe them through `int`): {bad:#?}");
+}
+
+/// The Kubernetes versions the manifests are checked against: the oldest that
+/// `Chart.yaml`'s kubeVersion admits and the newest whose schemas kubernetes-validate
+/// bundles (its own version, pinned in tools/ci/install-k8s-validate.sh).
+fn kube_versions(chart: &Chart) -> Vec<String> {
+    vec![chart.min_kube_version(), "1.37.0".to_string()]
 }
 
 #[test]
-fn image_bundles_the_model_the_chart_loads() {
-    let root = repo_root();
-    let dockerfile = std::fs::read_to_string(root.join("deploy/docker/Dockerfile")).unwrap();
-    assert!(dockerfile.contains(r#"ENTRYPOINT ["mlaserve"]"#));
-    assert!(dockerfile.lines().any(|l| l.starts_with("USER ") && !l.contains("root")), "non-root USER");
-    let model = dockerfile
-        .lines()
-        .find_map(|l| l.strip_prefix("ARG MODEL="))
-        .expect("Dockerfile: ARG MODEL=<dir under models/>")
-        .trim();
-    let chart = Chart::load(&chart_dir());
-    assert_eq!(
-        chart.values["model"]["path"].as_str(),
-        Some(format!("/opt/mlaserve/models/{model}").as_str()),
-        "model.path must be where the image puts the bundled model"
-    );
-    assert!(root.join("models").join(model).join("config.json").exists(), "models/{model} is not in the repo");
+fn every_values_variant_passes_the_kubernetes_schemas() {
+    let Some(helm) = Tools::find() else { return };
+    let base = Chart::load(&chart_dir());
+    let versions = kube_versions(&base);
+    for v in VARIANTS {
+        let c = v.apply(&base);
+        let rendered = helm.render(&c, "r").unwrap_or_else(|e| panic!("{}: {e}", v.name));
+        let stream: String = rendered.iter().map(|(name, text)| format!("---\n# Source: {name}\n{text}\n")).collect();
+        let checked = helm.validate(&stream, &versions).unwrap_or_else(|e| panic!("variant `{}`: {e}", v.name));
+        let docs = helm.manifests(&c, "r").unwrap();
+        let custom = docs
+            .iter()
+            .filter(|d| CRD_GROUPS.iter().any(|g| d["apiVersion"].as_str().is_some_and(|a| a.starts_with(g))))
+            .count();
+        assert_eq!(
+            checked.passed.len(),
+            (docs.len() - custom) * versions.len(),
+            "variant `{}`: every built-in resource validated against {versions:?}: {:#?}",
+            v.name,
+            checked.passed
+        );
+        println!(
+            "{}: {} resources valid against {versions:?}; no schema (CRD): {:?}",
+            v.name,
+            docs.len() - custom,
+            checked.unchecked
+        );
+    }
+}
+
+#[test]
+fn the_validator_rejects_invalid_manifests() {
+    let Some(helm) = Tools::find() else { return };
+    let base = Chart::load(&chart_dir());
+    let versions = kube_versions(&base);
+    let docs = helm.manifests(&base, "r").unwrap_or_else(|e| panic!("{e}"));
+    assert!(helm.validate(&to_yaml_stream(&docs), &versions).is_ok(), "the unchanged manifests are valid");
+    let broken = |what: &str, change: &dyn Fn(&mut Value)| -> String {
+        let mut docs = docs.clone();
+        let sts = docs.iter_mut().find(|d| d["kind"] == "StatefulSet" && d["metadata"]["name"] == "r-worker").unwrap();
+        change(sts);
+        match helm.validate(&to_yaml_stream(&docs), &versions) {
+            Ok(v) => panic!("{what}: the validator accepted it ({} passed)", v.passed.len()),
+            Err(e) => e,
+        }
+    };
+    // A wrong type.
+    let e = broken("replicas as a word", &|s| s["spec"]["replicas"] = Value::from("two"));
+    assert!(e.contains("statefulset/r-worker") && e.contains("replicas"), "{e}");
+    // An unknown field (strict validation).
+    let e = broken("a misspelt field", &|s| {
+        s["spec"]["template"]["spec"]["containers"][0]
+            .as_mapping_mut()
+            .unwrap()
+            .insert("imagePullPolicyy".into(), "Always".into());
+    });
+    assert!(e.contains("statefulset/r-worker") && e.contains("imagePullPolicyy"), "{e}");
+    // A required field missing.
+    let e = broken("no selector", &|s| {
+        s["spec"].as_mapping_mut().unwrap().remove("selector");
+    });
+    assert!(e.contains("selector"), "{e}");
+    // An apiVersion no Kubernetes serves: no schema is an error, not a pass.
+    let e = broken("a mistyped apiVersion", &|s| s["apiVersion"] = Value::from("apps/v1beta9"));
+    assert!(e.contains("no schema for StatefulSet apps/v1beta9"), "{e}");
+}
+
+#[test]
+fn helm_lint_passes_for_every_values_variant() {
+    let Some(helm) = Tools::find() else { return };
+    let base = Chart::load(&chart_dir());
+    for v in VARIANTS {
+        let findings = helm.lint(&v.apply(&base)).unwrap_or_else(|e| panic!("{}: {e}", v.name));
+        assert!(findings.is_empty(), "helm lint, variant `{}`: {findings:#?}", v.name);
+    }
 }

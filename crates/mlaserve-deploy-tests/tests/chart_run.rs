@@ -5,13 +5,16 @@
 //! the downward-API env) and the listen addresses moved to loopback. A real etcd stands
 //! in for the in-chart one, the model is the `tiny-v3` test checkpoint, and a gRPC
 //! request through the router must succeed. Then both get SIGTERM and must stop
-//! cleanly, as in a rolling update.
+//! cleanly, as in a rolling update. The manifests are rendered by Helm's own engine
+//! (`common::k8s`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use common::render::{set_value, Chart};
+use common::chart::{set_value, Chart};
+use common::dockerfile::{exec_form, Dockerfile};
+use common::k8s::Tools;
 use common::*;
 use mlaserve_proto::v1::{
     generate_request::Prompt, generation_client::GenerationClient, GenerateRequest, StoppingCriteria,
@@ -117,6 +120,7 @@ async fn serving(addr: SocketAddr) -> Option<i32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_and_worker_run_as_the_chart_says() {
+    let Some(helm) = Tools::find() else { return };
     let bin = mlaserve_bin(); // built before anything starts, so its time is not a timeout
     assert!(bin.exists(), "{} missing", bin.display());
     let etcd = Etcd::start();
@@ -141,7 +145,7 @@ async fn router_and_worker_run_as_the_chart_says() {
     set_value(v, "worker.kvBlocks", 64);
     set_value(v, "worker.speculativeTokens", 2);
     set_value(v, "cluster", "deploy-test");
-    let docs = chart.manifests(RELEASE).unwrap_or_else(|e| panic!("{e}"));
+    let docs = helm.manifests(&chart, RELEASE).unwrap_or_else(|e| panic!("{e}"));
 
     let router_c = container(&docs, "Deployment", &format!("{RELEASE}-router"), "router");
     let worker_c = container(&docs, "StatefulSet", &format!("{RELEASE}-worker"), "worker");
@@ -220,14 +224,19 @@ fn help_flags(sub: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every flag that the chart and the compose file pass to `router` and `worker` is one
-/// the binary has (a fast, precise failure before the run above).
+/// Every flag that the chart, the compose file and the image's default command pass to
+/// `router`, `worker` and `serve` is one the binary has (a fast, precise failure before
+/// the run above), and the worker's `--backend` is a value it accepts.
 #[test]
 fn every_flag_the_deployment_files_pass_exists() {
+    let Some(helm) = Tools::find() else { return };
     let chart = Chart::load(&chart_dir());
-    let docs = chart.manifests(RELEASE).unwrap_or_else(|e| panic!("{e}"));
+    let docs = helm.manifests(&chart, RELEASE).unwrap_or_else(|e| panic!("{e}"));
     let compose: Value =
         serde_yaml_ng::from_str(&std::fs::read_to_string(repo_root().join("deploy/compose.yaml")).unwrap()).unwrap();
+    let df = Dockerfile::parse(&std::fs::read_to_string(repo_root().join("deploy/docker/Dockerfile")).unwrap());
+    let run = df.stages.last().expect("a runtime stage");
+    let image_cmd = exec_form(run.all("CMD").last().expect("Dockerfile: CMD"));
     let router = process_of(container(&docs, "Deployment", &format!("{RELEASE}-router"), "router"), "p").0;
     let worker = process_of(container(&docs, "StatefulSet", &format!("{RELEASE}-worker"), "worker"), "p").0;
     let sub_args = |argv: &[String], sub: &str| -> Vec<String> {
@@ -243,6 +252,7 @@ fn every_flag_the_deployment_files_pass_exists() {
         ("chart worker", "worker", [sub_args(&worker, "worker"), vec!["--rank".into()]].concat()),
         ("compose router", "router", sub_args(&compose_args("router"), "router")),
         ("compose worker", "worker", sub_args(&compose_args("worker"), "worker")),
+        ("image CMD", "serve", sub_args(&image_cmd, "serve")),
     ] {
         let known = help_flags(sub);
         for a in args.iter().filter(|a| a.starts_with("--")) {
@@ -253,4 +263,14 @@ fn every_flag_the_deployment_files_pass_exists() {
         }
     }
     assert!(missing.is_empty(), "{missing:#?}");
+
+    // `--backend cuda` (GPUs requested, the default values) is one of clap's values.
+    let backend = flag(&worker, "--backend");
+    assert_eq!(backend, "cuda");
+    // Short help (`-h`) lists an enum's values on one line: `[possible values: a, b]`.
+    let out = std::process::Command::new(mlaserve_bin()).args(["worker", "-h"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let values = help.split("--backend").nth(1).and_then(|h| h.split("[possible values:").nth(1)).unwrap_or_default();
+    let values: Vec<&str> = values.split(']').next().unwrap_or_default().split(',').map(str::trim).collect();
+    assert!(values.contains(&backend), "mlaserve worker --backend takes {values:?}, the chart passes {backend}");
 }

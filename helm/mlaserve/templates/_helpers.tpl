@@ -1,7 +1,5 @@
 {{/*
-Helpers of the mlaserve chart. The chart keeps to a small subset of Go templates
-(values, .Release/.Chart fields, if/else/end, define/include, quote, int, toYaml, nindent)
-so that crates/mlaserve-deploy-tests can render it without a helm binary.
+Helpers of the mlaserve chart: labels, the etcd endpoints, the model volume and mount.
 */}}
 
 {{/* Labels every object of the release carries. */}}

@@ -1,10 +1,14 @@
 //! Helpers shared by the deployment tests: repository paths, the chart's values as
 //! dotted paths, the `mlaserve` binary, a real etcd on loopback, and processes run
-//! with a Kubernetes container's command line and environment.
+//! with a Kubernetes container's command line and environment. The chart's files are
+//! in [`chart`], Helm and the Kubernetes schema validator in [`k8s`], the Dockerfile's
+//! stages and build arguments in [`dockerfile`].
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-pub mod render;
+pub mod chart;
+pub mod dockerfile;
+pub mod k8s;
 
 use serde_yaml_ng::Value;
 use std::collections::BTreeSet;
@@ -27,7 +31,7 @@ pub fn chart_dir() -> PathBuf {
 }
 
 /// Every `.Values.a.b` path (as `a.b`) that the chart's templates use.
-pub fn used_value_paths(chart: &render::Chart) -> BTreeSet<String> {
+pub fn used_value_paths(chart: &chart::Chart) -> BTreeSet<String> {
     let mut used = BTreeSet::new();
     for (_, src) in &chart.templates {
         let mut rest = src.as_str();
