@@ -208,7 +208,7 @@ fi
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
     for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample routing_margins \
-        module_graph mlaserve_cuda mlaserve_cuda_lab; do
+        mlaserve_cuda mlaserve_cuda_lab; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do

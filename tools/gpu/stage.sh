@@ -55,6 +55,8 @@ cp "$target/release/mlaserve-cuda-check" "$target/release/mlaserve" .gpu/bin/
 cp "$tp_test" .gpu/tests/tp_group
 for t in $tests; do
     name="$(basename "$t")"
+    # module_graph reads the source tree, which the GPU machine does not have (CI runs it).
+    [[ "${name%-*}" == module_graph ]] && continue
     cp "$t" ".gpu/tests/${name%-*}"   # drop cargo's hash suffix
 done
 for b in $benches; do

@@ -60,7 +60,7 @@ impl DecodeCase {
 #[derive(Debug, Clone)]
 pub struct CaseReport {
     pub name: String,
-    /// "generic", "mma.sync" or "wgmma".
+    /// "generic" or the tensor-core kernel's name (`MlaKernel::name`).
     pub kernel: &'static str,
     pub fast_path: bool,
     pub num_splits: usize,
@@ -492,9 +492,9 @@ pub fn run_op_checks(gpu: &Gpu, seed: u64) -> Result<Vec<OpReport>> {
         let mut od = s.clone_htod(&vec![-1i32; rows])?;
         if as_bf16 {
             let lb: Vec<bf16> = logits.iter().map(|&v| bf16::from_f32(v)).collect();
-            amax.argmax_bf16(s, &s.clone_htod(&lb)?, &mut od, vocab)?;
+            amax.argmax(s, &s.clone_htod(&lb)?, &mut od, vocab)?;
         } else {
-            amax.argmax_f32(s, &s.clone_htod(&logits)?, &mut od, vocab)?;
+            amax.argmax(s, &s.clone_htod(&logits)?, &mut od, vocab)?;
         }
         gpu.sync()?;
         let got = s.clone_dtoh(&od)?;

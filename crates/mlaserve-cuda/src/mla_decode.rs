@@ -112,8 +112,8 @@ pub enum MlaKernel {
     Transposed,
     /// The default: per launch, the kernel that measured fastest for its shape on an
     /// H200 (docs/PERFORMANCE.md): on sm_90 the transposed kernel for one tile of at
-    /// most 32 rows and the seesaw kernel for everything else (each faster than every
-    /// 32-token kernel at every shape of the sweep); elsewhere mma.sync.
+    /// most 32 rows and the seesaw kernel for everything else (each faster than the
+    /// mma.sync kernel at every shape of the sweep); elsewhere mma.sync.
     Auto,
 }
 

@@ -516,7 +516,7 @@ impl CudaBackend {
         let logits = self.head_rows(head, normed, &st.argmax_rows, rows)?;
         let Some(comm) = &self.comm else {
             let mut ids = s.alloc_zeros::<i32>(n)?;
-            self.argmax.argmax_f32(s, &logits, &mut ids, head.out)?;
+            self.argmax.argmax(s, &logits, &mut ids, head.out)?;
             let out = s.clone_dtoh(&ids)?;
             self.gpu.sync()?;
             return Ok(out.into_iter().map(|i| i as u32).collect());
