@@ -80,9 +80,9 @@ fn grouped_experts_tensor_core(gpu: &Gpu) {
             let mut time = |v: GroupedVariant| -> f64 {
                 let t = time_calls(g, 3, 25, || {
                     if out_f32 {
-                        ops.moe_grouped_sorted(s, &mut yf, &x, &table, &offd, rows, true, v)
+                        ops.moe_grouped_sorted(s, &mut yf, &x, &table, &offd, rows, v)
                     } else {
-                        ops.moe_grouped_sorted(s, &mut yb, &x, &table, &offd, rows, false, v)
+                        ops.moe_grouped_sorted(s, &mut yb, &x, &table, &offd, rows, v)
                     }
                 })
                 .expect("time");

@@ -207,14 +207,14 @@ fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
         let mut xs = s.alloc_zeros::<bf16>(slots * k).expect("xs");
         ops.gather_sorted(s, &mut xs, &xd, &perm, slots, k).expect("gather");
         let mut y = s.alloc_zeros::<f32>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, true, GroupedVariant::Direct).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, GroupedVariant::Direct).expect("grouped");
         let mut yb = s.alloc_zeros::<bf16>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, false, GroupedVariant::Direct).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, GroupedVariant::Direct).expect("grouped");
         // The staged entry points: the same bits.
         let mut ys = s.alloc_zeros::<f32>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut ys, &xs, &table, &off, slots, true, GroupedVariant::Staged).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut ys, &xs, &table, &off, slots, GroupedVariant::Staged).expect("grouped");
         let mut ysb = s.alloc_zeros::<bf16>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut ysb, &xs, &table, &off, slots, false, GroupedVariant::Staged).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut ysb, &xs, &table, &off, slots, GroupedVariant::Staged).expect("grouped");
         let bits = |a: &CudaSlice<f32>, b: &CudaSlice<f32>| {
             s.clone_dtoh(a)
                 .expect("a")
@@ -615,7 +615,7 @@ fn grouped_experts_tensor_core_match_reference() {
         let xh: Vec<f64> = s.clone_dtoh(&xd).expect("x").iter().map(|v| v.to_f64()).collect();
         let len = (rows * n).next_multiple_of(2);
         let mut yc = s.alloc_zeros::<f32>(len).expect("y");
-        ops.moe_grouped_sorted(s, &mut yc, &xd, &table, &offd, rows, true, GroupedVariant::Direct).expect("cc");
+        ops.moe_grouped_sorted(s, &mut yc, &xd, &table, &offd, rows, GroupedVariant::Direct).expect("cc");
         let cuda_cores = s.clone_dtoh(&yc).expect("y");
         let mut tc_bits: Option<Vec<f32>> = None;
         let hopper = g.compute_capability == (9, 0);
@@ -639,8 +639,8 @@ fn grouped_experts_tensor_core_match_reference() {
             util.poison_f32(s, &mut yf, 0x7fc0_0000).expect("poison");
             let mut yb = s.alloc_zeros::<bf16>(len).expect("y");
             util.poison_bf16(s, &mut yb, 0x7fc0_7fc0).expect("poison");
-            ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, true, variant).expect("tc");
-            ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, false, variant).expect("tc");
+            ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, variant).expect("tc");
+            ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, variant).expect("tc");
             let got = s.clone_dtoh(&yf).expect("y");
             let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("y").iter().map(|v| v.to_f32()).collect();
 

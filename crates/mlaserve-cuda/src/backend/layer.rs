@@ -381,13 +381,13 @@ impl CudaBackend {
                 let i = gate_up.out / 2;
                 // SAFETY: as `ys`: the experts' ranges cover every row.
                 let mut gu = unsafe { s.alloc::<bf16>(rows * 2 * i) }?;
-                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false, variant)?;
+                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, variant)?;
                 self.mark("MoE routed experts: gate_up")?;
                 // SAFETY: as `ys`: SiLU-mul writes every element.
                 let mut act = unsafe { s.alloc::<bf16>(rows * i) }?;
                 self.silu.launch(s, &mut act, &gu, i)?;
                 self.mark("MoE routed experts: SiLU")?;
-                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true, variant)?;
+                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, variant)?;
                 self.mark("MoE routed experts: down")?;
                 inv
             }

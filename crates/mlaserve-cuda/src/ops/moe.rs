@@ -10,7 +10,7 @@ use half::bf16;
 use super::Ops;
 use crate::error::{CudaError, Result};
 use crate::launch::{i32_of, need, rows_cfg};
-use crate::linear::{GemmMode, Linear};
+use crate::linear::{GemmMode, GemmOut, Linear};
 use crate::tensor_map::bf16_tensor_map;
 
 /// The device addresses of one projection (gate_up or down) of every routed expert, for
@@ -145,13 +145,13 @@ impl Ops {
 
     /// The MoE experts in one launch: for each expert `g`, rows `off[g]..off[g + 1]` of `x`
     /// (sorted by expert, `k` wide) times its `[n][k]` bf16 weight (`weights` holds the
-    /// addresses) into the same rows of `y` (bf16, or f32 when `out_f32`). `off`
+    /// addresses) into the same rows of `y` (`T`: bf16 or f32). `off`
     /// (`experts + 1`) comes from [`Ops::moe_sort`] and is never read on the host; `rows`
     /// sorted rows in all; experts without rows return at once. `variant` picks the kernel:
     /// the CUDA-core ones (`Direct`, `Staged`: the same bits, equal to the invariant GEMM's)
     /// or tensor cores (fast mode only).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_grouped_sorted<T: cudarc::driver::DeviceRepr>(
+    pub fn moe_grouped_sorted<T: GemmOut>(
         &self,
         s: &Arc<CudaStream>,
         y: &mut CudaSlice<T>,
@@ -159,7 +159,6 @@ impl Ops {
         weights: &ExpertWeights,
         off: &CudaSlice<i32>,
         rows: usize,
-        out_f32: bool,
         variant: GroupedVariant,
     ) -> Result<()> {
         const K: &str = "moe_grouped";
@@ -170,9 +169,7 @@ impl Ops {
         need(K, "off", off.len(), weights.count + 1)?;
         need(K, "x", x.len(), rows * k)?;
         need(K, "y", y.len(), rows * n)?;
-        if std::mem::size_of::<T>() != if out_f32 { 4 } else { 2 } {
-            return Err(CudaError::shape(K, format!("y elements of {} bytes", std::mem::size_of::<T>())));
-        }
+        let out_f32 = !T::BF16;
         if rows == 0 || weights.count == 0 {
             return Ok(());
         }
@@ -226,7 +223,7 @@ impl Ops {
             let tx = bf16_tensor_map(x.device_ptr(s).0, &[k as u64, rows as u64], &[(k * 2) as u64], &[64, 64])?;
             // SAFETY: moe_grouped_wgt_*(const __grid_constant__ CUtensorMap tx, const
             // CUtensorMap* wmaps, T* y, const int* experts, const int* off, int n, int k),
-            // T f32 when out_f32, else bf16 (the caller's y). tx covers rows*k elements of x
+            // T f32 or bf16 (the caller's y, `out_f32` from its type). tx covers rows*k elements of x
             // (checked); `maps` holds `count` live 128-byte maps of the `[n][k]` weights
             // (64-byte aligned: 128 bytes each from a 256-byte aligned allocation), g <
             // count; `off` from moe_sort over `rows` slots is non-decreasing from 0 to rows,
@@ -255,7 +252,7 @@ impl Ops {
         };
 
         // SAFETY: every entry point takes (T* y, const bf16* x, const bf16* const* w,
-        // const int* experts, const int* off, int n, int k) with T f32 when out_f32, else
+        // const int* experts, const int* off, int n, int k) with T f32 when out_f32 (from T), else
         // bf16 (the caller's y). `off` comes from moe_sort over `rows` slots: non-decreasing
         // from 0 to rows, so group g reads rows < rows of x (rows*k, checked) and writes the
         // same rows of y (rows*n, checked); columns past n and k are masked or zero-filled;
