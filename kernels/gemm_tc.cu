@@ -332,15 +332,12 @@ __device__ void linear_tc_big(T* __restrict__ y, float* __restrict__ part, const
     }
 }
 
-// linear_tc on Hopper's warpgroup MMA (linear_wg_*, sm_90a only): the same tiles,
-// swizzled cp.async ring and k ranges as linear_tc, but each warpgroup runs wgmma
-// m64nBNk16 on 64 rows × BN columns straight from shared memory (the [row][64] tiles
-// with chunk ^ (row & 7) are wgmma's 128-byte-swizzle K-major layout, 1024-byte aligned).
-// BM = 64 (one warpgroup; m ≤ 64) or 128 (two). The ring has 4 stages, loads run 2
-// ahead, and one wgmma group stays in flight while the next stage's copies are issued.
-// An output element starts at zero and takes the wgmma of each k16 group of its range
-// from the range's start up, whatever BM, BN or the row's place in the tile: the bits of
-// a row depend on that row and the weight only.
+// Hopper's warpgroup MMA pieces of linear_wgt_* and moe_grouped_wgt_* (sm_90a only):
+// each consumer warpgroup runs wgmma m64nBNk16 on 64 rows × BN columns straight from
+// shared memory ([row][64] tiles in wgmma's 128-byte-swizzle K-major layout, 1024-byte
+// aligned). An output element starts at zero and takes the wgmma of each k16 group of
+// its range from the range's start up, whatever the tile or the row's place in it (the
+// same k16 order as linear_tc): the bits of a row depend on that row and the weight only.
 //
 // k ranges: grid.y = ksplit blocks each run range blockIdx.y and, with ksplit > 1, write
 // an f32 partial that linear_tc_reduce sums in range order. With `seq` = 1 (grid.y = 1,
@@ -359,87 +356,6 @@ struct WgAcc<128> {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Dynamic shared memory of the warpgroup tiles: STAGES · (BM + BN) · BK bf16 + 1024 bytes
-// of alignment slack (the host's `wg_smem`).
-namespace gwg {
-constexpr int BK = gtc::BK, STAGES = 4, CHUNKS = BK / 8;
-}
-
-// Rows [0, nr) of xr (k wide) times columns [n0, n0 + BN) of w ([n][k]) over the k ranges
-// [r0, r1) of kchunk each (a multiple of BK; the last range ends at k), into acc: the last
-// range's sum, or with `seq` the fold of every range's sum into tot (tot = p0, += p1 ..).
-// sbase: the 1024-byte-aligned ring. Starts with a barrier (a previous tile may still read
-// the ring) and leaves no copy or wgmma in flight.
-template <int BM, int BN>
-__device__ __forceinline__ void wg_tile(float (&acc)[BN / 2], float (&tot)[BN / 2], uint32_t sbase,
-                                        const bf16* __restrict__ xr, int nr, const bf16* __restrict__ w, int n0,
-                                        int n, int k, int kchunk, int r0, int r1, bool seq) {
-    using namespace gwg;
-    constexpr int THREADS = BM / 64 * 128, NACC = BN / 2, STAGE = (BM + BN) * BK * 2;  // bytes per stage
-    const int tid = threadIdx.x, wg = tid >> 7;
-    const int steps_per = kchunk / BK;
-    const int total_steps = (min(k, r1 * kchunk) - r0 * kchunk + BK - 1) / BK;
-    // Global step g: range r0 + g / steps_per, k from its start; past the range's end
-    // (the last range, k not a multiple of BK), past n or past nr zero-filled.
-    auto load = [&](int g, int st) {
-        const int r = r0 + g / steps_per, kk0 = r * kchunk + (g % steps_per) * BK, kr1 = min(k, (r + 1) * kchunk);
-        const uint32_t wdst = sbase + st * STAGE, xdst = wdst + BN * BK * 2;
-#pragma unroll
-        for (int j = 0; j < BN * CHUNKS / THREADS; ++j) {
-            const int i = tid + j * THREADS, row = i / CHUNKS, c = i % CHUNKS, kk = kk0 + c * 8;
-            const bool ok = n0 + row < n && kk < kr1;
-            const bf16* src = ok ? w + static_cast<size_t>(n0 + row) * k + kk : w;
-            cp_async_16(wdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
-        }
-        // All BM rows, those past nr zero-filled: loading only the nr real rows (a loop
-        // of variable length) made the experts 13% slower at 64 rows, and no faster at 8.
-#pragma unroll
-        for (int j = 0; j < BM * CHUNKS / THREADS; ++j) {
-            const int i = tid + j * THREADS, row = i / CHUNKS, c = i % CHUNKS, kk = kk0 + c * 8;
-            const bool ok = row < nr && kk < kr1;
-            const bf16* src = ok ? xr + static_cast<size_t>(row) * k + kk : xr;
-            cp_async_16(xdst + 2 * gtc_at(row, c), src, ok ? 16 : 0);
-        }
-    };
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[i] = tot[i] = 0.f;
-    __syncthreads();  // the previous tile's last reads of the ring are done
-#pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) {
-        if (s < total_steps) load(s, s);
-        cp_async_commit();
-    }
-    for (int g = 0; g < total_steps; ++g) {
-        cp_async_wait<STAGES - 3>();  // step g has landed for this thread
-        fence_proxy_async_smem();      // ... and is visible to wgmma
-        __syncthreads();               // for every thread; wgmma of step g - 2 is done everywhere
-        if (g + STAGES - 2 < total_steps) load(g + STAGES - 2, (g + STAGES - 2) % STAGES);
-        cp_async_commit();
-        const uint32_t wsb = sbase + (g % STAGES) * STAGE, xsb = wsb + BN * BK * 2;
-        const uint64_t da = gmma_desc_sw128(xsb + wg * 64 * BK * 2, 16, 1024), db = gmma_desc_sw128(wsb, 16, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int k16 = 0; k16 < BK / 16; ++k16) WgAcc<BN>::mma(acc, gmma_desc_add(da, k16 * 32), gmma_desc_add(db, k16 * 32));
-        wgmma_commit();
-        if (seq && ((g + 1) % steps_per == 0 || g + 1 == total_steps)) {
-            // Fold the range's sum into the total; the next range starts at zero.
-            wgmma_wait<0>();
-            fence_operands(acc);
-            const bool first = g + 1 <= steps_per;
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) {
-                tot[i] = first ? acc[i] : tot[i] + acc[i];
-                acc[i] = 0.f;
-            }
-        } else {
-            wgmma_wait<1>();
-        }
-    }
-    wgmma_wait<0>();
-    fence_operands(acc);
-    cp_async_wait<0>();
-}
-
 // Rows [0, nr) of a tile into rows base.. of y (`n` wide; columns ≥ n masked), from the
 // warpgroup whose 64 rows start at tile row `wrow`. Fragment j of v: columns n0 + 8·(j /
 // 4) + 2·(lane % 4) (+1), row wrow + 16·warp + lane / 4 (+8 for j % 4 ≥ 2).
@@ -460,34 +376,8 @@ __device__ __forceinline__ void wg_store(const float (&v)[BN / 2], T* __restrict
 }
 #endif
 
-template <typename T, int BM, int BN>
-__device__ void linear_wg(T* __restrict__ y, float* __restrict__ part, const bf16* __restrict__ x,
-                          const bf16* __restrict__ w, int m, int n, int k, int kchunk, int seq) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(1024) unsigned char gwg_smem[];
-    const uint32_t sbase = (smem_u32(gwg_smem) + 1023u) & ~1023u;
-    const int base = blockIdx.x * BM, n0 = blockIdx.z * BN;
-    const int nr = min(BM, m - base);
-    if (nr <= 0) return;
-    // seq: every k range here in turn; else range blockIdx.y.
-    const int ranges = (k + kchunk - 1) / kchunk;
-    const int r0 = seq ? 0 : blockIdx.y, r1 = seq ? ranges : blockIdx.y + 1;
-    float acc[BN / 2], tot[BN / 2];
-    wg_tile<BM, BN>(acc, tot, sbase, x + static_cast<size_t>(base) * k, nr, w, n0, n, k, kchunk, r0, r1, seq != 0);
-    const int wrow = 64 * (threadIdx.x >> 7);
-    if (seq)
-        wg_store<T, BN>(tot, y, base, nr, n0, n, wrow);
-    else if (gridDim.y > 1)
-        wg_store<float, BN>(acc, part + static_cast<size_t>(blockIdx.y) * m * n, base, nr, n0, n, wrow);
-    else
-        wg_store<T, BN>(acc, y, base, nr, n0, n, wrow);
-#else
-    __trap();
-#endif
-}
-
-// linear_wg with TMA and warp specialisation (linear_wgt_*, sm_90a only): the same
-// tiles, k ranges, `seq` folding and wgmma sequence as linear_wg (so the same bits), but
+// linear_tc on the warpgroup MMA with TMA and warp specialisation (linear_wgt_*, sm_90a
+// only): the same k ranges, `seq` folding and k16 order as linear_tc (so the same bits);
 // the copies are the TMA unit's: warpgroup 0 (one thread) fills a 5-stage ring of
 // [row][64] tiles (the tensor maps' 128-byte swizzle is wgmma's layout; rows past m or n
 // and k past its end arrive as zeros) and signals each stage on its `full` barrier; the
@@ -579,43 +469,18 @@ __device__ void linear_wgt(const CUtensorMap* tx, const CUtensorMap* tw, T* __re
 #endif
 }
 
-// The MoE experts on the warpgroup tile (moe_grouped_wg_*, sm_90a only): as
-// moe_grouped_tc_* (grid = (ceil(n / BN), experts), a block takes its expert's rows 64 at
-// a time against BN = 128 columns of its weight), one warpgroup of wgmma per block.
-template <typename T>
-__device__ void grouped_wg(T* __restrict__ y, const bf16* __restrict__ x, const bf16* const* __restrict__ w,
-                           const int* __restrict__ experts, const int* __restrict__ off, int n, int k) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BN = 128;
-    extern __shared__ __align__(1024) unsigned char gwg_smem[];
-    const uint32_t sbase = (smem_u32(gwg_smem) + 1023u) & ~1023u;
-    const int g = blockIdx.y, r0 = off[g], r1 = off[g + 1];
-    if (r0 >= r1) return;  // the whole block: no row for this expert
-    const int n0 = blockIdx.x * BN, kchunk = (k + gwg::BK - 1) / gwg::BK * gwg::BK;
-    const bf16* we = w[experts ? experts[g] : g];
-    for (int base = r0; base < r1; base += 64) {
-        const int nr = min(64, r1 - base);
-        float acc[BN / 2], tot[BN / 2];
-        wg_tile<64, BN>(acc, tot, sbase, x + static_cast<size_t>(base) * k, nr, we, n0, n, k, kchunk, 0, 1, false);
-        wg_store<T, BN>(acc, y, base, nr, n0, n, 64 * (threadIdx.x >> 7));
-    }
-#else
-    __trap();
-#endif
-}
-
 // The MoE experts with TMA and warp specialisation (moe_grouped_wgt_*, sm_90a only).
 // grid = (ceil(n / 128), experts); a block owns 128 columns of its expert's weight and
 // takes the expert's rows up to 192 at a time (a "pass"), so an expert with ≤ 192 rows
-// reads its weight slice once (moe_grouped_wg re-reads it per 64 rows, from HBM: the
-// slices of the resident blocks are far larger than L2). Warpgroup 0 (one thread) fills
+// reads its weight slice once (the slices of the resident blocks are far larger than
+// L2, so a re-read per 64 rows would come from HBM). Warpgroup 0 (one thread) fills
 // a 5-stage ring: per 64 of k, the W tile [128][64] and one [64][64] tile of x per
 // 64-row chunk that holds rows of the pass (rows past the expert's end are the next
 // expert's, or zeros past the last row: never stored); consumer warpgroup cw runs
 // wgmma m64n64k16 for its 64 columns (64·cw ..) over every such chunk, so both
 // consumers work even when the expert has ≤ 64 rows. A row's sum is the wgmma of each
-// k16 group from k = 0 up, as in moe_grouped_wg and moe_grouped_tc, so the three give
-// the same bits (the experts test asserts it).
+// k16 group from k = 0 up, as in moe_grouped_tc, so the two give the same bits (the
+// experts test asserts it).
 // Tensor maps: x [rows][k] (box 64 × 64) as a parameter; each expert's W [n][k] (box
 // 64 × 128) in global memory, 128 bytes each (`wmaps`, indexed like `w`). Dynamic shared
 // memory: 1024 bytes of alignment slack, STAGES · STAGE, 16 · STAGES of barriers (the
@@ -747,24 +612,6 @@ LINEAR_TC(linear_tc_bf16_of32, float)
     }
 LINEAR_TC_BIG(linear_tc_big_bf16_obf16, bf16, 128)
 LINEAR_TC_BIG(linear_tc_big_bf16_of32, float, 128)
-
-#define LINEAR_WG(NAME, T, BM, BN)                                                                           \
-    extern "C" __global__ void __launch_bounds__(BM / 64 * 128)                                            \
-        NAME(T* y, float* part, const bf16* x, const bf16* w, int m, int n, int k, int kchunk, int seq) {  \
-        linear_wg<T, BM, BN>(y, part, x, w, m, n, k, kchunk, seq);                                          \
-    }
-LINEAR_WG(linear_wg64_bf16_obf16, bf16, 64, 64)
-LINEAR_WG(linear_wg64_bf16_of32, float, 64, 64)
-LINEAR_WG(linear_wg128_bf16_obf16, bf16, 128, 128)
-LINEAR_WG(linear_wg128_bf16_of32, float, 128, 128)
-
-#define MOE_GROUPED_WG(NAME, T)                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) NAME(T* y, const bf16* x, const bf16* const* w,         \
-                                                           const int* experts, const int* off, int n, int k) { \
-        grouped_wg<T>(y, x, w, experts, off, n, k);                                                           \
-    }
-MOE_GROUPED_WG(moe_grouped_wg_bf16_obf16, bf16)
-MOE_GROUPED_WG(moe_grouped_wg_bf16_of32, float)
 
 #define MOE_GROUPED_WGT(NAME, T)                                                                            \
     extern "C" __global__ void __launch_bounds__(128 + gwt::CONSUMERS * 128, 1)                              \

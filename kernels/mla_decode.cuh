@@ -1,5 +1,5 @@
 // Constants shared by the MLA decode kernels (mla_decode.cu: mma.sync path, combine,
-// generic; mla_decode_sm90.cu: wgmma path). The Rust wrapper (crates/mlaserve-cuda/
+// generic; mla_decode_sm90_ss.cu and mla_decode_sm90_t.cu: the wgmma paths). The Rust wrapper (crates/mlaserve-cuda/
 // src/mla_decode.rs) mirrors them.
 #pragma once
 

@@ -1,9 +1,10 @@
 // Absorbed-MLA decode attention, Hopper "seesaw" schedule (wgmma, sm_90a): 64-token
 // blocks, each warpgroup computes S for every other block over all 576 dims.
 //
-// Same contract, grid and split-KV partial format as mla_decode_wgmma_* in
-// mla_decode_sm90.cu, except that a split is made of whole 64-token blocks (pages)
-// instead of 32-token chunks, and that the splits can be merged in this launch instead
+// Same contract, grid and split-KV partial format as mla_decode_splitkv_* in
+// mla_decode.cu, except that a split is made of whole 64-token blocks (pages)
+// instead of 32-token chunks, that the KV arrives by TMA (the cache's tensor map is the
+// first argument), and that the splits can be merged in this launch instead
 // of by the combine kernel:
 //   - with `counters` (not null), by the last CTA of each (request, tile) (combine_last);
 //   - in the _c2 entries (exactly two splits), by the two CTAs of a cluster (1 x 2 x 1:

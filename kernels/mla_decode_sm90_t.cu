@@ -1,14 +1,10 @@
 // Absorbed-MLA decode attention for tiles of at most 32 query rows, Hopper (sm_90a):
 // S computed transposed.
 //
-// Same contract and split-KV partial format as mla_decode_wgmma_tma_d512r64_q*_* in
-// mla_decode_sm90.cu, except that a split's unit here is the 64-token page (block), not
-// the 32-token chunk, and that the splits can be merged in this launch instead of by
-// mla_decode_combine: with `counters` (not null) the last CTA of a (tile, request) to
-// finish, found through an atomic counter, combines all the partials (see the end of
-// body()); in the _c2 entries (exactly two splits) the two CTAs of a cluster (1 x 2 x 1:
-// the two splits of one request and tile) merge them through distributed shared memory,
-// and no partial goes to global memory.
+// Same contract, split-KV partial format and merges as mla_decode_wgmma_ss_* in
+// mla_decode_sm90_ss.cu (64-token pages, KV by TMA from the cache's tensor map, the
+// splits merged in the launch: by the last CTA of a (tile, request) through `counters`,
+// or in the _c2 entries by the two CTAs of a cluster through distributed shared memory).
 //
 // Why: with 16 heads x q_len 1-2 (or 32 heads x q_len 1) the tile has 16-32 rows, and
 // S = Q K^T as wgmma m64 computes 64 rows, 2-4x the useful tensor work, while the

@@ -11,7 +11,7 @@
 # over step names) runs a subset.
 #
 # `--decode`: the decode-kernel loop: checks of each kernel in MLASERVE_KERNELS (default
-# "wgmma+tma wgmma-ss wgmma-t") against the f64 reference, each in its own process under a
+# "wgmma-ss wgmma-t") against the f64 reference, each in its own process under a
 # timeout (a barrier deadlock hangs rather than traps), memcheck on the new kernels' checks,
 # then one `bench mla-decode --kernel` sweep comparing them (MLASERVE_BENCH_ARGS adds
 # flags, e.g. "--heads 16,128").
@@ -21,11 +21,12 @@
 # stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
 # rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
 # TP 1 .. N, and `bench mla-decode`. CUDA graphs on TP ranks (experimental) get their own
-# test and a `bench step --tp N` with MLASERVE_TP_GRAPHS=1.
+# test and a `bench step --tp N --tp-graphs`.
 #
-# Runs every GPU test binary in .gpu/tests/, compute-sanitizer memcheck on the kernel
-# tests, a SASS summary of the embedded kernels, and the checks + decode benchmark of
-# .gpu/bin/mlaserve-cuda-check. Logs go to $OUT (default ./gpu-out): at most 8 files,
+# Runs every GPU test binary in .gpu/tests/ (mlaserve-cuda's and mlaserve-cuda-lab's),
+# compute-sanitizer memcheck on the kernel tests, a SASS summary of the embedded kernels,
+# and the checks + decode benchmark of .gpu/bin/mlaserve-cuda-check (mlaserve-cuda-lab).
+# `--backend` also runs the GPU benchmarks of .gpu/benches/ (benches/, feature cuda). Logs go to $OUT (default ./gpu-out): at most 8 files,
 # since the device tool returns no more. Prints a short table last. Exit status: the
 # number of failed steps (0 = all passed).
 set -uo pipefail
@@ -89,13 +90,13 @@ step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seco
 
 # Decode-kernel mode (see the header).
 if [[ "$mode" == decode ]]; then
-    kernels="${MLASERVE_KERNELS:-wgmma+tma wgmma-ss wgmma-t}"
+    kernels="${MLASERVE_KERNELS:-wgmma-ss wgmma-t}"
     sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
     for k in $kernels; do
         step "check $k" "$out/check.log" timeout 120 "$gpu_dir/bin/mlaserve-cuda-check" --kernel "$k" --no-bench
     done
     for k in $kernels; do
-        [[ "$k" == wgmma+tma || "$k" == mma.sync || "$k" == wgmma ]] && continue
+        [[ "$k" == mma.sync ]] && continue
         step "memcheck check $k" "$out/memcheck.log" timeout 180 "$sanitizer" --tool memcheck --error-exitcode 1 \
             --leak-check no "$gpu_dir/bin/mlaserve-cuda-check" --kernel "$k" --no-bench
     done
@@ -118,7 +119,7 @@ if [[ "$mode" == tp ]]; then
     worlds="2"; ((tp_n >= 4)) && worlds="2,4"; ((tp_n >= 8)) && worlds="2,4,8"
     for spec in gpu_backend:tiny_v3_tp2_tp4_tp8_match_cpu gpu_prefill:tiny_v3_expanded_prefill_tp2_matches_cpu \
         gpu_sample:tiny_v3_backend_samples_match_core_rule \
-        gpu_engine:tp_groups_greedy_k3_equals_k0_batch_invariant \
+        gpu_engine:tp_groups_greedy_k3_equals_k0_cuda_core_batch_invariant \
         gpu_engine:a_stalled_rank_fails_the_step_within_the_timeout; do
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
             --nocapture --test-threads=1
@@ -126,8 +127,8 @@ if [[ "$mode" == tp ]]; then
     # CUDA graphs on TP ranks (experimental: a hang here is the fourth session's bug).
     step "gpu_graphs::tp2_decode_steps_through_graphs_equal_eager" "$out/tests.log" timeout 120 \
         "$gpu_dir/tests/gpu_graphs" --exact tp2_decode_steps_through_graphs_equal_eager --nocapture --test-threads=1
-    step "bench step --tp $tp_n, graphs on TP ranks" "$out/bench-step.log" env MLASERVE_TP_GRAPHS=1 timeout 120 \
-        "$gpu_dir/bin/mlaserve" bench step --tp "$tp_n"
+    step "bench step --tp $tp_n, graphs on TP ranks" "$out/bench-step.log" timeout 120 \
+        "$gpu_dir/bin/mlaserve" bench step --tp "$tp_n" --tp-graphs
     # Processes over real NCCL (CPU compute: exact equality with TP = 1), tiny-v3 and the
     # bundled model, then a killed rank.
     step "tp_group processes (TP $worlds)" "$out/tp-group.log" env MLASERVE_TP_WORLDS="$worlds" timeout 300 \
@@ -206,7 +207,8 @@ fi
 # hang in one cannot hide the others), then memcheck on the tests that touch every
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
-    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample routing_margins mlaserve_cuda; do
+    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample routing_margins \
+        mlaserve_cuda mlaserve_cuda_lab; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
@@ -214,7 +216,7 @@ if [[ "$mode" == backend ]]; then
         done
     done
     sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-    for spec in gpu_backend:tiny_v3_matches_cpu_default_options gpu_backend:tiny_v3_matches_cpu_batch_invariant \
+    for spec in gpu_backend:tiny_v3_matches_cpu_default_options gpu_backend:tiny_v3_matches_cpu_cuda_core_batch_invariant \
         gpu_ops:small_backend_ops_match_reference gpu_prefill:kernel_matches_reference_small_dims \
         gpu_prefill:expanded_path_from_paged_cache_matches_reference gpu_ops:grouped_experts_tensor_core_match_reference \
         gpu_sample:sample_kernel_matches_core_rule gpu_graphs:decode_steps_through_graphs_equal_eager \
@@ -226,11 +228,15 @@ if [[ "$mode" == backend ]]; then
     done
     # One decode step at DeepSeek-V3's dimensions (random weights, 2 MoE layers + MTP),
     # decode steps as CUDA graphs (the default), launched eagerly, and with the
-    # batch-invariant options (CudaOptions::exact).
+    # batch-invariant options (CudaOptions::batch_invariant).
     step "bench-step" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve-cuda-check" --bench-step
     step "bench step --eager" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve" bench step --eager
     step "bench step --batch-invariant" "$out/bench-step.log" timeout 200 "$gpu_dir/bin/mlaserve" bench step \
         --batch-invariant
+    # The engine on the GPU (k = 3 vs k = 0 with the default options, the bundled model's
+    # decode speed) and the router's timing (benches/, run from the repository root).
+    step "bench gpu_engine" "$out/bench-step.log" timeout 150 "$gpu_dir/benches/gpu_engine"
+    step "bench gpu_kernels router" "$out/bench-step.log" timeout 60 "$gpu_dir/benches/gpu_kernels" router
     {
         echo
         echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
@@ -239,7 +245,8 @@ if [[ "$mode" == backend ]]; then
         grep -vE "^===" "$out/bench-step.log" | grep -E "^ +[0-9]+ +[0-9]+ |graph|eager|^bench|ceiling|^prefill" | head -48
         echo "---- measured (from tests.log)"
         grep -E " rel |differ|tokens in|tokens/s|speed-up|alone ==|ids (exact|DIFFER)|panicked" "$out/tests.log" | head -90
-        grep -E "^router (timing|m=.*warp kernel)" "$out/tests.log" | head -8
+        echo "---- benches (from bench-step.log)"
+        grep -E "differ in|tokens/s|speed-up|^router (timing|m=.*warp kernel)" "$out/bench-step.log" | head -12
         grep -E "ERROR SUMMARY" "$out/memcheck.log" 2>/dev/null | head -10
     } | tee "$out/summary.txt"
     exit "$failures"
@@ -277,7 +284,7 @@ fi
 
 # 5. Checks and the decode benchmark beside the measured ceilings, one process per
 # tensor-core kernel (a trapped kernel poisons its CUDA context, not the others' runs).
-for k in ${MLASERVE_KERNELS:-mma.sync wgmma wgmma+tma auto}; do
+for k in ${MLASERVE_KERNELS:-mma.sync wgmma-ss wgmma-t auto}; do
     step "check+bench $k $quick" "$out/check-bench.log" timeout 150 "$gpu_dir/bin/mlaserve-cuda-check" --kernel "$k" $quick
 done
 

@@ -2,8 +2,10 @@
 # Builds the GPU binaries on the CPU machine and stages them in .gpu/ (git-ignored),
 # ready for a device call that carries [".gpu"] and runs tools/gpu/check.sh.
 #
-#   .gpu/bin/mlaserve-cuda-check   checks + benchmark
-#   .gpu/tests/*                   cargo test binaries of mlaserve-cuda (unit + GPU)
+#   .gpu/bin/mlaserve-cuda-check   checks + benchmark (mlaserve-cuda-lab)
+#   .gpu/tests/*                   cargo test binaries of mlaserve-cuda and mlaserve-cuda-lab
+#                                  (unit + GPU)
+#   .gpu/benches/*                 the GPU benchmarks of benches/ (gpu_kernels, gpu_engine)
 #   .gpu/kernels/*.fatbin          the embedded kernel images (for cuobjdump there)
 #   .gpu/bin/mlaserve              the CLI (--features cuda): bench step --tp, TP workers
 #   .gpu/tests/tp_group            mlaserve-tp's group test (--features nccl): processes
@@ -11,7 +13,7 @@
 #
 # Needs nvcc (CUDA_HOME, NVCC or PATH; tools/ci/install-nvcc.sh installs one).
 #
-# `--pack DIR`: also writes DIR/gpu.tar.xz (bin, tests, kernels; ~4% of their size)
+# `--pack DIR`: also writes DIR/gpu.tar.xz (bin, tests, benches, kernels; ~4% of their size)
 # for a device call whose working tree would be too large with .gpu/: carry DIR (add it
 # to .git/info/exclude) and run `GPU_PACK=DIR/gpu.tar.xz tools/gpu/check.sh`.
 set -euo pipefail
@@ -22,7 +24,7 @@ if [[ -z "${CUDA_HOME:-}${NVCC:-}" ]] && ! command -v nvcc >/dev/null; then
     [[ -n "$py" ]] && export CUDA_HOME="$repo/$py"
 fi
 target="${CARGO_TARGET_DIR:-$repo/target}"
-cargo build --release -p mlaserve-cuda --features cuda --bin mlaserve-cuda-check
+cargo build --release -p mlaserve-cuda-lab --features cuda --bin mlaserve-cuda-check
 cargo build --release -p mlaserve --features cuda
 tp_test=$(cargo test --release -p mlaserve-tp --features nccl --test group --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
@@ -31,30 +33,44 @@ for l in sys.stdin:
     except ValueError: continue
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="group":
         print(m["executable"])')
-# --message-format=json names the test executables; keep those of mlaserve-cuda.
-tests=$(cargo test --release -p mlaserve-cuda --features cuda --no-run --message-format=json 2>/dev/null |
+# --message-format=json names the test executables; keep those of mlaserve-cuda(-lab).
+tests=$(cargo test --release -p mlaserve-cuda -p mlaserve-cuda-lab --features mlaserve-cuda-lab/cuda --no-run \
+    --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
 for l in sys.stdin:
     try: m=json.loads(l)
     except ValueError: continue
     if m.get("reason")=="compiler-artifact" and m.get("executable") and "mlaserve-cuda" in m["package_id"] and m["profile"]["test"] and m["target"]["kind"][0] in ("lib","test"):
         print(m["executable"])')
-rm -rf .gpu/bin .gpu/tests .gpu/kernels
-mkdir -p .gpu/bin .gpu/tests .gpu/kernels
+benches=$(cargo bench -p mlaserve-benches --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    try: m=json.loads(l)
+    except ValueError: continue
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"][0]=="bench":
+        print(m["executable"])')
+rm -rf .gpu/bin .gpu/tests .gpu/kernels .gpu/benches
+mkdir -p .gpu/bin .gpu/tests .gpu/kernels .gpu/benches
 cp "$target/release/mlaserve-cuda-check" "$target/release/mlaserve" .gpu/bin/
 cp "$tp_test" .gpu/tests/tp_group
 for t in $tests; do
     name="$(basename "$t")"
+    # module_graph reads the source tree, which the GPU machine does not have (CI runs it).
+    [[ "${name%-*}" == module_graph ]] && continue
     cp "$t" ".gpu/tests/${name%-*}"   # drop cargo's hash suffix
 done
-out_dir="$(ls -td "$target"/release/build/mlaserve-cuda-*/out 2>/dev/null | head -1)"
+for b in $benches; do
+    name="$(basename "$b")"
+    cp "$b" ".gpu/benches/${name%-*}"
+done
+out_dir="$(ls -td "$target"/release/build/mlaserve-cuda-[0-9a-f]*/out 2>/dev/null | head -1)"
 cp "$out_dir"/*.fatbin "$out_dir"/*.ptxas.log .gpu/kernels/ 2>/dev/null || true
-strip --strip-debug .gpu/bin/* .gpu/tests/*  # line tables would triple the carry
+strip --strip-debug .gpu/bin/* .gpu/tests/* .gpu/benches/*  # line tables would triple the carry
 du -sh .gpu/* ; ls -la .gpu/tests
 if [[ "${1:-}" == "--pack" && -n "${2:-}" ]]; then
     mkdir -p "$2"
     # xz -9: a 64 MiB window spans several binaries, whose embedded kernels are the same
     # (a 27 MB archive at the default level, 8 MB at this one).
-    tar -C .gpu -cf - bin tests kernels | xz -9 -T2 > "$2/gpu.tar.xz"
+    tar -C .gpu -cf - bin tests benches kernels | xz -9 -T2 > "$2/gpu.tar.xz"
     ls -la "$2/gpu.tar.xz"
 fi

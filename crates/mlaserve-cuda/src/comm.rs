@@ -1,5 +1,6 @@
 //! [`DeviceComm`]: the tensor-parallel collectives of [`crate::CudaBackend`], NCCL on the
-//! backend's own stream and device buffers (no host staging).
+//! backend's own stream and device buffers (no host staging), through mlaserve-tp's
+//! NCCL wrapper ([`NcclComm`]: id check, bounded wait, abort on timeout).
 //!
 //! Operations are only enqueued; the backend waits for its stream through
 //! [`DeviceComm::wait`], which polls an event against a deadline. A peer that died or
@@ -12,18 +13,18 @@
 //! rows share the step once there are more than two ranks), and the deterministic one
 //! used in batch-invariant mode: an all-gather, then a sum in rank order on the device.
 
-use std::cell::RefCell;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use cudarc::nccl::safe::ReduceOp;
+use mlaserve_tp::nccl::{nccl_err, NcclComm};
 
 use crate::error::{CudaError, Result};
 use crate::ops::Ops;
 
 /// Bytes of an NCCL unique id.
-pub const NCCL_ID_BYTES: usize = 128;
+pub const NCCL_ID_BYTES: usize = mlaserve_tp::nccl::ID_BYTES;
 
 /// How a rank joins its group's backend communicator.
 #[derive(Debug, Clone)]
@@ -39,105 +40,64 @@ pub struct TpInit {
 impl TpInit {
     /// A fresh NCCL unique id (on the leader) as bytes.
     pub fn new_id() -> Result<Vec<u8>> {
-        Ok(Id::new()?.internal().iter().map(|&c| c as u8).collect())
+        mlaserve_tp::nccl::new_id().map_err(collective)
+    }
+}
+
+/// The wrapper's errors are collective failures of this rank.
+fn collective(e: mlaserve_core::Error) -> CudaError {
+    match e {
+        mlaserve_core::Error::Collective(m) => CudaError::Collective(m),
+        e => CudaError::Collective(e.to_string()),
     }
 }
 
 /// A rank's backend communicator.
 #[derive(Debug)]
 pub struct DeviceComm {
-    comm: RefCell<Option<Comm>>,
-    stream: Arc<CudaStream>,
+    comm: NcclComm,
     pub rank: usize,
     pub world: usize,
-    timeout: Duration,
-}
-
-fn failed(rank: usize, world: usize, what: &str, why: &str) -> CudaError {
-    CudaError::Collective(format!("rank {rank} of {world}: {what}: {why}"))
 }
 
 impl DeviceComm {
     /// Joins the communicator of `init` on `stream`; returns once every rank has joined.
     pub fn new(stream: &Arc<CudaStream>, init: &TpInit) -> Result<Self> {
-        let (rank, world) = (init.rank, init.world);
-        if init.id.len() != NCCL_ID_BYTES {
-            let why = format!("NCCL id has {} bytes, expected {NCCL_ID_BYTES}", init.id.len());
-            return Err(failed(rank, world, "ncclCommInitRank", &why));
-        }
-        if rank >= world {
-            return Err(failed(rank, world, "ncclCommInitRank", "rank out of range"));
-        }
-        let mut raw = [0 as std::ffi::c_char; NCCL_ID_BYTES];
-        for (d, s) in raw.iter_mut().zip(&init.id) {
-            *d = *s as std::ffi::c_char;
-        }
-        let comm = Comm::from_rank(stream.clone(), rank, world, Id::uninit(raw))
-            .map_err(|e| failed(rank, world, "ncclCommInitRank", &format!("{e:?}")))?;
-        Ok(DeviceComm { comm: RefCell::new(Some(comm)), stream: stream.clone(), rank, world, timeout: init.timeout })
-    }
-
-    fn with<T>(&self, what: &str, op: impl FnOnce(&Comm) -> Result<T>) -> Result<T> {
-        let guard = self.comm.borrow();
-        let comm = guard
-            .as_ref()
-            .ok_or_else(|| failed(self.rank, self.world, what, "communicator aborted after an earlier failure"))?;
-        op(comm)
+        let comm = NcclComm::join(stream, init.rank, init.world, &init.id, init.timeout).map_err(collective)?;
+        Ok(DeviceComm { comm, rank: init.rank, world: init.world })
     }
 
     /// Enqueues NCCL's in-place sum of `buf` across the ranks.
     pub fn all_reduce(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
-        self.with("ncclAllReduce", |c| Ok(c.all_reduce_in_place(buf, &ReduceOp::Sum).map(|_| ())?))
+        const W: &str = "ncclAllReduce";
+        self.comm
+            .with(W, |c| c.all_reduce_in_place(buf, &ReduceOp::Sum).map(|_| ()).map_err(nccl_err(W)))
+            .map_err(collective)
     }
 
     /// Enqueues the deterministic sum of `buf` across the ranks: an all-gather into a
     /// scratch buffer, then a rank-ordered sum back into `buf`.
     pub fn all_reduce_ordered(&self, ops: &Ops, buf: &mut CudaSlice<f32>) -> Result<()> {
-        let mut parts = self.stream.alloc_zeros::<f32>(buf.len() * self.world)?;
+        let s = self.comm.stream();
+        let mut parts = s.alloc_zeros::<f32>(buf.len() * self.world)?;
         self.all_gather(buf, &mut parts)?;
-        ops.sum_ranks(&self.stream, buf, &parts, self.world)
+        ops.sum_ranks(s, buf, &parts, self.world)
     }
 
     /// Enqueues the all-gather of every rank's `local` into `out` (`world × local.len()`,
     /// rank-major).
     pub fn all_gather(&self, local: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+        const W: &str = "ncclAllGather";
         if out.len() != local.len() * self.world {
             let why = format!("output has {} elements for {} × {}", out.len(), self.world, local.len());
-            return Err(failed(self.rank, self.world, "ncclAllGather", &why));
+            return Err(collective(self.comm.error(W, &why)));
         }
-        self.with("ncclAllGather", |c| Ok(c.all_gather(local, out).map(|_| ())?))
+        self.comm.with(W, |c| c.all_gather(local, out).map(|_| ()).map_err(nccl_err(W))).map_err(collective)
     }
 
     /// Waits until everything enqueued on the stream so far is done, at most the timeout;
     /// on a timeout or a CUDA error the communicator is aborted.
     pub fn wait(&self, what: &str) -> Result<()> {
-        let event = self.stream.record_event(None)?;
-        let start = Instant::now();
-        let deadline = start + self.timeout;
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(self.abort(what, &format!("CUDA error {e:?}"))),
-            }
-            if Instant::now() >= deadline {
-                let why = format!("no completion within {:?}: a peer rank died or stalls", self.timeout);
-                return Err(self.abort(what, &why));
-            }
-            // Spin (yielding) through a step's usual wait, then nap: a stalled peer must
-            // not cost a core, a healthy step must not pay a sleep's latency.
-            if start.elapsed() < Duration::from_millis(50) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
-    }
-
-    /// Aborts the communicator (dropping a cudarc `Comm` calls ncclCommAbort, which makes
-    /// NCCL's kernels return) and builds the error.
-    fn abort(&self, what: &str, why: &str) -> CudaError {
-        drop(self.comm.borrow_mut().take());
-        failed(self.rank, self.world, what, &format!("{why}; communicator aborted"))
+        self.comm.wait(what).map_err(collective)
     }
 }

@@ -10,6 +10,7 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
+use crate::linear::GemmOut;
 
 /// RMSNorm over rows of width `h`, plain or fused with the residual add.
 #[derive(Debug)]
@@ -150,26 +151,16 @@ impl Argmax {
         })
     }
 
-    /// `out[r]` = index of the largest of `logits[r][..vocab]` (first on ties, NaN ignored).
-    pub fn argmax_f32(
+    /// `out[r]` = index of the largest of `logits[r][..vocab]` (first on ties, NaN
+    /// ignored), for f32 or bf16 logits.
+    pub fn argmax<T: GemmOut>(
         &self,
         stream: &Arc<CudaStream>,
-        logits: &CudaSlice<f32>,
+        logits: &CudaSlice<T>,
         out: &mut CudaSlice<i32>,
         vocab: usize,
     ) -> Result<()> {
-        self.run(stream, &self.f32_, logits, out, vocab)
-    }
-
-    /// As [`Argmax::argmax_f32`] for bf16 logits.
-    pub fn argmax_bf16(
-        &self,
-        stream: &Arc<CudaStream>,
-        logits: &CudaSlice<bf16>,
-        out: &mut CudaSlice<i32>,
-        vocab: usize,
-    ) -> Result<()> {
-        self.run(stream, &self.bf16_, logits, out, vocab)
+        self.run(stream, if T::BF16 { &self.bf16_ } else { &self.f32_ }, logits, out, vocab)
     }
 
     /// The vocabulary-parallel form: `out[2r]` = the largest of `logits[r][..vocab]`,

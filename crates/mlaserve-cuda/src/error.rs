@@ -24,7 +24,8 @@ pub enum CudaError {
 }
 
 impl CudaError {
-    pub(crate) fn shape(kernel: &'static str, msg: impl Into<String>) -> Self {
+    /// A shape error of `kernel`.
+    pub fn shape(kernel: &'static str, msg: impl Into<String>) -> Self {
         CudaError::Shape { kernel, msg: msg.into() }
     }
 }

@@ -1,37 +1,35 @@
-//! mlaserve-cuda: the GPU side of mlaserve.
+//! mlaserve-cuda: the GPU backend of mlaserve.
 //!
 //! It owns `kernels/*.cu` (compiled by `build.rs` with nvcc into fatbins embedded in the
-//! binary), one typed launch wrapper per kernel on cudarc's safe API, and the GPU checks
-//! and benchmarks. Without the `cuda` feature the crate needs no CUDA at all and exposes
-//! only what runs on the CPU: the f32 reference of every kernel ([`reference`]) and the
-//! launch planning ([`plan`], the host half of [`prefill`]), so both are unit-tested in CI.
+//! binary) and one typed launch wrapper per kernel on cudarc's safe API. Without the
+//! `cuda` feature the crate needs no CUDA at all and exposes only what runs on the CPU:
+//! the attention shapes ([`dims`]), the launch planning ([`plan`], [`layout`], the host
+//! half of [`prefill`]) and the RoPE tables ([`rope`]), so they are unit-tested in CI.
+//! Benchmarks, checks, the f64 references and random weights live in the
+//! `mlaserve-cuda-lab` crate.
 //!
-//! With `cuda`: [`Gpu`] is one device's context and stream plus the loaded modules,
-//! [`MlaDecode`] the FlashMLA-style padded decode attention (DESIGN.md §4),
-//! [`prefill::MlaPrefill`] the expanded-form prefill attention,
-//! [`elementwise`] the per-token kernels (RMSNorm, SiLU-mul, argmax), [`sample`] the
-//! sampling rule on the device, [`ops`] and
-//! [`linear`] the forward pass's kernels and projections, [`router`] the MoE router's
-//! batch-invariant f32 logits, [`CudaBackend`] the
-//! `mlaserve_core::Backend` on one GPU, [`check`] the
-//! kernel-vs-reference checks and [`bench`] / [`bench_prefill`] the roofline benchmarks.
+//! With `cuda`, bottom up (a module imports only those listed before it):
+//! - leaves: [`error`](CudaError), [`Gpu`] (one device's context and stream plus the
+//!   loaded modules), [`kernels`] (the images), `launch` (shared launch helpers),
+//!   `tensor_map` (TMA descriptors);
+//! - kernels: [`linear`] (projections: cuBLAS or the batch-invariant GEMMs), [`router`]
+//!   (the MoE router's batch-invariant f32 logits), [`ops`] (the forward pass's per-token
+//!   kernels, by family), [`MlaDecode`] (the FlashMLA-style padded decode attention,
+//!   DESIGN.md §4), [`prefill::MlaPrefill`] (the expanded-form prefill attention),
+//!   [`elementwise`] (RMSNorm, SiLU-mul, argmax), [`sample`] (the sampling rule);
+//! - [`comm`] (the tensor-parallel collectives on the device) and [`CudaBackend`], the
+//!   `mlaserve_core::Backend` on one GPU.
+//!
+//! `tests/module_graph.rs` fails on an import cycle between these modules.
 
+pub mod dims;
 pub mod layout;
 pub mod plan;
 pub mod prefill;
-pub mod reference;
-pub mod rng;
+pub mod rope;
 
 #[cfg(feature = "cuda")]
 mod backend;
-#[cfg(feature = "cuda")]
-pub mod bench;
-#[cfg(feature = "cuda")]
-pub mod bench_prefill;
-#[cfg(feature = "cuda")]
-pub mod bench_step;
-#[cfg(feature = "cuda")]
-pub mod check;
 #[cfg(feature = "cuda")]
 pub mod comm;
 #[cfg(feature = "cuda")]
@@ -43,6 +41,8 @@ mod gpu;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
 pub mod linear;
 #[cfg(feature = "cuda")]
 mod mla_decode;
@@ -52,9 +52,14 @@ pub mod ops;
 pub mod router;
 #[cfg(feature = "cuda")]
 pub mod sample;
+#[cfg(feature = "cuda")]
+mod tensor_map;
 
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, CudaHidden, CudaOptions, GraphStats, PrefillPath, WeightBytes, ABSORBED_MAX_ROWS};
+pub use backend::{
+    CaptureMode, CudaBackend, CudaHidden, CudaOptions, GraphStats, PrefillPath, WeightBytes, WeightFill,
+    ABSORBED_MAX_ROWS, INVARIANT_SPLIT_BLOCKS,
+};
 #[cfg(feature = "cuda")]
 pub use comm::{DeviceComm, TpInit};
 #[cfg(feature = "cuda")]

@@ -18,9 +18,9 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
-use crate::mla_decode::{bf16_tensor_map, TensorMapArg};
-use crate::ops::need;
+use crate::launch::{need, with_smem};
 use crate::plan;
+use crate::tensor_map::bf16_matrix_map;
 
 /// A weight `[out][inp]` (row-major, bf16) on the device.
 #[derive(Debug)]
@@ -72,11 +72,6 @@ const TC_PARTIAL_BYTES: usize = 64 << 20;
 const TC_BIG: usize = 128;
 /// `linear_tc_big`'s dynamic shared memory: 3 stages of 128 rows of x and of W, 64 bf16 each.
 const TC_BIG_SMEM: usize = 3 * 2 * TC_BIG * plan::TC_BK * 2;
-/// `linear_wg*`'s dynamic shared memory for `rows` × `rows` tiles: 4 stages of x and W
-/// rows of 64 bf16, plus 1024 bytes to align the swizzle atoms.
-const fn wg_smem(rows: usize) -> usize {
-    4 * 2 * rows * plan::TC_BK * 2 + 1024
-}
 /// `linear_wgt*`'s dynamic shared memory for `rows` × 128 tiles: 5 stages of x and W rows
 /// of 64 bf16, their 10 barriers, and 1024 bytes to align the swizzle atoms.
 const fn wgt_smem(rows: usize) -> usize {
@@ -92,41 +87,44 @@ pub const TC_SMALL_ROWS: usize = 16;
 /// them alike (`gpu_ops::gemm_matches_reference_and_invariant_mode_is_batch_invariant`
 /// asserts it, 0 of 7.3 million outputs differ), which is what lets `Auto` choose by
 /// row count and stay batch-invariant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TcKernels {
     /// Hopper: mma.sync (`linear_tc`) up to [`TC_SMALL_ROWS`] rows, where it measured
-    /// fastest, wgmma with TMA above.
+    /// fastest, wgmma with TMA above; mma.sync elsewhere.
+    #[default]
     Auto,
-    /// mma.sync (`linear_tc`, `linear_tc_big`): every GPU.
+    /// mma.sync (`linear_tc`, `linear_tc_big`): every GPU (the portable kernels).
     MmaSync,
-    /// wgmma with cp.async copies (`linear_wg*`): Hopper.
-    Wgmma,
-    /// wgmma with TMA copies and a producer warpgroup (`linear_wgt*`): Hopper.
+    /// wgmma with TMA copies and a producer warpgroup (`linear_wgt*`) at every row count:
+    /// Hopper.
     WgmmaTma,
 }
 
 impl TcKernels {
-    /// The best the GPU has, unless `MLASERVE_LINEAR_TC` names one (`mma.sync`, `wgmma`,
-    /// `tma`; for comparisons).
-    pub fn for_gpu(gpu: &Gpu) -> Self {
-        let hopper = gpu.compute_capability == (9, 0);
-        match std::env::var("MLASERVE_LINEAR_TC").as_deref() {
-            _ if !hopper => TcKernels::MmaSync,
-            Ok("mma.sync") => TcKernels::MmaSync,
-            Ok("wgmma") => TcKernels::Wgmma,
-            Ok("tma") => TcKernels::WgmmaTma,
-            _ => TcKernels::Auto,
+    /// Every choice, as [`TcKernels::name`] spells it.
+    pub const ALL: [TcKernels; 3] = [TcKernels::Auto, TcKernels::MmaSync, TcKernels::WgmmaTma];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TcKernels::Auto => "auto",
+            TcKernels::MmaSync => "mma.sync",
+            TcKernels::WgmmaTma => "tma",
         }
     }
-}
 
-/// A 2-D bf16 tensor map of a row-major `[outer][inner]` matrix at `ptr`, boxes of 64
-/// (128 bytes, the swizzle span) × `box_outer` rows, 128-byte swizzle; out-of-range
-/// elements read as zero.
-fn tensor_map_2d(ptr: u64, inner: usize, outer: usize, box_outer: u32) -> Result<TensorMapArg> {
-    // The callers' checked lengths: a device allocation of at least outer × inner bf16,
-    // 16-byte aligned, its row stride a multiple of 16 (inner % 8 == 0).
-    bf16_tensor_map(ptr, &[inner as u64, outer as u64], &[(inner * 2) as u64], &[64, box_outer])
+    /// The choice called `name` (as [`TcKernels::name`] spells it).
+    pub fn from_name(name: &str) -> Option<TcKernels> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// What runs on `gpu`: wgmma exists on Hopper (sm_90) only, mma.sync everywhere.
+    pub fn resolve(self, gpu: &Gpu) -> Self {
+        if gpu.compute_capability == (9, 0) {
+            self
+        } else {
+            TcKernels::MmaSync
+        }
+    }
 }
 
 /// Output element of a projection: f32 (residual stream, logits) or bf16 (the next
@@ -162,14 +160,12 @@ pub struct Gemm {
     tc_reduce_bf16: CudaFunction,
     tc_big_f32: CudaFunction,
     tc_big_bf16: CudaFunction,
-    /// The warpgroup-MMA kernels (sm_90 only): 64-row tile [f32, bf16], 128-row tile
-    /// [f32, bf16].
-    wg: Option<[CudaFunction; 4]>,
-    /// The TMA ones (sm_90 only), in the same order.
+    /// The TMA-fed warpgroup-MMA kernels (sm_90 only): 64-row tile [f32, bf16], 128-row
+    /// tile [f32, bf16].
     wgt: Option<[CudaFunction; 4]>,
-    /// The kernels of `InvariantTc` ([`TcKernels::for_gpu`]); set it only before the first
-    /// call (a process's results stay batch-invariant only with one kind).
-    pub tc_kernels: TcKernels,
+    /// The kernels of `InvariantTc` (resolved for the GPU: [`TcKernels::resolve`]); fixed
+    /// at construction (a process's results stay batch-invariant only with one kind).
+    tc_kernels: TcKernels,
     /// `linear_tc` runs its 128 × 128 tile (`linear_tc_big`) for calls of more rows than
     /// this, its 64 × 64 tile for the others (the same bits either way).
     pub large_from: usize,
@@ -177,22 +173,10 @@ pub struct Gemm {
     pub mode: GemmMode,
 }
 
-/// A kernel entry allowed `smem` bytes of dynamic shared memory.
-pub(crate) fn with_smem(
-    m: &std::sync::Arc<cudarc::driver::CudaModule>,
-    name: &str,
-    smem: usize,
-) -> Result<CudaFunction> {
-    let f = m.load_function(name)?;
-    f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )?;
-    Ok(f)
-}
-
 impl Gemm {
-    pub fn new(gpu: &Gpu, mode: GemmMode) -> Result<Self> {
+    /// cuBLAS on the GPU's stream plus the invariant kernels; `tc` picks the kernels of
+    /// [`GemmMode::InvariantTc`].
+    pub fn new(gpu: &Gpu, mode: GemmMode, tc_kernels: TcKernels) -> Result<Self> {
         let m = gpu.load_module(kernels::BACKEND_OPS)?;
         let tc = gpu.load_module(kernels::GEMM_TC)?;
         let blas = CudaBlas::new(gpu.stream.clone())?;
@@ -214,16 +198,6 @@ impl Gemm {
             tc_bf16: tc.load_function("linear_tc_bf16_obf16")?,
             tc_big_f32: with_smem(&tc, "linear_tc_big_bf16_of32", TC_BIG_SMEM)?,
             tc_big_bf16: with_smem(&tc, "linear_tc_big_bf16_obf16", TC_BIG_SMEM)?,
-            wg: if gpu.compute_capability == (9, 0) {
-                Some([
-                    with_smem(&tc, "linear_wg64_bf16_of32", wg_smem(TC_ROWS))?,
-                    with_smem(&tc, "linear_wg64_bf16_obf16", wg_smem(TC_ROWS))?,
-                    with_smem(&tc, "linear_wg128_bf16_of32", wg_smem(TC_BIG))?,
-                    with_smem(&tc, "linear_wg128_bf16_obf16", wg_smem(TC_BIG))?,
-                ])
-            } else {
-                None
-            },
             wgt: if gpu.compute_capability == (9, 0) {
                 Some([
                     with_smem(&tc, "linear_wgt64_bf16_of32", wgt_smem(TC_ROWS))?,
@@ -234,7 +208,7 @@ impl Gemm {
             } else {
                 None
             },
-            tc_kernels: TcKernels::for_gpu(gpu),
+            tc_kernels: tc_kernels.resolve(gpu),
             large_from: TC_ROWS,
             tc_reduce_f32: tc.load_function("linear_tc_reduce_of32")?,
             tc_reduce_bf16: tc.load_function("linear_tc_reduce_obf16")?,
@@ -327,13 +301,12 @@ impl Gemm {
                 // More rows than `large_from`: the 128 × 128 tile (the same bits per row).
                 let large = m > self.large_from;
                 let red = if T::BF16 { &self.tc_reduce_bf16 } else { &self.tc_reduce_f32 };
-                let kinds = match self.tc_kernels {
-                    TcKernels::Wgmma => self.wg.as_ref().map(|w| (w, false)),
-                    TcKernels::WgmmaTma => self.wgt.as_ref().map(|w| (w, true)),
-                    TcKernels::Auto if m > TC_SMALL_ROWS => self.wgt.as_ref().map(|w| (w, true)),
+                let wg = match self.tc_kernels {
+                    TcKernels::WgmmaTma => self.wgt.as_ref(),
+                    TcKernels::Auto if m > TC_SMALL_ROWS => self.wgt.as_ref(),
                     TcKernels::Auto | TcKernels::MmaSync => None,
                 };
-                let (wg, tma) = (kinds.map(|k| k.0), kinds.is_some_and(|k| k.1));
+                let tma = wg.is_some();
                 let f = match (wg, T::BF16, large) {
                     (None, true, false) => &self.tc_bf16,
                     (None, false, false) => &self.tc_f32,
@@ -341,16 +314,14 @@ impl Gemm {
                     (None, false, true) => &self.tc_big_f32,
                     (Some(w), bf, large) => &w[2 * large as usize + bf as usize],
                 };
-                let (tile_rows, tile_cols, threads, smem) = match (wg.is_some(), tma, large) {
-                    (false, _, false) => (TC_ROWS, plan::TC_BN, 128, 0),
-                    (false, _, true) => (TC_BIG, TC_BIG, 256, TC_BIG_SMEM),
-                    (true, false, false) => (TC_ROWS, plan::TC_BN, 128, wg_smem(TC_ROWS)),
-                    (true, false, true) => (TC_BIG, TC_BIG, 256, wg_smem(TC_BIG)),
-                    (true, true, false) => (TC_ROWS, TC_BIG, 256, wgt_smem(TC_ROWS)),
-                    (true, true, true) => (TC_BIG, TC_BIG, 384, wgt_smem(TC_BIG)),
+                let (tile_rows, tile_cols, threads, smem) = match (tma, large) {
+                    (false, false) => (TC_ROWS, plan::TC_BN, 128, 0),
+                    (false, true) => (TC_BIG, TC_BIG, 256, TC_BIG_SMEM),
+                    (true, false) => (TC_ROWS, TC_BIG, 256, wgt_smem(TC_ROWS)),
+                    (true, true) => (TC_BIG, TC_BIG, 384, wgt_smem(TC_BIG)),
                 };
                 // The weight's tensor map (TMA kernels): its rows in boxes of a column tile.
-                let tw = if tma { Some(tensor_map_2d(wp, lin.inp, lin.out, tile_cols as u32)?) } else { None };
+                let tw = if tma { Some(bf16_matrix_map(wp, lin.inp, lin.out, tile_cols as u32)?) } else { None };
                 let col_blocks = lin.out.div_ceil(tile_cols);
                 if col_blocks > 65_535 {
                     return Err(CudaError::shape(K, "too many columns for linear_tc"));
@@ -402,7 +373,7 @@ impl Gemm {
                         shared_mem_bytes: smem as u32,
                     };
                     let tx = match tw {
-                        Some(_) => Some(tensor_map_2d(xr, lin.inp, rows, tile_rows as u32)?),
+                        Some(_) => Some(bf16_matrix_map(xr, lin.inp, rows, tile_rows as u32)?),
                         None => None,
                     };
                     let mut launch = s.launch_builder(f);
@@ -410,20 +381,14 @@ impl Gemm {
                         (Some(tx), Some(tw)) => {
                             launch.arg(tx).arg(tw).arg(&yr).arg(&pp).arg(&ri).arg(&ni).arg(&ki).arg(&kc).arg(&seq_i)
                         }
-                        _ => {
-                            launch.arg(&yr).arg(&pp).arg(&xr).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kc);
-                            if wg.is_some() {
-                                launch.arg(&seq_i);
-                            }
-                            &mut launch
-                        }
+                        _ => launch.arg(&yr).arg(&pp).arg(&xr).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kc),
                     };
-                    // SAFETY: linear_tc_*/linear_tc_big_*(y, part, x, w, m, n, k, kchunk),
-                    // linear_wg*(.., kchunk, seq) and linear_wgt*(tx, tw, y, part, m, n, k,
+                    // SAFETY: linear_tc_*/linear_tc_big_*(y, part, x, w, m, n, k, kchunk)
+                    // and linear_wgt*(tx, tw, y, part, m, n, k,
                     // kchunk, seq) (tensor maps of exactly these x rows and w, made just
                     // above; with their dynamic shared memory, allowed at load) read x rows r0.. (rows × inp, in bounds: r0 + rows <= m,
                     // lengths checked above) and w (out × inp). With grid.y = 1 (part null)
-                    // they write y[row][col] for row < rows, col < out only (linear_wg with
+                    // they write y[row][col] for row < rows, col < out only (linear_wgt with
                     // seq = 1 runs every k range itself); with grid.y = ksplit > 1 block
                     // (.., ks, ..) writes part[ks][row][col] (ksplit × rows × out f32, within
                     // the ksplit × slab × out allocation) and never y. Rows are 16-byte

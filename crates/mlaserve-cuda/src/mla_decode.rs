@@ -15,12 +15,14 @@ use cudarc::driver::{
 };
 use half::bf16;
 
+use crate::dims::DecodeDims;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
+use crate::launch::with_smem;
 pub use crate::plan::SplitMerge;
 use crate::plan::{self, MAX_SPLITS, PAGE, TILE_ROWS};
-use crate::reference::DecodeDims;
+use crate::tensor_map::{bf16_tensor_map, TensorMapArg};
 
 const NAME: &str = "mla_decode";
 /// Fast-path dims: every V2/V3/R1/K2 checkpoint has kv_lora_rank 512, rope 64.
@@ -30,16 +32,6 @@ const FAST_THREADS: u32 = 256;
 /// Shared memory of the fast kernel: Q tile + 3 KV chunks of 32 tokens + the S exchange
 /// (must match `Cfg::SMEM_BYTES` in mla_decode.cu).
 const FAST_SMEM: usize = TILE_ROWS * 1152 + 3 * 32 * 1152 + 8 * 32 * 16 * 4;
-/// wgmma kernel variants by stored query rows (`Geo<QROWS>` in mla_decode_sm90.cu).
-const WGMMA_QROWS: [usize; 3] = [16, 32, 64];
-
-/// Shared memory of a wgmma variant (`Geo::SMEM_BYTES`): 1 KB alignment slack + Q rows +
-/// the chunk ring (4 stages for 64 rows, 5 below) + half the S exchange.
-const fn wgmma_smem(qrows: usize) -> usize {
-    let stages = if qrows == 64 { 4 } else { 5 };
-    1024 + qrows * 1152 + stages * 32 * 1152 + 2 * 128 * 8 * 4 + 64
-}
-
 /// Dynamic shared memory of the seesaw kernel (`SMEM_BYTES` in mla_decode_sm90_ss.cu):
 /// 1 KB alignment slack + Q (64 rows) + two 64-token slots + P fragments + two row maxima
 /// + four mbarriers.
@@ -53,33 +45,15 @@ const TRANSPOSED_SMEM: [usize; 2] = [172_176, 195_856];
 /// Loads `{name}_obf16` and `{name}_of32` from `m` and opts both into `smem` bytes of
 /// dynamic shared memory.
 fn load_pair(m: &Arc<CudaModule>, name: &str, smem: usize) -> Result<(CudaFunction, CudaFunction)> {
-    let pair = (m.load_function(&format!("{name}_obf16"))?, m.load_function(&format!("{name}_of32"))?);
-    for f in [&pair.0, &pair.1] {
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
-    }
-    Ok(pair)
+    Ok((with_smem(m, &format!("{name}_obf16"), smem)?, with_smem(m, &format!("{name}_of32"), smem)?))
 }
-
-/// The (function, shared memory) of wgmma variant `v` for the output type.
-fn pick_variant(variants: &[(CudaFunction, CudaFunction)], v: usize, bf: bool) -> (&CudaFunction, usize) {
-    let (w_bf16, w_f32) = &variants[v];
-    (if bf { w_bf16 } else { w_f32 }, wgmma_smem(WGMMA_QROWS[v]))
-}
-
-/// A `CUtensorMap` as a by-value kernel argument (`const __grid_constant__ CUtensorMap`).
-#[repr(transparent)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct TensorMapArg(pub(crate) sys::CUtensorMap);
-// SAFETY: a plain 128-byte, 128-aligned POD that the driver copies into the kernel's
-// parameter space, which is what the kernels declare.
-unsafe impl DeviceRepr for TensorMapArg {}
 
 /// Tensor map of the latent cache, 3-D: dim 0 = 64 dims (128 bytes, the swizzle span),
 /// dim 1 = tokens (stride 1152 bytes), dim 2 = the 9 blocks of 64 dims (stride 128
 /// bytes). A box of 64 x `box_tokens` x `box_blocks` lands as `[block][token][128 B]`
-/// with the 128-byte swizzle the wgmma layout expects: 64 x 32 x 9 is a whole 32-token
-/// chunk (the 32-token kernels), 64 x 64 x 1 one 64-dim piece of a page (the 64-token
-/// kernels issue nine per page, so each piece can complete on its own barrier).
+/// with the 128-byte swizzle the wgmma layout expects: 64 x 64 x 1 is one 64-dim piece of
+/// a page (the 64-token kernels issue nine per page, so each piece can complete on its own
+/// barrier).
 fn kv_tensor_map(
     cache_ptr: sys::CUdeviceptr,
     num_blocks: usize,
@@ -93,41 +67,6 @@ fn kv_tensor_map(
     bf16_tensor_map(cache_ptr, &dims, &[(dqk * 2) as u64, 128], &[64, box_tokens, box_blocks])
 }
 
-/// A bf16 tensor map (rank = `dims.len()`, ≤ 5) at `ptr` with 128-byte swizzle, unit
-/// element strides, 256-byte L2 promotion; out-of-range elements read as zero. `strides`
-/// are the byte strides of dims 1.. (multiples of 16); the caller guarantees that `ptr`
-/// is a device allocation covering every element the dims address, 16-byte aligned.
-pub(crate) fn bf16_tensor_map(
-    ptr: sys::CUdeviceptr,
-    dims: &[u64],
-    strides: &[u64],
-    boxes: &[u32],
-) -> Result<TensorMapArg> {
-    assert!(dims.len() <= 5 && strides.len() + 1 == dims.len() && boxes.len() == dims.len());
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    let elem_strides = [1u32; 5];
-    // SAFETY: every pointer refers to a live slice of at least the rank the call is given
-    // (checked above); the caller vouches for the global address; the map is written in
-    // place.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            dims.len() as u32,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()?;
-        Ok(TensorMapArg(map.assume_init()))
-    }
-}
 const GENERIC_THREADS: u32 = 128;
 const GENERIC_MAX_DV: usize = 128 * 8;
 
@@ -163,11 +102,6 @@ impl MlaOut for f32 {
 pub enum MlaKernel {
     /// mma.sync m16n8k16 (any sm_80+ GPU; the sm_100a and PTX images use it).
     MmaSync,
-    /// wgmma m64nNk16 (sm_90a only): 4x the operand reuse of mma.sync; KV by cp.async.
-    Wgmma,
-    /// wgmma with the KV chunks brought by TMA (bulk tensor copies on mbarriers): no
-    /// per-chunk proxy fence, one issuing thread.
-    WgmmaTma,
     /// The "seesaw" schedule (mla_decode_sm90_ss.cu): 64-token blocks, each warpgroup
     /// computes S = Q Kᵀ (m64n64) of every other block over all 576 dims and owns half
     /// of O; P and the running max pass between the two through shared memory.
@@ -178,21 +112,14 @@ pub enum MlaKernel {
     Transposed,
     /// The default: per launch, the kernel that measured fastest for its shape on an
     /// H200 (docs/PERFORMANCE.md): on sm_90 the transposed kernel for one tile of at
-    /// most 32 rows and the seesaw kernel for everything else (each faster than every
-    /// 32-token kernel at every shape of the issue's sweep); elsewhere mma.sync.
+    /// most 32 rows and the seesaw kernel for everything else (each faster than the
+    /// mma.sync kernel at every shape of the issue's sweep); elsewhere mma.sync.
     Auto,
 }
 
 impl MlaKernel {
     /// Every selectable kernel, `Auto` last.
-    pub const ALL: [MlaKernel; 6] = [
-        MlaKernel::MmaSync,
-        MlaKernel::Wgmma,
-        MlaKernel::WgmmaTma,
-        MlaKernel::Seesaw,
-        MlaKernel::Transposed,
-        MlaKernel::Auto,
-    ];
+    pub const ALL: [MlaKernel; 4] = [MlaKernel::MmaSync, MlaKernel::Seesaw, MlaKernel::Transposed, MlaKernel::Auto];
 
     /// The kernel called `name` (as [`MlaKernel::name`] spells it).
     pub fn from_name(name: &str) -> Option<MlaKernel> {
@@ -202,8 +129,6 @@ impl MlaKernel {
     pub fn name(self) -> &'static str {
         match self {
             MlaKernel::MmaSync => "mma.sync",
-            MlaKernel::Wgmma => "wgmma",
-            MlaKernel::WgmmaTma => "wgmma+tma",
             MlaKernel::Seesaw => "wgmma-ss",
             MlaKernel::Transposed => "wgmma-t",
             MlaKernel::Auto => "auto",
@@ -234,10 +159,9 @@ pub struct MlaWorkspace {
 }
 
 impl MlaWorkspace {
-    /// Fills the partials with `bits` (checks poison them with NaN).
-    pub fn poison(&mut self, util: &crate::kernels::Util, stream: &Arc<CudaStream>, bits: u32) -> Result<()> {
-        util.poison_f32(stream, &mut self.o_acc, bits)?;
-        util.poison_f32(stream, &mut self.lse_acc, bits)
+    /// The split partials `(o_acc, lse_acc)` (checks poison them with NaN).
+    pub fn partials_mut(&mut self) -> (&mut CudaSlice<f32>, &mut CudaSlice<f32>) {
+        (&mut self.o_acc, &mut self.lse_acc)
     }
 }
 
@@ -250,11 +174,6 @@ pub struct MlaDecode {
     combine_f32: CudaFunction,
     generic_bf16: CudaFunction,
     generic_f32: CudaFunction,
-    /// (bf16 out, f32 out) wgmma kernels per [`WGMMA_QROWS`] variant, present on compute
-    /// capability 9.0 only.
-    wgmma: Option<Vec<(CudaFunction, CudaFunction)>>,
-    /// The same for the TMA variant (`mla_decode_wgmma_tma_*`).
-    wgmma_tma: Option<Vec<(CudaFunction, CudaFunction)>>,
     /// (bf16 out, f32 out) seesaw kernels (sm_90 only), and their two-split cluster
     /// entries (`_c2`, [`SplitMerge::Cluster`]).
     seesaw: Option<(CudaFunction, CudaFunction)>,
@@ -287,16 +206,7 @@ impl MlaDecode {
         for f in [&splitkv_bf16, &splitkv_f32] {
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, FAST_SMEM as i32)?;
         }
-        // wgmma exists only in the sm_90a image; elsewhere its entry points trap.
-        let (wgmma, wgmma_tma) = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= wgmma_smem(64) {
-            let m90 = gpu.load_module(kernels::MLA_DECODE_SM90)?;
-            let load = |prefix: &str| -> Result<Vec<(CudaFunction, CudaFunction)>> {
-                WGMMA_QROWS.iter().map(|&qr| load_pair(&m90, &format!("{prefix}_q{qr}"), wgmma_smem(qr))).collect()
-            };
-            (Some(load("mla_decode_wgmma_d512r64")?), Some(load("mla_decode_wgmma_tma_d512r64")?))
-        } else {
-            (None, None)
-        };
+        // wgmma exists only in the sm_90a images; elsewhere its entry points trap.
         let (seesaw, seesaw_c2) = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= SEESAW_SMEM {
             let m = gpu.load_module(kernels::MLA_DECODE_SM90_SS)?;
             (
@@ -322,8 +232,6 @@ impl MlaDecode {
             };
         let kernel = MlaKernel::Auto;
         Ok(MlaDecode {
-            wgmma,
-            wgmma_tma,
             seesaw,
             seesaw_c2,
             transposed,
@@ -349,12 +257,6 @@ impl MlaDecode {
     /// Concrete tensor-core kernels this GPU can run (what `Auto` chooses among).
     pub fn available_kernels(&self) -> Vec<MlaKernel> {
         let mut v = vec![MlaKernel::MmaSync];
-        if self.wgmma.is_some() {
-            v.push(MlaKernel::Wgmma);
-        }
-        if self.wgmma_tma.is_some() {
-            v.push(MlaKernel::WgmmaTma);
-        }
         if self.seesaw.is_some() {
             v.push(MlaKernel::Seesaw);
         }
@@ -387,9 +289,7 @@ impl MlaDecode {
 
     /// Selects the fast-path kernel (for comparisons and tests).
     pub fn set_kernel(&mut self, k: MlaKernel) -> Result<()> {
-        if (k == MlaKernel::Wgmma && self.wgmma.is_none())
-            || (k == MlaKernel::WgmmaTma && self.wgmma_tma.is_none())
-            || (k == MlaKernel::Seesaw && self.seesaw.is_none())
+        if (k == MlaKernel::Seesaw && self.seesaw.is_none())
             || (k == MlaKernel::Transposed && (self.transposed.is_none() || self.seesaw.is_none()))
         {
             return Err(CudaError::shape(NAME, "wgmma needs an sm_90 GPU"));
@@ -437,8 +337,7 @@ impl MlaDecode {
                 MlaKernel::Transposed
             }
             MlaKernel::Auto if self.seesaw.is_some() => MlaKernel::Seesaw,
-            MlaKernel::Auto if self.wgmma_tma.is_none() || (tiles == 1 && rows <= 16) => MlaKernel::MmaSync,
-            MlaKernel::Auto => MlaKernel::WgmmaTma,
+            MlaKernel::Auto => MlaKernel::MmaSync,
             k => k,
         }
     }
@@ -584,28 +483,18 @@ impl MlaDecode {
         let bf = T::SUFFIX == "obf16";
         let comb = if bf { &self.combine_bf16 } else { &self.combine_f32 };
         let tiles = plan::tiles(d.heads, d.q_len);
-        // The smallest wgmma variant that stores every row of the (single) tile.
-        let v = if tiles > 1 { 2 } else { WGMMA_QROWS.iter().position(|&qr| rows <= qr).unwrap_or(2) };
         let kernel = self.effective_kernel(d);
         let merge = self.effective_merge(d, splits);
-        // (function, shared memory, TMA box: tokens x 64-dim blocks, or none for cp.async)
-        let (f, smem, tma_box) = match (kernel, &self.wgmma, &self.wgmma_tma, &self.seesaw) {
-            (MlaKernel::Wgmma, Some(w), _, _) => {
-                let (f, sm) = pick_variant(w, v, bf);
-                (f, sm, None)
-            }
-            (MlaKernel::WgmmaTma, _, Some(w), _) => {
-                let (f, sm) = pick_variant(w, v, bf);
-                (f, sm, Some((32, 9)))
-            }
-            (MlaKernel::Seesaw, _, _, Some((fb, ff))) => {
+        // (function, shared memory, TMA box: tokens x 64-dim blocks, or none for mma.sync)
+        let (f, smem, tma_box) = match (kernel, &self.seesaw) {
+            (MlaKernel::Seesaw, Some((fb, ff))) => {
                 let (fb, ff) = match (merge, &self.seesaw_c2) {
                     (Some(SplitMerge::Cluster), Some((cb, cf))) => (cb, cf),
                     _ => (fb, ff),
                 };
                 (if bf { fb } else { ff }, SEESAW_SMEM, Some((64, 1)))
             }
-            (MlaKernel::Transposed, _, _, _) if self.transposed.is_some() => {
+            (MlaKernel::Transposed, _) if self.transposed.is_some() => {
                 let t = usize::from(rows > TRANSPOSED_QROWS[0]);
                 let set = match (merge, &self.transposed_c2) {
                     (Some(SplitMerge::Cluster), Some(c2)) => c2,
@@ -637,17 +526,15 @@ impl MlaDecode {
             block_dim: (FAST_THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: argument list matches mla_decode_splitkv_d512r64_o* and
-        // mla_decode_wgmma_d512r64_q*_o* (same signature): (q, kv, block_table,
+        // SAFETY: argument list matches mla_decode_splitkv_d512r64_o* (and, after the
+        // tensor map and with the extra arguments below, the 64-token kernels): (q, kv, block_table,
         // seq_lens, out, lse, o_acc, lse_acc, heads, q_len, bt_stride, num_blocks,
         // num_splits, scale_log2). q/cache/out/lse lengths are checked above for dims
         // 512+64; with splits > 1 the kernel writes partials at
         // [(b*splits + split)*rows + row] < batch*splits*rows, which the workspace holds
         // (checked), and with splits == 1 it writes only out/lse. Page ids and seq_lens
         // are clamped in the kernel. Each kernel's shared memory was opted into in `new`,
-        // the wgmma kernel is only chosen where its sm_90a image exists, and its variant
-        // stores at least the tile's valid rows (the rest of its 64 rows are computed from
-        // other shared bytes inside the allocation and never written out). The TMA
+        // and the wgmma kernels are only chosen where their sm_90a image exists. The TMA
         // kernels take the cache's tensor map first; it describes exactly the `cache`
         // allocation (num_blocks pages, checked above), so every box is in bounds. The
         // seesaw and transposed kernels take `counters` after lse_acc: null (no merge), or

@@ -6,7 +6,7 @@
 pub const PAGE: usize = mlaserve_core::BLOCK_SIZE;
 /// Query rows per tile: `rows = q_len * heads`, packed `row = s_idx * heads + head`.
 pub const TILE_ROWS: usize = 64;
-/// Cache tokens per pipeline step of the 32-token kernels (half a page); their splits are
+/// Cache tokens per pipeline step of the mma.sync kernel (half a page); its splits are
 /// made of these.
 pub const CHUNK_TOKENS: usize = 32;
 /// The 64-token kernels (seesaw, transposed) split at page boundaries.
@@ -186,7 +186,7 @@ mod tests {
         }
         assert_eq!(Cluster.resolve(true, 2), Some(Cluster));
         assert_eq!(Cluster.resolve(true, 3), Some(Kernel), "a cluster pair holds two splits only");
-        assert_eq!(Cluster.resolve(false, 2), Some(Kernel), "32-token kernels have no cluster entry");
+        assert_eq!(Cluster.resolve(false, 2), Some(Kernel), "the mma.sync kernel has no cluster entry");
         assert_eq!(LastCta.resolve(true, 7), Some(LastCta));
         assert_eq!(LastCta.resolve(false, 7), Some(Kernel));
         assert_eq!(Kernel.resolve(true, 2), Some(Kernel));

@@ -27,35 +27,6 @@ pub const KEY_TILE: usize = 64;
 /// first output row, query rows, first key row, keys, block-table row.
 pub const SEQ_FIELDS: usize = 5;
 
-/// Head dimensions of an expanded-form call (this rank's heads).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefillDims {
-    pub heads: usize,
-    /// `qk_nope_head_dim`.
-    pub nope: usize,
-    /// `qk_rope_head_dim` (the shared `k_pe` width).
-    pub rope: usize,
-    /// `v_head_dim`.
-    pub vdim: usize,
-}
-
-impl PrefillDims {
-    pub fn qk(&self) -> usize {
-        self.nope + self.rope
-    }
-
-    /// The kernel instance's padded head widths `(qk, v)` for these dims, `None` when no
-    /// instance takes them (the absorbed form then serves every row). Each width must be a
-    /// multiple of 8 (16-byte rows of bf16).
-    pub fn instance(&self) -> Option<(usize, usize)> {
-        let aligned = [self.nope, self.rope, self.vdim].iter().all(|d| d.is_multiple_of(8));
-        if !aligned || self.heads == 0 || self.nope == 0 || self.vdim == 0 {
-            return None;
-        }
-        [(64, 64), (192, 128)].into_iter().find(|&(qk, v)| self.qk() <= qk && self.vdim <= v)
-    }
-}
-
 /// Dynamic shared memory of the instance with padded widths `(qk, v)`: the Q tile and two
 /// stages of K and V tiles, bf16.
 pub fn smem_bytes(qk: usize, v: usize) -> usize {
@@ -69,31 +40,39 @@ pub fn smem_bytes_wg(qk: usize, v: usize) -> usize {
     1024 + WG_TILE_ROWS * qk * 2 + 3 * KEY_TILE * (qk + v) * 2 + 64
 }
 
-/// Which attention kernel an expanded-form call runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub use crate::dims::{PrefillDims, PrefillSeq};
+
+/// Which attention kernel an expanded-form call runs. They agree to rounding, not in
+/// bits: keep one kernel for the runs whose outputs are compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillKernel {
-    /// mma.sync (every GPU).
+    /// mma.sync (every GPU; what the others resolve to without wgmma).
     MmaSync,
     /// Hopper's warpgroup MMA (`mla_prefill_wg_*`), K/V tiles by cp.async.
     Wgmma,
     /// The same with the K/V tiles by TMA (`mla_prefill_wgt_qk192_v128`) where the head
-    /// widths are DeepSeek's exactly (nope 128, rope 64, v 128); `Wgmma` elsewhere.
+    /// widths are DeepSeek's exactly (nope 128, rope 64, v 128); `Wgmma` elsewhere. The
+    /// default.
+    #[default]
     WgmmaTma,
 }
 
-/// One sequence's part of an expanded-form call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefillSeq {
-    /// Row of its first new token in the query and output buffers (`[rows][heads][..]`);
-    /// its new tokens are the rows `q_row0..q_row0 + q_len`.
-    pub q_row0: usize,
-    /// New tokens (query rows); query `i` sits at position `k_len − q_len + i` and sees
-    /// keys `0..=` that position.
-    pub q_len: usize,
-    /// Keys: positions `0..k_len`, the cached prefix and the new tokens.
-    pub k_len: usize,
-    /// Its row in the block table.
-    pub table_row: usize,
+impl PrefillKernel {
+    /// Every choice, as [`PrefillKernel::name`] spells it.
+    pub const ALL: [PrefillKernel; 3] = [PrefillKernel::MmaSync, PrefillKernel::Wgmma, PrefillKernel::WgmmaTma];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillKernel::MmaSync => "mma.sync",
+            PrefillKernel::Wgmma => "wgmma",
+            PrefillKernel::WgmmaTma => "tma",
+        }
+    }
+
+    /// The choice called `name` (as [`PrefillKernel::name`] spells it).
+    pub fn from_name(name: &str) -> Option<PrefillKernel> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
 }
 
 /// Visible (query, key) pairs of a call: `Σ_j Σ_i (k_len − q_len + i + 1)`, the honest
@@ -155,14 +134,16 @@ mod device {
     use crate::error::{CudaError, Result};
     use crate::gpu::Gpu;
     use crate::kernels;
+    use crate::launch::need;
     use crate::linear::{Gemm, Linear};
-    use crate::ops::{need, RopeTables};
     use crate::plan::PAGE;
+    use crate::rope::RopeTables;
+    use crate::tensor_map::bf16_tensor_map;
 
     const K: &str = "mla_prefill";
 
     fn i32_of(v: usize) -> Result<i32> {
-        i32::try_from(v).map_err(|_| CudaError::shape(K, format!("{v} overflows i32")))
+        crate::launch::i32_of(K, v)
     }
 
     /// A call's sequences, on the host and as the kernels' descriptors on the device
@@ -282,15 +263,14 @@ mod device {
         gather: CudaFunction,
         scatter: CudaFunction,
         max_smem: usize,
-        /// The attention kernel: wgmma with TMA on Hopper, else mma.sync;
-        /// `MLASERVE_PREFILL_KERNEL=mma.sync|wgmma|tma` picks one (for comparisons). They
-        /// agree to rounding, not in bits: keep one kernel for the runs whose outputs are
-        /// compared.
+        /// The attention kernel: the one asked for where the GPU has wgmma, else mma.sync.
         pub kernel: PrefillKernel,
     }
 
     impl MlaPrefill {
-        pub fn new(gpu: &Gpu) -> Result<Self> {
+        /// Loads the kernels; `kernel` is the attention kernel to run (mma.sync where the
+        /// GPU has no wgmma).
+        pub fn new(gpu: &Gpu, kernel: PrefillKernel) -> Result<Self> {
             let m = gpu.load_module(kernels::MLA_PREFILL)?;
             let fwd_large = m.load_function("mla_prefill_fwd_qk192_v128")?;
             let large = smem_bytes(192, 128);
@@ -317,11 +297,7 @@ mod device {
             } else {
                 None
             };
-            let kernel = match (std::env::var("MLASERVE_PREFILL_KERNEL").as_deref(), &fwd_wg) {
-                (Ok("mma.sync"), _) | (_, None) => PrefillKernel::MmaSync,
-                (Ok("wgmma"), _) => PrefillKernel::Wgmma,
-                _ => PrefillKernel::WgmmaTma,
-            };
+            let kernel = if fwd_wg.is_some() { kernel } else { PrefillKernel::MmaSync };
             Ok(MlaPrefill {
                 fwd_small: m.load_function("mla_prefill_fwd_qk64_v64")?,
                 fwd_large,
@@ -540,7 +516,7 @@ mod device {
             // checked above; 16-byte rows), boxes of 64 dims × 64 keys.
             let maps = if tma {
                 let map = |p: u64, inner: usize| {
-                    crate::mla_decode::bf16_tensor_map(p, &[inner as u64, t as u64], &[(inner * 2) as u64], &[64, 64])
+                    bf16_tensor_map(p, &[inner as u64, t as u64], &[(inner * 2) as u64], &[64, 64])
                 };
                 Some([map(knp, h * d.nope)?, map(kpp, d.rope)?, map(vp, h * d.vdim)?])
             } else {

@@ -20,7 +20,7 @@ use cudarc::driver::{
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
-use crate::ops::{i32_of, need};
+use crate::launch::{i32_of, need};
 use crate::plan;
 
 /// [`RouterTile::Auto`] runs the decode tile up to this many rows, the prefill tile above

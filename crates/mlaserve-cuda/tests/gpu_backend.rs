@@ -256,11 +256,11 @@ fn tiny_v3_matches_cpu_default_options() {
 }
 
 #[test]
-fn tiny_v3_matches_cpu_batch_invariant() {
+fn tiny_v3_matches_cpu_cuda_core_batch_invariant() {
     if !require_gpu() {
         return;
     }
-    run_with(CudaOptions::new(BLOCKS, 0).batch_invariant(), 1, "batch-invariant");
+    run_with(CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores(), 1, "batch-invariant");
 }
 
 #[test]
@@ -270,6 +270,6 @@ fn tiny_v3_tp2_tp4_tp8_match_cpu() {
             return;
         }
         run_with(CudaOptions::new(BLOCKS, 0), world, &format!("TP{world} nccl"));
-        run_with(CudaOptions::new(BLOCKS, 0).batch_invariant(), world, &format!("TP{world} ordered"));
+        run_with(CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores(), world, &format!("TP{world} ordered"));
     }
 }

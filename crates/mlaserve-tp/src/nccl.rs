@@ -1,8 +1,8 @@
-//! The NCCL [`Collective`]: one communicator per rank, one GPU per rank.
-//!
-//! Host buffers are staged through the rank's GPU: the step-plan channel of a group and
-//! the CPU backend's TP collectives run this way on the GPU machines (the CUDA backend
-//! has its own communicator on its stream, `mlaserve_cuda::DeviceComm`). Every operation is enqueued, then its
+//! NCCL for the workspace: [`NcclComm`], one rank's communicator on a stream with a
+//! bounded wait, and on it the host-staged [`Collective`] ([`NcclCollective`]: the
+//! step-plan channel of a group and the CPU backend's TP collectives on the GPU machines).
+//! The CUDA backend's device-buffer collectives (`mlaserve_cuda::DeviceComm`) use
+//! [`NcclComm`] on the backend's stream. Every operation is enqueued, then its
 //! completion is polled against a deadline: a peer that died or stalls makes the wait
 //! time out, the communicator is aborted (which also releases NCCL's spinning kernels),
 //! and this and every later call fail with an error naming the operation — a group never
@@ -24,9 +24,13 @@ pub fn new_id() -> Result<Vec<u8>> {
     Ok(id.internal().iter().map(|&c| c as u8).collect())
 }
 
-/// A rank's NCCL communicator.
+/// One rank's NCCL communicator on a stream, the single NCCL wrapper of the workspace:
+/// the host-staged [`NcclCollective`] here and the CUDA backend's device-buffer
+/// collectives (`mlaserve_cuda::DeviceComm`) both run on it. Operations are enqueued
+/// through [`NcclComm::with`]; [`NcclComm::wait`] polls the stream against the deadline
+/// and aborts the communicator when it passes, after which every call fails.
 #[derive(Debug)]
-pub struct NcclCollective {
+pub struct NcclComm {
     comm: RefCell<Option<Comm>>,
     stream: Arc<CudaStream>,
     rank: usize,
@@ -34,78 +38,127 @@ pub struct NcclCollective {
     timeout: Duration,
 }
 
-impl NcclCollective {
+impl NcclComm {
     /// Joins the communicator described by `id` (from [`new_id`] on the leader) as `rank`
-    /// of `world`, on GPU `ordinal`. Blocks until every rank has joined.
-    pub fn new(ordinal: usize, rank: usize, world: usize, id: &[u8], timeout: Duration) -> Result<Self> {
+    /// of `world`, on `stream`. Blocks until every rank has joined.
+    pub fn join(stream: &Arc<CudaStream>, rank: usize, world: usize, id: &[u8], timeout: Duration) -> Result<Self> {
+        let failed = |why: String| Error::Collective(format!("rank {rank} of {world}: ncclCommInitRank: {why}"));
         if id.len() != ID_BYTES {
-            return Err(Error::Collective(format!("NCCL id has {} bytes, expected {ID_BYTES}", id.len())));
+            return Err(failed(format!("NCCL id has {} bytes, expected {ID_BYTES}", id.len())));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| Error::Backend(format!("CUDA device {ordinal}: {e:?}")))?;
-        let stream = ctx.new_stream().map_err(|e| Error::Backend(format!("cuStreamCreate: {e:?}")))?;
+        if rank >= world {
+            return Err(failed("rank out of range".into()));
+        }
         let mut raw = [0 as std::ffi::c_char; ID_BYTES];
         for (d, s) in raw.iter_mut().zip(id) {
             *d = *s as std::ffi::c_char;
         }
-        let comm = Comm::from_rank(stream.clone(), rank, world, Id::uninit(raw))
-            .map_err(|e| Error::Collective(format!("ncclCommInitRank (rank {rank} of {world}): {e:?}")))?;
-        Ok(NcclCollective { comm: RefCell::new(Some(comm)), stream, rank, world, timeout })
+        let comm =
+            Comm::from_rank(stream.clone(), rank, world, Id::uninit(raw)).map_err(|e| failed(format!("{e:?}")))?;
+        Ok(NcclComm { comm: RefCell::new(Some(comm)), stream: stream.clone(), rank, world, timeout })
     }
 
-    /// Runs `op` on the communicator, then waits for the stream with a deadline.
-    fn run<T>(&self, what: &str, op: impl FnOnce(&Comm) -> Result<T>) -> Result<T> {
-        let out = {
-            let guard = self.comm.borrow();
-            let comm = guard.as_ref().ok_or_else(|| {
-                Error::Collective(format!("rank {}: {what}: communicator aborted after an earlier failure", self.rank))
-            })?;
-            op(comm)?
-        };
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The stream the communicator's operations run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// An error of operation `what` on this rank.
+    pub fn error(&self, what: &str, why: &str) -> Error {
+        Error::Collective(format!("rank {} of {}: {what}: {why}", self.rank, self.world))
+    }
+
+    /// Enqueues `op` on the communicator (fails once it was aborted).
+    pub fn with<T>(&self, what: &str, op: impl FnOnce(&Comm) -> Result<T>) -> Result<T> {
+        let guard = self.comm.borrow();
+        let comm = guard.as_ref().ok_or_else(|| self.error(what, "communicator aborted after an earlier failure"))?;
+        op(comm)
+    }
+
+    /// Waits until everything enqueued on the stream so far is done, at most the timeout;
+    /// on a timeout or a CUDA error the communicator is aborted.
+    pub fn wait(&self, what: &str) -> Result<()> {
         let event = self.stream.record_event(None).map_err(|e| Error::Backend(format!("cuEventRecord: {e:?}")))?;
-        let deadline = Instant::now() + self.timeout;
-        let mut nap = Duration::from_micros(5);
+        let start = Instant::now();
+        let deadline = start + self.timeout;
         loop {
             match event.try_is_complete() {
-                Ok(true) => return Ok(out),
+                Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => return Err(self.abort(what, &format!("CUDA error {e:?}"))),
             }
             if Instant::now() >= deadline {
-                return Err(
-                    self.abort(what, &format!("no completion within {:?}: a peer rank died or stalls", self.timeout))
-                );
+                let why = format!("no completion within {:?}: a peer rank died or stalls", self.timeout);
+                return Err(self.abort(what, &why));
             }
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(1));
+            // Spin (yielding) through a step's usual wait, then nap: a stalled peer must
+            // not cost a core, a healthy step must not pay a sleep's latency.
+            if start.elapsed() < Duration::from_millis(50) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
         }
     }
 
-    /// Aborts the communicator (NCCL's kernels return) and builds the error.
+    /// Aborts the communicator (dropping a cudarc `Comm` calls ncclCommAbort, which makes
+    /// NCCL's kernels return) and builds the error.
     fn abort(&self, what: &str, why: &str) -> Error {
-        // Dropping a cudarc `Comm` calls ncclCommAbort.
         drop(self.comm.borrow_mut().take());
-        Error::Collective(format!("rank {} of {}: {what}: {why}; communicator aborted", self.rank, self.world))
-    }
-
-    fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
-        self.stream.clone_htod(v).map_err(|e| Error::Backend(format!("host-to-device copy: {e:?}")))
-    }
-
-    fn dtoh<T: cudarc::driver::DeviceRepr>(&self, v: &CudaSlice<T>) -> Result<Vec<T>> {
-        self.stream.clone_dtoh(v).map_err(|e| Error::Backend(format!("device-to-host copy: {e:?}")))
+        self.error(what, &format!("{why}; communicator aborted"))
     }
 }
 
-fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> Error + '_ {
+/// A rank's host-staged NCCL [`Collective`], on a stream of its own.
+#[derive(Debug)]
+pub struct NcclCollective {
+    comm: NcclComm,
+}
+
+impl NcclCollective {
+    /// Joins the communicator described by `id` (from [`new_id`] on the leader) as `rank`
+    /// of `world`, on GPU `ordinal`. Blocks until every rank has joined.
+    pub fn new(ordinal: usize, rank: usize, world: usize, id: &[u8], timeout: Duration) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::Backend(format!("CUDA device {ordinal}: {e:?}")))?;
+        let stream = ctx.new_stream().map_err(|e| Error::Backend(format!("cuStreamCreate: {e:?}")))?;
+        Ok(NcclCollective { comm: NcclComm::join(&stream, rank, world, id, timeout)? })
+    }
+
+    /// Runs `op` on the communicator, then waits for the stream with a deadline.
+    fn run<T>(&self, what: &str, op: impl FnOnce(&Comm) -> Result<T>) -> Result<T> {
+        let out = self.comm.with(what, op)?;
+        self.comm.wait(what)?;
+        Ok(out)
+    }
+
+    fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        self.comm.stream().clone_htod(v).map_err(|e| Error::Backend(format!("host-to-device copy: {e:?}")))
+    }
+
+    fn dtoh<T: cudarc::driver::DeviceRepr>(&self, v: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.comm.stream().clone_dtoh(v).map_err(|e| Error::Backend(format!("device-to-host copy: {e:?}")))
+    }
+}
+
+/// An NCCL error of operation `what` as a collective error.
+pub fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> Error + '_ {
     move |e| Error::Collective(format!("{what}: {e:?}"))
 }
 
 impl Collective for NcclCollective {
     fn rank(&self) -> usize {
-        self.rank
+        self.comm.rank()
     }
     fn world_size(&self) -> usize {
-        self.world
+        self.comm.world()
     }
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
         let mut d = self.htod(buf)?;
@@ -116,8 +169,9 @@ impl Collective for NcclCollective {
     fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>> {
         let d = self.htod(local)?;
         let mut out = self
-            .stream
-            .alloc_zeros::<f32>(local.len() * self.world)
+            .comm
+            .stream()
+            .alloc_zeros::<f32>(local.len() * self.comm.world())
             .map_err(|e| Error::Backend(format!("cuMemAlloc: {e:?}")))?;
         self.run("all_gather", |c| c.all_gather(&d, &mut out).map_err(nccl_err("ncclAllGather")))?;
         self.dtoh(&out)

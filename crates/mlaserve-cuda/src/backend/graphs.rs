@@ -33,10 +33,10 @@ use mlaserve_core::{Batch, BLOCK_SIZE};
 use super::layer::GROUPED_MAX_EXPERTS;
 use super::route::{Absorbed, PrefillPath, Route, ABSORBED_MAX_ROWS};
 use super::weights::Ffn;
-use super::{CudaBackend, Step};
+use super::{CaptureMode, CudaBackend, Step};
+use crate::dims::DecodeDims;
 use crate::error::{CudaError, Result};
 use crate::layout::{seq_bucket, table_bucket, AttnMeta, StepLayout, MAX_GRAPH_ROWS, MAX_GRAPH_SEQS};
-use crate::reference::DecodeDims;
 
 /// Most graphs a backend keeps; later shapes run eagerly.
 const MAX_GRAPHS: usize = 512;
@@ -127,14 +127,6 @@ pub(crate) struct GraphOut {
     pub normed: CudaSlice<f32>,
 }
 
-/// `MLASERVE_TP_GRAPHS=1` (experimental until it has run on two GPUs): graphs on TP
-/// ranks too, each launched right after its capture, and each capture's outcome on
-/// stderr. `MLASERVE_GRAPH_CAPTURE=relaxed`
-/// captures in relaxed mode instead of thread-local.
-fn tp_experiment() -> bool {
-    std::env::var_os("MLASERVE_TP_GRAPHS").is_some_and(|v| v == "1")
-}
-
 /// The first `len` elements of `base` as a `CudaSlice` of their own: the kernels'
 /// wrappers take slices of a step's exact length. Never freed (dropping it leaks the
 /// handle, not the memory, which stays `base`'s).
@@ -207,7 +199,7 @@ impl CudaBackend {
             || o.prefill == PrefillPath::Expanded
             || (o.prefill == PrefillPath::Flagged && batch.seqs.iter().any(|c| c.prefill))
             || self.prof.is_some()
-            || (self.comm.is_some() && !(o.tp_graphs || tp_experiment()))
+            || (self.comm.is_some() && !o.tp_graphs)
         {
             return None;
         }
@@ -293,11 +285,12 @@ impl CudaBackend {
         let s = self.gpu.stream.clone();
         // Nothing of earlier work may be pending in the capture's view.
         self.gpu.sync()?;
-        let mode = if std::env::var("MLASERVE_GRAPH_CAPTURE").is_ok_and(|v| v == "relaxed") {
-            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED
-        } else {
-            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        let mode = match self.opts.graph_capture {
+            CaptureMode::Relaxed => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         };
+        // Graphs on TP ranks are experimental: each capture's outcome goes to stderr.
+        let report = self.opts.tp_graphs;
         s.begin_capture(mode)?;
         let body = self.body_on_io(key);
         // Always ended, so the stream leaves capture mode whatever happened.
@@ -305,7 +298,7 @@ impl CudaBackend {
         let why = match (body, graph) {
             (Ok(()), Ok(Some(g))) => match g.upload() {
                 Ok(()) => {
-                    if tp_experiment() {
+                    if report {
                         eprintln!("CUDA graph captured: {key:?}");
                     }
                     self.graphs.map.insert(key, g);
@@ -320,7 +313,7 @@ impl CudaBackend {
         // Work freed inside a failed capture records errors on the context: clear them.
         let _ = self.gpu.ctx.check_err();
         tracing::warn!(?key, %why, "CUDA graph capture failed; this shape runs eagerly");
-        if tp_experiment() {
+        if report {
             eprintln!("CUDA graph capture failed: {key:?}: {why}");
         }
         self.graphs.failed.insert(key, why);
@@ -377,7 +370,7 @@ impl CudaBackend {
         s.memcpy_htod(&lay.seq_lens, &mut io.seq_lens)?;
         if let Some((prev, rows_d, rows)) = mtp_in {
             let mut hid = Alias::new(&s, &io.hid, n * h);
-            self.ops.gather_f32(&s, &mut *hid, prev, rows_d, rows, h)?;
+            self.ops.gather(&s, &mut *hid, prev, rows_d, rows, h)?;
         }
         self.graphs.steps += 1;
         match self.graphs.map.get(&key) {

@@ -8,10 +8,11 @@ use half::bf16;
 use super::route::Absorbed;
 use super::weights::{Attn, Ffn, Mlp, Moe};
 use super::{BlockRef, CudaBackend, Step};
+use crate::dims::DecodeDims;
 use crate::error::Result;
-use crate::ops::{AttnMeta, GroupedVariant};
+use crate::layout::AttnMeta;
+use crate::ops::GroupedVariant;
 use crate::prefill::{LatentCache, PrefillDims};
-use crate::reference::DecodeDims;
 use crate::{MlaDecode, MlaDecodeShape};
 
 /// Most routed experts of a layer whose tokens the device sorts (`Ops::moe_sort`); a
@@ -47,7 +48,7 @@ impl CudaBackend {
             BlockRef::Mtp(d) => (&self.mtp[d].block, self.cfg.num_hidden_layers + d),
         };
         let mut xn = s.alloc_zeros::<bf16>(n * h)?;
-        self.ops.rmsnorm_bf16(&s, &mut xn, h, &*x, h, &block.in_norm, n, eps)?;
+        self.ops.rmsnorm(&s, &mut xn, h, &*x, h, &block.in_norm, n, eps)?;
         // The cache is written inside; take it out of `self` for the call.
         let mut cache = std::mem::replace(&mut self.caches[cache_idx], s.alloc_zeros::<bf16>(1)?);
         let block = match which {
@@ -61,7 +62,7 @@ impl CudaBackend {
         self.all_reduce(&mut a)?;
         self.mark("all-reduce")?;
         self.ops.add(&s, x, &a)?;
-        self.ops.rmsnorm_bf16(&s, &mut xn, h, &*x, h, &block.post_norm, n, eps)?;
+        self.ops.rmsnorm(&s, &mut xn, h, &*x, h, &block.post_norm, n, eps)?;
         let mut f = match &block.ffn {
             Ffn::Dense(m) => {
                 let f = self.mlp(m, &xn, n)?;
@@ -71,7 +72,7 @@ impl CudaBackend {
             Ffn::Moe(m) => {
                 // The router reads the normed state in f32 (its choice is discrete).
                 let mut xf = s.alloc_zeros::<f32>(n * h)?;
-                self.ops.rmsnorm_f32(&s, &mut xf, h, &*x, h, &block.post_norm, n, eps)?;
+                self.ops.rmsnorm(&s, &mut xf, h, &*x, h, &block.post_norm, n, eps)?;
                 self.moe(m, &xn, &xf, n)?
             }
         };
@@ -106,7 +107,7 @@ impl CudaBackend {
                 let mut cq = s.alloc_zeros::<f32>(n * r)?;
                 self.gemm.forward(s, qa, xn, n, &mut cq)?;
                 let mut cqn = s.alloc_zeros::<bf16>(n * r)?;
-                self.ops.rmsnorm_bf16(s, &mut cqn, r, &cq, r, qn, n, eps_lat)?;
+                self.ops.rmsnorm(s, &mut cqn, r, &cq, r, qn, n, eps_lat)?;
                 self.gemm.forward(s, &a.q_b, &cqn, n, &mut q)?;
             }
             None => self.gemm.forward(s, &a.q_b, xn, n, &mut q)?,
@@ -137,7 +138,7 @@ impl CudaBackend {
             Absorbed::Rows(r) => {
                 let m = r.rows.len();
                 let mut qs = s.alloc_zeros::<f32>(m * heads * qk)?;
-                self.ops.gather_f32(s, &mut qs, &q, &r.rows_d, &r.rows, heads * qk)?;
+                self.ops.gather(s, &mut qs, &q, &r.rows_d, &r.rows, heads * qk)?;
                 let rows = AbsView {
                     n: m,
                     pos: &r.pos,
@@ -373,20 +374,20 @@ impl CudaBackend {
                 self.ops.moe_sort(s, &ids, n, k, e, &mut off, &mut perm, &mut inv)?;
                 // SAFETY: as `ys`: the gather writes all `rows` rows.
                 let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
-                self.ops.gather_bf16_sorted(s, &mut xs, xn, &perm, rows, h)?;
+                self.ops.gather_sorted(s, &mut xs, xn, &perm, rows, h)?;
                 self.mark("MoE routed experts: sort, gather")?;
                 // Tensor cores in fast mode; the invariant mode keeps `linear_inv`'s sums.
                 let variant = GroupedVariant::Auto(self.gemm.mode);
                 let i = gate_up.out / 2;
                 // SAFETY: as `ys`: the experts' ranges cover every row.
                 let mut gu = unsafe { s.alloc::<bf16>(rows * 2 * i) }?;
-                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, false, variant)?;
+                self.ops.moe_grouped_sorted(s, &mut gu, &xs, gate_up, &off, rows, variant)?;
                 self.mark("MoE routed experts: gate_up")?;
                 // SAFETY: as `ys`: SiLU-mul writes every element.
                 let mut act = unsafe { s.alloc::<bf16>(rows * i) }?;
                 self.silu.launch(s, &mut act, &gu, i)?;
                 self.mark("MoE routed experts: SiLU")?;
-                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, true, variant)?;
+                self.ops.moe_grouped_sorted(s, &mut ys, &act, down, &off, rows, variant)?;
                 self.mark("MoE routed experts: down")?;
                 inv
             }
@@ -408,7 +409,7 @@ impl CudaBackend {
                 let perm_d = s.clone_htod(&perm.iter().map(|&t| t as i32).collect::<Vec<_>>())?;
                 let inv_d = s.clone_htod(&inv)?;
                 let mut xs = s.alloc_zeros::<bf16>(rows * h)?;
-                self.ops.gather_bf16(s, &mut xs, xn, &perm_d, &perm, h)?;
+                self.ops.gather(s, &mut xs, xn, &perm_d, &perm, h)?;
                 let mut start = 0;
                 while start < slots.len() {
                     let ex = ids_h[slots[start]];

@@ -29,8 +29,9 @@
 
 mod graphs;
 mod layer;
-mod random;
+mod options;
 mod route;
+mod synthetic;
 mod weights;
 
 use std::path::Path;
@@ -43,98 +44,20 @@ use crate::comm::{DeviceComm, TpInit};
 use crate::elementwise::{Argmax, SiluMul};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
+use crate::layout::AttnMeta;
 use crate::layout::StepLayout;
-use crate::linear::{Gemm, GemmMode, Linear};
-use crate::ops::{AttnMeta, Ops, RopeTables};
+use crate::linear::{Gemm, Linear};
+use crate::ops::Ops;
 use crate::prefill::MlaPrefill;
+use crate::rope::RopeTables;
 use crate::sample::Sampler;
 use crate::{MlaDecode, MlaKernel};
 use weights::{Block, Embed, Loader, Mtp};
 
 pub use graphs::GraphStats;
+pub use options::{CaptureMode, CudaOptions, INVARIANT_SPLIT_BLOCKS};
 pub use route::{PrefillPath, ABSORBED_MAX_ROWS};
-
-/// Construction options.
-#[derive(Debug, Clone, Copy)]
-pub struct CudaOptions {
-    /// Physical blocks of [`BLOCK_SIZE`] tokens in every layer's latent cache.
-    pub num_blocks: usize,
-    /// Device ordinal.
-    pub ordinal: usize,
-    pub gemm: GemmMode,
-    /// Use the FlashMLA-style decode kernel for uniform decode windows (≤ 4 tokens).
-    /// Off, every row goes through the varlen kernel, whose result for a token does not
-    /// depend on the window length or the batch.
-    pub decode_kernel: bool,
-    /// Tensor parallelism's all-reduce in a fixed order (all-gather, then a rank-ordered
-    /// sum) instead of NCCL's, so results do not depend on the batch (batch-invariant mode).
-    pub ordered_all_reduce: bool,
-    /// Which sequences take the expanded form of MLA (prefill chunks by default).
-    pub prefill: PrefillPath,
-    /// Run decode steps (uniform windows of 1 to 4 tokens) as CUDA graphs, one per batch
-    /// bucket and window length (`graphs.rs`); off, every step is launched kernel by kernel
-    /// (vLLM's `enforce_eager`). They need the decode kernel, so the batch-invariant mode
-    /// runs eagerly either way, and so do tensor-parallel ranks unless `tp_graphs`.
-    pub graphs: bool,
-    /// Graphs on tensor-parallel ranks too (experimental, off: not yet run on two GPUs
-    /// since each capture is launched at once; `MLASERVE_TP_GRAPHS=1` also turns it on).
-    pub tp_graphs: bool,
-    /// Decode-kernel splits of this many pages each, from the start of every request
-    /// ([`crate::MlaDecode::set_fixed_splits`]: batch-invariant decode attention); None:
-    /// the planner's, which depend on the batch.
-    pub decode_split_blocks: Option<usize>,
-}
-
-/// Pages per decode split in [`CudaOptions::exact`] (1024 tokens): enough CTAs for a
-/// batch of long requests, few partials to merge.
-pub const EXACT_SPLIT_BLOCKS: usize = 16;
-
-impl CudaOptions {
-    pub fn new(num_blocks: usize, ordinal: usize) -> Self {
-        CudaOptions {
-            num_blocks,
-            ordinal,
-            gemm: GemmMode::Cublas,
-            decode_kernel: true,
-            ordered_all_reduce: false,
-            prefill: PrefillPath::Auto,
-            graphs: true,
-            tp_graphs: false,
-            decode_split_blocks: None,
-        }
-    }
-    /// Every token's result independent of its batch, on the fast kernels: the
-    /// tensor-core invariant GEMM ([`GemmMode::InvariantTc`]), the decode kernel with
-    /// fixed-size splits ([`EXACT_SPLIT_BLOCKS`]), the ordered all-reduce, CUDA graphs.
-    /// Greedy output with speculation then equals output without it, token for token.
-    ///
-    /// The form of MLA follows what a chunk is ([`PrefillPath::Flagged`]): prefill chunks,
-    /// of any length, take the expanded form, whose kernel walks every row's keys in tiles
-    /// from key 0 (so a row's sums do not depend on where its chunk starts); decode windows
-    /// take the decode kernel, whose fixed splits make a token's sums the same in a window
-    /// of 4 and as a single token. A sequence recomputed after preemption prefills its
-    /// generated tokens, so those can differ in the last bits from their first pass.
-    pub fn exact(mut self) -> Self {
-        self.gemm = GemmMode::InvariantTc;
-        self.decode_kernel = true;
-        self.decode_split_blocks = Some(EXACT_SPLIT_BLOCKS);
-        self.ordered_all_reduce = true;
-        self.prefill = PrefillPath::Flagged;
-        self
-    }
-    /// Every token's result independent of its batch: the invariant GEMM, no decode kernel,
-    /// every row in the absorbed form. The expanded kernel is batch-invariant itself, but
-    /// the choice of form is made by a chunk's length, and the scheduler sizes prefill
-    /// chunks by what else is in the step: a prompt's tail could take the absorbed form in
-    /// one batch and the expanded one in another, and the two forms round differently.
-    pub fn batch_invariant(mut self) -> Self {
-        self.gemm = GemmMode::BatchInvariant;
-        self.decode_kernel = false;
-        self.ordered_all_reduce = true;
-        self.prefill = PrefillPath::Absorbed;
-        self
-    }
-}
+pub use synthetic::WeightFill;
 
 /// Hidden states of a step, `rows × hidden_size` f32, on the device.
 #[derive(Debug)]
@@ -277,22 +200,16 @@ impl CudaBackend {
         Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts, comm)
     }
 
-    /// A model of configuration `cfg` with random weights generated on the device (for
-    /// benchmarks at real dimensions; no checkpoint needed).
-    pub fn random(cfg: ModelConfig, opts: CudaOptions, seed: u64) -> Result<Self> {
-        Self::random_tp(cfg, opts, seed, None)
-    }
-
-    /// [`Self::random`] for one rank of a tensor-parallel group: this rank's shapes (its
-    /// heads, intermediate and vocabulary slices), its own random values.
-    pub fn random_tp(cfg: ModelConfig, opts: CudaOptions, seed: u64, tp: Option<&TpInit>) -> Result<Self> {
+    /// A model of configuration `cfg` with synthetic weights whose values `fill` writes on
+    /// the device (benchmarks at real dimensions; no checkpoint needed), as one rank of a
+    /// tensor-parallel group with `tp`: this rank's shapes (its heads, intermediate and
+    /// vocabulary slices).
+    pub fn synthetic(cfg: ModelConfig, opts: CudaOptions, fill: &dyn WeightFill, tp: Option<&TpInit>) -> Result<Self> {
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
-        cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "random", msg: e.to_string() })?;
+        cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "synthetic", msg: e.to_string() })?;
         let gpu = Gpu::new(opts.ordinal)?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
-        let util = crate::kernels::Util::new(&gpu)?;
-        let r = random::Rand { s: &gpu.stream, util: &util, seed: std::cell::Cell::new(seed), rank, world };
-        let parts = r.model(&cfg)?;
+        let parts = synthetic::Synth { gpu: &gpu, fill, rank, world }.model(&cfg)?;
         Self::assemble(cfg, gpu, parts, opts, comm)
     }
 
@@ -315,8 +232,8 @@ impl CudaBackend {
             cfg.rope_attention_factor(),
             cfg.max_position_embeddings,
         )?;
-        let ops = Ops::new(&gpu)?;
-        let gemm = Gemm::new(&gpu, opts.gemm)?;
+        let ops = Ops::new(&gpu, opts.linear_tc)?;
+        let gemm = Gemm::new(&gpu, opts.gemm, opts.linear_tc)?;
         let silu = SiluMul::new(&gpu)?;
         let argmax = Argmax::new(&gpu)?;
         let sampler = Sampler::new(&gpu)?;
@@ -331,7 +248,7 @@ impl CudaBackend {
                 opts.decode_kernel = false;
             }
         }
-        let prefill = MlaPrefill::new(&gpu)?;
+        let prefill = MlaPrefill::new(&gpu, opts.prefill_kernel)?;
         gpu.sync()?;
         Ok(CudaBackend {
             cfg,
@@ -357,12 +274,11 @@ impl CudaBackend {
         })
     }
 
-    /// Fills every layer's latent cache with U(-1, 1) (benchmarks: a context without a
-    /// prefill).
-    pub fn fill_caches_random(&mut self, seed: u64) -> Result<()> {
-        let util = crate::kernels::Util::new(&self.gpu)?;
-        for (i, c) in self.caches.iter_mut().enumerate() {
-            util.fill_bf16(&self.gpu.stream, c, seed + i as u64, -1.0, 1.0)?;
+    /// Fills every layer's latent cache with `fill`'s values in [-1, 1) (benchmarks: a
+    /// context without a prefill).
+    pub fn fill_caches(&mut self, fill: &dyn WeightFill) -> Result<()> {
+        for c in self.caches.iter_mut() {
+            fill.fill_bf16(&self.gpu, c, 1.0)?;
         }
         self.gpu.sync()
     }
@@ -453,7 +369,7 @@ impl CudaBackend {
 
     /// Sums `buf` (`[rows][h]` partial results of this rank's shard) across the group, on
     /// the stream; nothing for a single rank.
-    pub(crate) fn all_reduce(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
+    pub fn all_reduce(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
         match &self.comm {
             None => Ok(()),
             Some(c) if self.opts.ordered_all_reduce => c.all_reduce_ordered(&self.ops, buf),
@@ -520,7 +436,7 @@ impl CudaBackend {
         let s = &self.gpu.stream;
         let h = self.cfg.hidden_size;
         let mut sel = s.alloc_zeros::<half::bf16>(rows.len() * h)?;
-        self.ops.gather_f32_bf16(s, &mut sel, normed, idx_d, rows, h)?;
+        self.ops.gather(s, &mut sel, normed, idx_d, rows, h)?;
         let mut logits = s.alloc_zeros::<f32>(rows.len() * head.out)?;
         self.gemm.forward(s, head, &sel, rows.len(), &mut logits)?;
         Ok(logits)
@@ -600,7 +516,7 @@ impl CudaBackend {
         let logits = self.head_rows(head, normed, &st.argmax_rows, rows)?;
         let Some(comm) = &self.comm else {
             let mut ids = s.alloc_zeros::<i32>(n)?;
-            self.argmax.argmax_f32(s, &logits, &mut ids, head.out)?;
+            self.argmax.argmax(s, &logits, &mut ids, head.out)?;
             let out = s.clone_dtoh(&ids)?;
             self.gpu.sync()?;
             return Ok(out.into_iter().map(|i| i as u32).collect());
@@ -688,7 +604,7 @@ impl CudaBackend {
             self.run_block(BlockRef::Target(l), x, st)?;
         }
         let eps = self.cfg.rms_norm_eps as f32;
-        self.ops.rmsnorm_f32(&s, normed, h, x, h, &self.final_norm, n, eps)?;
+        self.ops.rmsnorm(&s, normed, h, x, h, &self.final_norm, n, eps)?;
         self.mark("final norm")
     }
 
@@ -706,7 +622,7 @@ impl CudaBackend {
                 continue;
             }
             let idx = s.clone_htod(&sel.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
-            self.ops.gather_f32(s, &mut data.slice_mut(at * h..(at + sel.len()) * h), &src.data, &idx, sel, h)?;
+            self.ops.gather(s, &mut data.slice_mut(at * h..(at + sel.len()) * h), &src.data, &idx, sel, h)?;
             at += sel.len();
         }
         Ok(CudaHidden { rows, data })
@@ -734,7 +650,7 @@ impl CudaBackend {
                 let st = self.step(batch)?;
                 self.mark("step metadata upload")?;
                 let mut hid = s.alloc_zeros::<f32>(n * h)?;
-                self.ops.gather_f32(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
+                self.ops.gather(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
                 let mut x = s.alloc_zeros::<f32>(n * h)?;
                 let mut normed = s.alloc_zeros::<f32>(n * h)?;
                 self.mtp_body(layer, &st, &hid, &mut x, &mut normed)?;
@@ -769,13 +685,13 @@ impl CudaBackend {
         self.all_reduce(&mut e)?;
         // cat[r] = [enorm(e_r), hnorm(h_r)]: embedding first (DESIGN §3).
         let mut cat = s.alloc_zeros::<half::bf16>(n * 2 * h)?;
-        self.ops.rmsnorm_bf16(&s, &mut cat, 2 * h, &e, h, &m.enorm, n, eps)?;
-        self.ops.rmsnorm_bf16(&s, &mut cat.slice_mut(h..), 2 * h, hid, h, &m.hnorm, n, eps)?;
+        self.ops.rmsnorm(&s, &mut cat, 2 * h, &e, h, &m.enorm, n, eps)?;
+        self.ops.rmsnorm(&s, &mut cat.slice_mut(h..), 2 * h, hid, h, &m.hnorm, n, eps)?;
         self.gemm.forward(&s, &m.eh_proj, &cat, n, x)?;
         self.mark("MTP input (embedding, norms, eh_proj)")?;
         self.run_block(BlockRef::Mtp(layer), x, st)?;
         let m = &self.mtp[layer];
-        self.ops.rmsnorm_f32(&s, normed, h, x, h, &m.head_norm, n, eps)
+        self.ops.rmsnorm(&s, normed, h, x, h, &m.head_norm, n, eps)
     }
 }
 

@@ -15,7 +15,7 @@ use mlaserve_core::Batch;
 
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
-use crate::ops::AttnMeta;
+use crate::layout::AttnMeta;
 use crate::prefill::{PrefillDims, PrefillPlan, PrefillSeq};
 
 /// Most new tokens of a sequence that still take the absorbed form under
@@ -37,7 +37,7 @@ pub enum PrefillPath {
     /// Expanded for the chunks the engine marks as prefill ([`mlaserve_core::SeqChunk::
     /// prefill`]), whatever their length, absorbed for decode windows (all absorbed when
     /// the heads have no expanded kernel). The form of a token then depends on what it is,
-    /// never on how its prompt was chunked ([`super::CudaOptions::exact`]).
+    /// never on how its prompt was chunked ([`super::CudaOptions::batch_invariant`]).
     Flagged,
 }
 

@@ -38,6 +38,113 @@ pub struct BackendArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
           default_missing_value = "true", value_name = "BOOL")]
     pub batch_invariant: bool,
+    #[command(flatten)]
+    pub cuda: CudaFlags,
+}
+
+/// The tensor-core kernels of the batch-invariant projections and the MoE experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LinearTc {
+    /// mma.sync up to 16 rows, wgmma with TMA above (Hopper; mma.sync elsewhere).
+    #[default]
+    Auto,
+    /// mma.sync at every row count (every GPU).
+    #[value(name = "mma.sync")]
+    MmaSync,
+    /// wgmma with TMA at every row count (Hopper).
+    Tma,
+}
+
+/// The expanded-form (prefill) attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PrefillKernelArg {
+    /// mma.sync (every GPU).
+    #[value(name = "mma.sync")]
+    MmaSync,
+    /// wgmma, K/V by cp.async (Hopper).
+    Wgmma,
+    /// wgmma, K/V by TMA where the head widths are DeepSeek's, else cp.async (Hopper).
+    #[default]
+    Tma,
+}
+
+/// A CUDA graph's stream capture mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GraphCapture {
+    #[default]
+    ThreadLocal,
+    Relaxed,
+}
+
+/// Kernel choices and experimental switches of the CUDA backend (for comparisons and
+/// diagnosis; the defaults are the production choices). Kernels without wgmma fall back
+/// to mma.sync on GPUs other than Hopper.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CudaFlags {
+    /// CUDA backend: the tensor-core kernels of the batch-invariant projections and of
+    /// the MoE experts. All round alike (asserted by the GEMM test), so `auto` chooses by
+    /// row count and stays batch-invariant.
+    #[arg(long, value_enum, default_value_t = LinearTc::Auto)]
+    pub linear_tc: LinearTc,
+    /// CUDA backend: the prefill (expanded-form) attention kernel. They agree to rounding,
+    /// not in bits: keep one for the runs whose outputs are compared.
+    #[arg(long, value_enum, default_value_t = PrefillKernelArg::Tma)]
+    pub prefill_kernel: PrefillKernelArg,
+    /// CUDA backend: CUDA graphs on tensor-parallel ranks too (experimental); each
+    /// capture's outcome goes to stderr.
+    #[arg(long)]
+    pub tp_graphs: bool,
+    /// CUDA backend: the stream capture mode of the CUDA graphs (`relaxed` to diagnose a
+    /// capture that fails).
+    #[arg(long, value_enum, default_value_t = GraphCapture::ThreadLocal)]
+    pub graph_capture: GraphCapture,
+}
+
+impl CudaFlags {
+    /// `o` with these choices.
+    #[cfg(feature = "cuda")]
+    pub fn apply(&self, o: mlaserve_cuda::CudaOptions) -> mlaserve_cuda::CudaOptions {
+        use mlaserve_cuda::linear::TcKernels;
+        use mlaserve_cuda::prefill::PrefillKernel;
+        mlaserve_cuda::CudaOptions {
+            linear_tc: match self.linear_tc {
+                LinearTc::Auto => TcKernels::Auto,
+                LinearTc::MmaSync => TcKernels::MmaSync,
+                LinearTc::Tma => TcKernels::WgmmaTma,
+            },
+            prefill_kernel: match self.prefill_kernel {
+                PrefillKernelArg::MmaSync => PrefillKernel::MmaSync,
+                PrefillKernelArg::Wgmma => PrefillKernel::Wgmma,
+                PrefillKernelArg::Tma => PrefillKernel::WgmmaTma,
+            },
+            tp_graphs: self.tp_graphs,
+            graph_capture: match self.graph_capture {
+                GraphCapture::ThreadLocal => mlaserve_cuda::CaptureMode::ThreadLocal,
+                GraphCapture::Relaxed => mlaserve_cuda::CaptureMode::Relaxed,
+            },
+            ..o
+        }
+    }
+
+    /// These flags as command-line arguments (for the processes of a group started by
+    /// rank 0).
+    #[cfg(any(feature = "cuda", test))]
+    pub fn to_args(&self) -> Vec<String> {
+        use clap::ValueEnum;
+        let name = |v: Option<clap::builder::PossibleValue>| v.map(|p| p.get_name().to_string()).unwrap_or_default();
+        let mut a = vec![
+            "--linear-tc".to_string(),
+            name(self.linear_tc.to_possible_value()),
+            "--prefill-kernel".to_string(),
+            name(self.prefill_kernel.to_possible_value()),
+            "--graph-capture".to_string(),
+            name(self.graph_capture.to_possible_value()),
+        ];
+        if self.tp_graphs {
+            a.push("--tp-graphs".to_string());
+        }
+        a
+    }
 }
 
 impl BackendArgs {
@@ -46,10 +153,10 @@ impl BackendArgs {
     pub fn cuda_options(&self, kv_blocks: usize, ordinal: usize) -> mlaserve_cuda::CudaOptions {
         let o = mlaserve_cuda::CudaOptions {
             graphs: !self.enforce_eager,
-            ..mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal)
+            ..self.cuda.apply(mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal))
         };
         if self.batch_invariant {
-            o.exact()
+            o.batch_invariant()
         } else {
             o
         }
@@ -116,5 +223,22 @@ mod tests {
         assert!(!on(&["--batch-invariant", "false"]));
         assert!(!on(&["--batch-invariant=false"]));
         assert!(Cli::try_parse_from(["mlaserve", "--batch-invariant", "maybe"]).is_err());
+    }
+
+    #[test]
+    fn cuda_flags_parse_and_round_trip() {
+        let parse = |args: &[&str]| Cli::try_parse_from([&["mlaserve"], args].concat()).map(|c| c.b.cuda);
+        let d = parse(&[]).expect("defaults");
+        assert_eq!((d.linear_tc, d.prefill_kernel, d.tp_graphs), (LinearTc::Auto, PrefillKernelArg::Tma, false));
+        assert_eq!(d.graph_capture, GraphCapture::ThreadLocal);
+        let args =
+            ["--linear-tc", "mma.sync", "--prefill-kernel", "wgmma", "--tp-graphs", "--graph-capture", "relaxed"];
+        let f = parse(&args).expect("flags");
+        assert_eq!((f.linear_tc, f.prefill_kernel, f.tp_graphs), (LinearTc::MmaSync, PrefillKernelArg::Wgmma, true));
+        assert_eq!(f.graph_capture, GraphCapture::Relaxed);
+        let again = f.to_args();
+        let g = parse(&again.iter().map(String::as_str).collect::<Vec<_>>()).expect("round trip");
+        assert_eq!(g.to_args(), again);
+        assert!(parse(&["--linear-tc", "wgmma"]).is_err(), "the cp.async GEMM kernels are gone");
     }
 }

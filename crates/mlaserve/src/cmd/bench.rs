@@ -61,6 +61,8 @@ struct StepArgs {
     /// GEMMs, fixed-size decode splits.
     #[arg(long)]
     batch_invariant: bool,
+    #[command(flatten)]
+    cuda: super::backend::CudaFlags,
     /// Prefill chunks to time after the decode steps, as REQUESTSxTOKENS (each chunk over
     /// the cached `--context`), comma-separated; `none` times none. Default 1x2048,4x512,16x128.
     #[arg(long, value_delimiter = ',')]
@@ -88,8 +90,8 @@ struct MlaArgs {
     /// planner's choice (tuning the planner).
     #[arg(long, value_delimiter = ',')]
     splits: Vec<usize>,
-    /// Compare these tensor-core kernels (comma-separated: mma.sync, wgmma, wgmma+tma,
-    /// wgmma-ss, wgmma-t, auto; default auto, the production choice).
+    /// Compare these tensor-core kernels (comma-separated: mma.sync, wgmma-ss, wgmma-t,
+    /// auto; default auto, the production choice).
     #[arg(long, value_delimiter = ',')]
     kernel: Vec<String>,
     /// Only these batch sizes (comma-separated; default 64,128).
@@ -128,6 +130,9 @@ struct PrefillArgs {
     /// Time the old absorbed path only up to this many visible (query, key) pairs × heads.
     #[arg(long, default_value_t = 150_000_000)]
     absorbed_max: u64,
+    /// The attention kernel timed (mma.sync where the GPU has no wgmma).
+    #[arg(long, value_enum, default_value_t = super::backend::PrefillKernelArg::Tma)]
+    prefill_kernel: super::backend::PrefillKernelArg,
 }
 
 #[derive(Debug, clap::Args)]
@@ -197,7 +202,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 #[cfg(feature = "cuda")]
 fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
-    let mut opts = mlaserve_cuda::bench::MlaDecodeBenchOpts::default();
+    let mut opts = mlaserve_cuda_lab::bench::MlaDecodeBenchOpts::default();
     if !g.heads.is_empty() {
         opts.heads = g.heads;
     }
@@ -234,21 +239,19 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
             .iter()
             .map(|k| {
                 mlaserve_cuda::MlaKernel::from_name(k).ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "--kernel: unknown kernel {k:?} (mma.sync, wgmma, wgmma+tma, wgmma-ss, wgmma-t, auto)"
-                    )
+                    anyhow::anyhow!("--kernel: unknown kernel {k:?} (mma.sync, wgmma-ss, wgmma-t, auto)")
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         opts.kernels = Some(kernels);
     }
-    println!("{}", mlaserve_cuda::bench::bench_mla_decode_on(g.device, &opts)?);
+    println!("{}", mlaserve_cuda_lab::bench::bench_mla_decode_on(g.device, &opts)?);
     Ok(())
 }
 
 #[cfg(feature = "cuda")]
 fn mla_prefill_bench(p: PrefillArgs) -> anyhow::Result<()> {
-    let mut opts = mlaserve_cuda::bench_prefill::PrefillBenchOpts::default();
+    let mut opts = mlaserve_cuda_lab::bench_prefill::PrefillBenchOpts::default();
     for (name, list, dst) in [
         ("--heads", p.heads, &mut opts.heads),
         ("--lens", p.lens, &mut opts.prompt_lens),
@@ -263,7 +266,10 @@ fn mla_prefill_bench(p: PrefillArgs) -> anyhow::Result<()> {
     opts.prefix = p.prefix;
     opts.iters = p.iters;
     opts.absorbed_max = p.absorbed_max;
-    println!("{}", mlaserve_cuda::bench_prefill::bench_mla_prefill_on(p.device, &opts)?);
+    opts.kernel = super::backend::CudaFlags { prefill_kernel: p.prefill_kernel, ..Default::default() }
+        .apply(mlaserve_cuda::CudaOptions::new(0, 0))
+        .prefill_kernel;
+    println!("{}", mlaserve_cuda_lab::bench_prefill::bench_mla_prefill_on(p.device, &opts)?);
     Ok(())
 }
 
@@ -281,15 +287,15 @@ fn parse_chunk(p: &str) -> anyhow::Result<(usize, usize)> {
 #[cfg(feature = "cuda")]
 fn step_bench(a: StepArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
-    let cfg = mlaserve_cuda::bench_step::v3_config(a.moe_layers)?;
+    let cfg = mlaserve_cuda_lab::bench_step::v3_config(a.moe_layers)?;
     cfg.check_tp(a.tp).with_context(|| format!("--tp {}", a.tp))?;
-    let defaults = mlaserve_cuda::bench_step::StepBenchOpts::default();
+    let defaults = mlaserve_cuda_lab::bench_step::StepBenchOpts::default();
     let prefill = match a.prefill.as_slice() {
         [] => defaults.prefill.clone(),
         [none] if none == "none" => Vec::new(),
         list => list.iter().map(|p| parse_chunk(p)).collect::<anyhow::Result<Vec<_>>>()?,
     };
-    let opts = mlaserve_cuda::bench_step::StepBenchOpts {
+    let opts = mlaserve_cuda_lab::bench_step::StepBenchOpts {
         ordinal: a.device,
         tp: a.tp,
         moe_layers: a.moe_layers,
@@ -297,7 +303,8 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         profile: a.profile,
         host_logits: a.host_logits,
         eager: a.eager,
-        exact: a.batch_invariant,
+        batch_invariant: a.batch_invariant,
+        base: a.cuda.apply(mlaserve_cuda::CudaOptions::new(0, 0)),
         prefill,
         ..defaults
     };
@@ -308,7 +315,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
     };
     if a.tp == 1 || a.threads {
         let how = if a.tp > 1 { "ranks: threads of one process" } else { "one rank" };
-        println!("{}({how})", mlaserve_cuda::bench_step::bench_step(&opts)?);
+        println!("{}({how})", mlaserve_cuda_lab::bench_step::bench_step(&opts)?);
         return Ok(());
     }
     let timeout = std::time::Duration::from_secs(300);
@@ -319,7 +326,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
             .map(|i| hex.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
             .collect::<Option<Vec<u8>>>()
             .context("--nccl-id is not hex")?;
-        mlaserve_cuda::bench_step::bench_step_rank(&opts, Some(&init(rank, id)))?;
+        mlaserve_cuda_lab::bench_step::bench_step_rank(&opts, Some(&init(rank, id)))?;
         return Ok(());
     }
     // Rank 0 here, ranks 1.. as processes of this same command, one GPU each.
@@ -336,12 +343,13 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(a.host_logits.then_some("--host-logits"))
                 .args(a.eager.then_some("--eager"))
                 .args(a.batch_invariant.then_some("--batch-invariant"))
+                .args(a.cuda.to_args())
                 .args(["--prefill", &prefill_arg])
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let report = mlaserve_cuda::bench_step::bench_step_rank(&opts, Some(&init(0, id)));
+    let report = mlaserve_cuda_lab::bench_step::bench_step_rank(&opts, Some(&init(0, id)));
     if report.is_err() {
         // The others may wait for rank 0 forever (NCCL init): stop them.
         for c in &mut children {

@@ -29,13 +29,13 @@ use std::time::Duration;
 use half::bf16;
 use mlaserve_core::{Backend, Batch, SeqChunk};
 use mlaserve_cpu::CpuBackend;
-use mlaserve_cuda::kernels::Util;
-use mlaserve_cuda::linear::{Gemm, GemmMode, Linear};
-use mlaserve_cuda::ops::RopeTables;
+use mlaserve_cuda::linear::{Gemm, GemmMode, Linear, TcKernels};
 use mlaserve_cuda::prefill::{LatentCache, MlaPrefill, PrefillDims, PrefillKernel, PrefillPlan, PrefillSeq};
-use mlaserve_cuda::reference::{self, err_stats};
-use mlaserve_cuda::rng::Rng;
+use mlaserve_cuda::rope::RopeTables;
 use mlaserve_cuda::{CudaBackend, CudaOptions, Gpu, PrefillPath};
+use mlaserve_cuda_lab::reference::{self, err_stats};
+use mlaserve_cuda_lab::rng::Rng;
+use mlaserve_cuda_lab::util::Util;
 
 use common::{require_gpu, require_gpus};
 
@@ -56,9 +56,7 @@ fn kernels(g: &Gpu) -> Vec<MlaPrefill> {
         if k != PrefillKernel::MmaSync && g.compute_capability != (9, 0) {
             continue;
         }
-        let mut pre = MlaPrefill::new(g).expect("prefill");
-        pre.kernel = k;
-        v.push(pre);
+        v.push(MlaPrefill::new(g, k).expect("prefill"));
     }
     v
 }
@@ -89,7 +87,7 @@ fn layout(parts: &[(usize, usize)], gap: usize) -> (Vec<PrefillSeq>, usize) {
 /// RoPE tables (YaRN-style attention factor 1.25) on the device and the host.
 fn rope_tables(g: &Gpu, rope: usize, max_pos: usize) -> (RopeTables, Vec<f32>, Vec<f32>) {
     let inv: Vec<f64> = (0..rope / 2).map(|i| 1.0 / 10000f64.powf((2 * i) as f64 / rope as f64)).collect();
-    let (cos, sin) = reference::rope_tables(&inv, 1.25, max_pos);
+    let (cos, sin) = mlaserve_cuda::rope::rope_tables(&inv, 1.25, max_pos);
     (RopeTables::new(&g.stream, &inv, 1.25, max_pos).expect("rope tables"), cos, sin)
 }
 
@@ -328,7 +326,7 @@ fn expanded_path_from_paged_cache_matches_reference() {
     }
     let g = Gpu::new(0).expect("gpu");
     let s = &g.stream;
-    let pre = MlaPrefill::new(&g).expect("prefill");
+    let pre = MlaPrefill::new(&g, PrefillKernel::default()).expect("prefill");
     let mut fails = Vec::new();
     let lora = 512;
     for (d, parts, lora) in [
@@ -409,7 +407,7 @@ fn expanded_path_from_paged_cache_matches_reference() {
             out.iter().map(|b| b.to_bits()).collect::<Vec<u16>>()
         };
         for mode in [GemmMode::Cublas, GemmMode::BatchInvariant] {
-            let gemm = Gemm::new(&g, mode).expect("gemm");
+            let gemm = Gemm::new(&g, mode, TcKernels::Auto).expect("gemm");
             let got = run(&gemm, &seqs, &q_d, rows);
             let name = format!("path {mode:?} heads {} qk {}+{} lora {lora} {parts:?}", d.heads, d.nope, d.rope);
             compare(&name, &d, &seqs, rows, &got, &want, None, &mut fails);
@@ -619,7 +617,7 @@ fn tiny_v3_expanded_prefill_matches_cpu_and_absorbed_path() {
     let auto = gpu_runs(t.path(), base, 1);
     let absorbed = gpu_runs(t.path(), CudaOptions { prefill: PrefillPath::Absorbed, ..base }, 1);
     let expanded = gpu_runs(t.path(), CudaOptions { prefill: PrefillPath::Expanded, ..base }, 1);
-    let inv = gpu_runs(t.path(), CudaOptions { prefill: PrefillPath::Auto, ..base.batch_invariant() }, 1);
+    let inv = gpu_runs(t.path(), CudaOptions { prefill: PrefillPath::Auto, ..base.batch_invariant_cuda_cores() }, 1);
     let mut bad = Vec::new();
     bad.extend(check_runs("expanded for prefill (default) vs CPU", &auto, &cpu, vocab, &ties));
     bad.extend(check_runs("absorbed everywhere (old path) vs CPU", &absorbed, &cpu, vocab, &ties));

@@ -24,10 +24,11 @@ use std::time::Instant;
 use mlaserve_core::{Backend, Batch, ModelConfig, SeqChunk, BLOCK_SIZE};
 
 use crate::bench::measure_copy_bandwidth;
-use crate::comm::TpInit;
-use crate::error::{CudaError, Result};
-use crate::kernels::Util;
-use crate::{CudaBackend, CudaOptions, WeightBytes};
+use crate::random::{random_backend, RandomFill};
+use crate::util::Util;
+use mlaserve_cuda::TpInit;
+use mlaserve_cuda::{CudaBackend, CudaOptions, WeightBytes};
+use mlaserve_cuda::{CudaError, Result};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -50,8 +51,12 @@ pub struct StepBenchOpts {
     pub profile: bool,
     /// Launch every kernel of a step from the host (no CUDA graphs).
     pub eager: bool,
-    /// The batch-invariant fast options ([`CudaOptions::exact`]) instead of the defaults.
-    pub exact: bool,
+    /// The batch-invariant options ([`CudaOptions::batch_invariant`]) instead of the
+    /// defaults.
+    pub batch_invariant: bool,
+    /// The other backend options (kernel choices, graphs on TP ranks, capture mode); the
+    /// benchmark sets the cache size, the device, `graphs` and the preset.
+    pub base: CudaOptions,
     /// Prefill chunks to time after the decode sweep: (requests, new tokens each), every
     /// chunk over a cached prefix of `context` tokens, as chunked prefill runs them.
     pub prefill: Vec<(usize, usize)>,
@@ -70,7 +75,8 @@ impl Default for StepBenchOpts {
             profile: false,
             host_logits: false,
             eager: false,
-            exact: false,
+            batch_invariant: false,
+            base: CudaOptions::new(0, 0),
             prefill: vec![(1, 2048), (4, 512), (16, 128)],
         }
     }
@@ -112,7 +118,7 @@ pub struct StepBenchReport {
     pub layers: String,
     pub context: usize,
     pub tp: usize,
-    /// "default" or "batch-invariant" ([`CudaOptions::exact`]).
+    /// "default" or "batch-invariant" ([`CudaOptions::batch_invariant`]).
     pub options: &'static str,
     pub rows: Vec<StepBenchRow>,
     pub prefill: Vec<PrefillStepRow>,
@@ -319,21 +325,11 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
     let prefill_blocks =
         opts.prefill.iter().map(|&(b, t)| b * (opts.context + t).div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
     let ordinal = opts.ordinal + tp.map_or(0, |t| t.rank);
-    let mut be = CudaBackend::random_tp(
-        cfg.clone(),
-        {
-            let o =
-                CudaOptions { graphs: !opts.eager, ..CudaOptions::new((max_b * per_seq).max(prefill_blocks), ordinal) };
-            if opts.exact {
-                o.exact()
-            } else {
-                o
-            }
-        },
-        1,
-        tp,
-    )?;
-    be.fill_caches_random(2)?;
+    let o =
+        CudaOptions { num_blocks: (max_b * per_seq).max(prefill_blocks), ordinal, graphs: !opts.eager, ..opts.base };
+    let o = if opts.batch_invariant { o.batch_invariant() } else { o };
+    let mut be = random_backend(cfg.clone(), o, 1, tp)?;
+    be.fill_caches(&RandomFill::new(2))?;
     let util = Util::new(be.gpu())?;
     let copy_gbps = measure_copy_bandwidth(be.gpu(), &util, 1 << 30)?;
     let wb = be.weight_bytes();
@@ -451,7 +447,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         ),
         context: opts.context,
         tp: opts.tp.max(1),
-        options: if opts.exact { "batch-invariant" } else { "default" },
+        options: if opts.batch_invariant { "batch-invariant" } else { "default" },
         rows,
         prefill,
     })

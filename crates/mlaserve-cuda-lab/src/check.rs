@@ -12,13 +12,14 @@ use std::fmt;
 
 use half::bf16;
 
-use crate::error::Result;
-use crate::gpu::Gpu;
-use crate::kernels::Util;
-use crate::mla_decode::{MlaDecode, MlaDecodeShape, MlaOut};
-use crate::plan::PAGE;
-use crate::reference::{self, DecodeDims, ErrStats};
+use crate::reference::{self, ErrStats};
 use crate::rng::Rng;
+use crate::util::Util;
+use mlaserve_cuda::dims::DecodeDims;
+use mlaserve_cuda::plan::PAGE;
+use mlaserve_cuda::Gpu;
+use mlaserve_cuda::Result;
+use mlaserve_cuda::{MlaDecode, MlaDecodeShape, MlaOut};
 
 /// bf16 NaN (0x7fc0) twice: poisons a 32-bit word of bf16 pairs or an f32.
 const NAN_BITS: u32 = 0x7fc0_7fc0;
@@ -59,7 +60,7 @@ impl DecodeCase {
 #[derive(Debug, Clone)]
 pub struct CaseReport {
     pub name: String,
-    /// "generic", "mma.sync" or "wgmma".
+    /// "generic" or the tensor-core kernel's name (`MlaKernel::name`).
     pub kernel: &'static str,
     pub fast_path: bool,
     pub num_splits: usize,
@@ -169,7 +170,9 @@ fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCa
     let splits = case.splits.unwrap_or_else(|| mla.num_splits(&d, max_seq));
     let mut ws = mla.workspace(s, &d, splits)?;
     // Poisoned partials: a split the kernel forgets to write shows up as NaN.
-    ws.poison(util, s, NAN_BITS)?;
+    let (o_acc, lse_acc) = ws.partials_mut();
+    util.poison_f32(s, o_acc, NAN_BITS)?;
+    util.poison_f32(s, lse_acc, NAN_BITS)?;
     let shape = MlaDecodeShape { dims: d, num_blocks, num_splits: splits, scale };
     mla.launch::<T>(s, &shape, &q_d, &cache_d, &bt_d, &sl_d, &mut out_d, &mut lse_d, &mut ws)?;
     gpu.sync()?;
@@ -422,7 +425,7 @@ fn op_report(name: String, got: &[f32], want: &[f32], tol: f64) -> OpReport {
 /// vocab 129280) and small/odd widths (the scalar paths). Tolerance: relative L2 1e-2
 /// for bf16 outputs; argmax exact, with planted ties and NaNs.
 pub fn run_op_checks(gpu: &Gpu, seed: u64) -> Result<Vec<OpReport>> {
-    use crate::elementwise::{Argmax, RmsNorm, SiluMul};
+    use mlaserve_cuda::elementwise::{Argmax, RmsNorm, SiluMul};
     let s = &gpu.stream;
     let mut rng = Rng::new(seed);
     let mut out = Vec::new();
@@ -489,9 +492,9 @@ pub fn run_op_checks(gpu: &Gpu, seed: u64) -> Result<Vec<OpReport>> {
         let mut od = s.clone_htod(&vec![-1i32; rows])?;
         if as_bf16 {
             let lb: Vec<bf16> = logits.iter().map(|&v| bf16::from_f32(v)).collect();
-            amax.argmax_bf16(s, &s.clone_htod(&lb)?, &mut od, vocab)?;
+            amax.argmax(s, &s.clone_htod(&lb)?, &mut od, vocab)?;
         } else {
-            amax.argmax_f32(s, &s.clone_htod(&logits)?, &mut od, vocab)?;
+            amax.argmax(s, &s.clone_htod(&logits)?, &mut od, vocab)?;
         }
         gpu.sync()?;
         let got = s.clone_dtoh(&od)?;

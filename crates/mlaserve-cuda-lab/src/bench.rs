@@ -18,13 +18,13 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::bf16;
 
-use crate::error::{CudaError, Result};
-use crate::gpu::Gpu;
-use crate::kernels::Util;
-use crate::mla_decode::{MlaDecode, MlaDecodeShape, MlaKernel, SplitMerge};
-use crate::plan::{self, PAGE};
-use crate::reference::DecodeDims;
 use crate::rng::Rng;
+use crate::util::Util;
+use mlaserve_cuda::dims::DecodeDims;
+use mlaserve_cuda::plan::{self, PAGE};
+use mlaserve_cuda::Gpu;
+use mlaserve_cuda::{CudaError, Result};
+use mlaserve_cuda::{MlaDecode, MlaDecodeShape, MlaKernel, SplitMerge};
 
 /// Times `f` (which enqueues work on the GPU's stream): `warmup` untimed calls, then
 /// `iters` calls each between two events. Returns the per-call times in ms, sorted.

@@ -1,4 +1,4 @@
-//! `cargo bench -p mlaserve-engine --bench engine [-- running=256 k=3 mtp=1 vocab=16 sampled steps=500]`:
+//! `cd benches && cargo bench --bench engine [-- running=256 k=3 mtp=1 vocab=16 sampled steps=500]`:
 //! host-side scheduling and bookkeeping time per step with many running requests
 //! (goal: median <= 50 us with 256). With no arguments it runs the standard cases.
 

@@ -14,9 +14,9 @@
 use cudarc::driver::CudaSlice;
 use mlaserve_cuda::ops::Ops;
 use mlaserve_cuda::plan;
-use mlaserve_cuda::rng::Rng;
 use mlaserve_cuda::router::{Router, RouterTile};
 use mlaserve_cuda::Gpu;
+use mlaserve_cuda_lab::rng::Rng;
 
 const TILES: [RouterTile; 3] = [RouterTile::Auto, RouterTile::Decode, RouterTile::Prefill];
 const TOL: f64 = 1e-5;
@@ -173,7 +173,7 @@ fn router_logits_are_batch_invariant() {
     let Some(g) = gpu() else { return };
     let s = &g.stream;
     let router = Router::new(&g).expect("router");
-    let ops = Ops::new(&g).expect("ops");
+    let ops = Ops::new(&g, mlaserve_cuda::linear::TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(23);
     let mut fails = Vec::new();
     for (n, k, m) in [(256, 7168, 200), (160, 5120, 200), (40, 1001, 200), (4100, 256, 200), (256, 7168, 4200)] {
@@ -210,68 +210,4 @@ fn router_logits_are_batch_invariant() {
         }
     }
     assert!(fails.is_empty(), "failed: {fails:?}");
-}
-
-/// One timed router call: (y, the weight copy of this call).
-type Call<'a> = dyn Fn(&mut CudaSlice<f32>, &CudaSlice<f32>) -> mlaserve_cuda::Result<()> + 'a;
-
-/// Median of 20 event-timed calls at V3's gate (256 × 7168): the first router kernel
-/// (`linear_f32_of32`, one warp per logit) against the tiled one (its pick, and each tile
-/// forced), with GFLOP/s and GB/s (W, x and y once), beside the copy bandwidth measured
-/// in the same run and W's read time at it. Calls cycle through 8 copies of W (59 MB,
-/// more than the L2), so that each reads its weight from memory as a layer of the forward
-/// pass does. Printed, not asserted.
-#[test]
-fn router_timing() {
-    use mlaserve_cuda::bench::{measure_copy_bandwidth, time_calls};
-    use mlaserve_cuda::kernels::Util;
-    let Some(g) = gpu() else { return };
-    let s = &g.stream;
-    let util = Util::new(&g).expect("util");
-    let router = Router::new(&g).expect("router");
-    let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
-    let (n, k) = (256usize, 7168usize);
-    let ws: Vec<CudaSlice<f32>> = (0..8)
-        .map(|i| {
-            let mut w = s.alloc_zeros::<f32>(n * k).expect("w");
-            util.fill_f32(s, &mut w, 77 + i, -0.05, 0.05).expect("fill");
-            w
-        })
-        .collect();
-    let read_us = (n * k * 4) as f64 / (copy_gbps * 1e9) * 1e6;
-    let (ksplit, kchunk) = plan::router_split(n, k, g.num_sms);
-    println!(
-        "router timing [{n}×{k}] f32, {ksplit} k ranges of {kchunk} on {} SMs; copy {copy_gbps:.0} GB/s, W once at \
-         it {read_us:.1} µs; median of 20 (µs, GFLOP/s, GB/s)",
-        g.num_sms
-    );
-    for m in [1usize, 8, 32, 64, 256, 2048] {
-        let mut x = s.alloc_zeros::<f32>(m * k).expect("x");
-        util.fill_f32(s, &mut x, 31 + m as u64, -1.0, 1.0).expect("fill");
-        let mut y = s.alloc_zeros::<f32>(m * n).expect("y");
-        let mut time = |f: &Call| {
-            let mut i = 0;
-            let t = time_calls(&g, 3, 20, || {
-                i += 1;
-                f(&mut y, &ws[i % ws.len()])
-            })
-            .expect("time");
-            t[t.len() / 2] * 1e3 // µs
-        };
-        let warp = time(&|y, w| router.logits_warp(s, y, &x, w, m, n, k));
-        let auto = time(&|y, w| router.logits(s, y, &x, w, m, n, k));
-        let t16 = time(&|y, w| router.logits_with(s, y, &x, w, m, n, k, RouterTile::Decode));
-        let t64 = time(&|y, w| router.logits_with(s, y, &x, w, m, n, k, RouterTile::Prefill));
-        let gflops = |us: f64| 2.0 * (m * n * k) as f64 / (us * 1e-6) / 1e9;
-        let gbps = |us: f64| ((n * k + m * k + m * n) * 4) as f64 / (us * 1e-6) / 1e9;
-        let fig = |us: f64| format!("{us:8.1} µs {:7.0} GFLOP/s {:5.0} GB/s", gflops(us), gbps(us));
-        println!(
-            "router m={m:>4}: warp kernel {}; tiled (auto) {} ({:.1}x); decode tile {}; prefill tile {}",
-            fig(warp),
-            fig(auto),
-            warp / auto,
-            fig(t16),
-            fig(t64)
-        );
-    }
 }

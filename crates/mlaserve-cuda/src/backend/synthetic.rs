@@ -1,45 +1,46 @@
-//! Random weights generated on the device (`bench_util.cu`'s fills), for benchmarks at
-//! real dimensions without a checkpoint: U(±1/√inp) for projections, U(0.9, 1.1) for
-//! norms, U(0, 0.1) for the routing bias.
+//! Synthetic weights: every tensor of a configuration, in this rank's shapes, with values
+//! from a [`WeightFill`] the caller brings (benchmarks at real dimensions without a
+//! checkpoint; the lab crate's random fill). The scales asked for: U(±1/√inp) for
+//! projections, U(0.9, 1.1) for norms, U(0, 0.1) for the routing bias.
 
-use std::cell::Cell;
-use std::sync::Arc;
-
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use mlaserve_core::{ModelConfig, TopkMethod};
 
 use super::weights::{route_params, Attn, Block, Embed, Ffn, Mlp, Moe, Mtp};
 use crate::error::Result;
-use crate::kernels::Util;
+use crate::gpu::Gpu;
 use crate::linear::Linear;
 
-pub(crate) struct Rand<'a> {
-    pub s: &'a Arc<CudaStream>,
-    pub util: &'a Util,
-    pub seed: Cell<u64>,
+/// Values for synthetic weights, written on the device in the order the tensors are made
+/// (so a deterministic fill gives the same model every time).
+pub trait WeightFill {
+    /// Fills `x` with values in `[-a, a)`.
+    fn fill_bf16(&self, gpu: &Gpu, x: &mut CudaSlice<bf16>, a: f32) -> Result<()>;
+    /// Fills `x` with values in `[lo, hi)`.
+    fn fill_f32(&self, gpu: &Gpu, x: &mut CudaSlice<f32>, lo: f32, hi: f32) -> Result<()>;
+}
+
+pub(crate) struct Synth<'a> {
+    pub gpu: &'a Gpu,
+    pub fill: &'a dyn WeightFill,
     /// This rank's place in its group: shapes are its shard's.
     pub rank: usize,
     pub world: usize,
 }
 
-impl Rand<'_> {
-    fn next(&self) -> u64 {
-        let v = self.seed.get().wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        self.seed.set(v);
-        v
-    }
+impl Synth<'_> {
     pub fn bf16(&self, n: usize, a: f32) -> Result<CudaSlice<bf16>> {
-        let mut x = self.s.alloc_zeros::<bf16>(n)?;
-        self.util.fill_bf16(self.s, &mut x, self.next(), -a, a)?;
+        let mut x = self.gpu.stream.alloc_zeros::<bf16>(n)?;
+        self.fill.fill_bf16(self.gpu, &mut x, a)?;
         Ok(x)
     }
     pub fn lin(&self, out: usize, inp: usize) -> Result<Linear> {
         Ok(Linear { w: self.bf16(out * inp, 1.0 / (inp as f32).sqrt())?, out, inp })
     }
     pub fn vec(&self, n: usize, lo: f32, hi: f32) -> Result<CudaSlice<f32>> {
-        let mut x = self.s.alloc_zeros::<f32>(n)?;
-        self.util.fill_f32(self.s, &mut x, self.next(), lo, hi)?;
+        let mut x = self.gpu.stream.alloc_zeros::<f32>(n)?;
+        self.fill.fill_f32(self.gpu, &mut x, lo, hi)?;
         Ok(x)
     }
     fn norm(&self, n: usize) -> Result<CudaSlice<f32>> {
@@ -64,7 +65,7 @@ impl Rand<'_> {
                     } else {
                         None
                     },
-                    grouped: Moe::tables(self.s, &experts)?,
+                    grouped: Moe::tables(&self.gpu.stream, &experts)?,
                     experts,
                     shared: if m.n_shared_experts > 0 {
                         Some(self.mlp(h, m.moe_intermediate_size * m.n_shared_experts / self.world)?)

@@ -5,33 +5,8 @@
 //! reads bf16); accumulation is in f64, so the reference is well below the kernels'
 //! own error and a comparison measures the kernel alone.
 
-use crate::plan::PAGE;
-use crate::prefill::{PrefillDims, PrefillSeq};
-
-/// Shape of one decode attention call (DESIGN.md §4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeDims {
-    pub batch: usize,
-    /// Local (per-rank) query heads.
-    pub heads: usize,
-    /// Uniform query length s = 1 + k drafts.
-    pub q_len: usize,
-    /// Latent width `kv_lora_rank` (also the value width).
-    pub dlat: usize,
-    /// Rotary width `qk_rope_head_dim`.
-    pub drope: usize,
-    /// Block-table entries per request (row stride of the block table).
-    pub bt_stride: usize,
-}
-
-impl DecodeDims {
-    pub fn rows(&self) -> usize {
-        self.heads * self.q_len
-    }
-    pub fn dqk(&self) -> usize {
-        self.dlat + self.drope
-    }
-}
+use mlaserve_cuda::dims::{DecodeDims, PrefillDims, PrefillSeq};
+use mlaserve_cuda::plan::PAGE;
 
 /// Absorbed-MLA decode attention.
 ///
@@ -193,7 +168,7 @@ pub fn mla_prefill(
 
 /// The query the prefill kernel attends with: per row r and head, `q_nope` and
 /// `RoPE(q_pe, pos[r])` (interleaved pairs, f32 as the kernels compute it, with the tables
-/// of [`rope_tables`]), each value rounded to bf16. `q`: `[rows][heads][nope + rope]`.
+/// of [`mlaserve_cuda::rope::rope_tables`]), each value rounded to bf16. `q`: `[rows][heads][nope + rope]`.
 pub fn rope_query(
     q: &[f32],
     pos: &[usize],
@@ -310,45 +285,11 @@ pub fn lse_max_abs(got: &[f32], want: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// YaRN RoPE tables `[max_pos][inv_freq.len()]` (cos, sin), computed as mlaserve-cpu's
-/// `Rope::new` does: the angle in f32 (as transformers), cos/sin in f64, times the
-/// attention factor.
-pub fn rope_tables(inv_freq: &[f64], attention_factor: f64, max_pos: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut cos = Vec::with_capacity(max_pos * inv_freq.len());
-    let mut sin = Vec::with_capacity(max_pos * inv_freq.len());
-    for p in 0..max_pos {
-        for f in inv_freq {
-            let ang = (p as f32 * *f as f32) as f64;
-            cos.push((ang.cos() * attention_factor) as f32);
-            sin.push((ang.sin() * attention_factor) as f32);
-        }
-    }
-    (cos, sin)
-}
-
 #[cfg(test)]
 mod tests {
-
-    /// The GPU's RoPE tables are exactly the CPU backend's (same f32 angle, f64 cos/sin).
-    #[test]
-    fn rope_tables_match_the_cpu_backend() {
-        let inv: Vec<f64> = (0..4).map(|i| 1.0 / 10000f64.powf(i as f64 / 4.0)).collect();
-        let (cos, sin) = rope_tables(&inv, 1.3, 100);
-        let rope = mlaserve_cpu::ops::Rope::new(&inv, 1.3, 100);
-        for p in [0usize, 1, 63, 99] {
-            let mut v = vec![1.0f32, 0.0, 0.5, -2.0, 3.0, 0.25, -1.0, 1.0];
-            let orig = v.clone();
-            rope.apply(&mut v, p);
-            for i in 0..4 {
-                let (c, s) = (cos[p * 4 + i], sin[p * 4 + i]);
-                let (a, b) = (orig[2 * i], orig[2 * i + 1]);
-                assert_eq!(v[2 * i], a * c - b * s);
-                assert_eq!(v[2 * i + 1], a * s + b * c);
-            }
-        }
-    }
     use super::*;
     use crate::rng::Rng;
+    use mlaserve_cuda::rope::rope_tables;
 
     /// One token visible: output is that token's value, lse its scaled score.
     #[test]

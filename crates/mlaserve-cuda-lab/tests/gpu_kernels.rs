@@ -5,9 +5,9 @@
 //! turns a missing GPU into a failure.
 #![cfg(feature = "cuda")]
 
-use mlaserve_cuda::check::{run_decode_case, run_op_checks, run_window_invariance, standard_cases};
-use mlaserve_cuda::kernels::Util;
 use mlaserve_cuda::{Gpu, MlaDecode};
+use mlaserve_cuda_lab::check::{run_decode_case, run_op_checks, run_window_invariance, standard_cases};
+use mlaserve_cuda_lab::util::Util;
 
 fn gpu() -> Option<Gpu> {
     match Gpu::new(0) {

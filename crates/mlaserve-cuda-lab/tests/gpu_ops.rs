@@ -11,11 +11,14 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use mlaserve_core::config::Arch;
 use mlaserve_core::{MoeConfig, ScoringFunc, TopkMethod};
+use mlaserve_cuda::dims::DecodeDims;
+use mlaserve_cuda::layout::AttnMeta;
 use mlaserve_cuda::linear::{Gemm, GemmMode, Linear, TcKernels};
-use mlaserve_cuda::ops::{AttnMeta, GroupedVariant, Ops, RopeTables, RouteParams};
-use mlaserve_cuda::reference::{self, DecodeDims};
-use mlaserve_cuda::rng::Rng;
+use mlaserve_cuda::ops::{GroupedVariant, Ops, RouteParams};
+use mlaserve_cuda::rope::RopeTables;
 use mlaserve_cuda::Gpu;
+use mlaserve_cuda_lab::reference;
+use mlaserve_cuda_lab::rng::Rng;
 
 fn gpu() -> Option<Gpu> {
     match Gpu::new(0) {
@@ -67,16 +70,13 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
     // linear_tc twice: its 128 × 128 tile above 64 rows, and at every row count (the same
     // bits either way); then the same on the warpgroup-MMA kernels (Hopper).
     let hopper = g.compute_capability == (9, 0);
-    let mut mma = Gemm::new(&g, GemmMode::InvariantTc).expect("gemm");
-    mma.tc_kernels = TcKernels::MmaSync;
-    use TcKernels::{MmaSync, Wgmma, WgmmaTma};
+    let mma = Gemm::new(&g, GemmMode::InvariantTc, TcKernels::MmaSync).expect("gemm");
+    use TcKernels::{MmaSync, WgmmaTma};
     for (mode, large_from, kind) in [
         (GemmMode::Cublas, 64, MmaSync),
         (GemmMode::BatchInvariant, 64, MmaSync),
         (GemmMode::InvariantTc, 64, MmaSync),
         (GemmMode::InvariantTc, 0, MmaSync),
-        (GemmMode::InvariantTc, 64, Wgmma),
-        (GemmMode::InvariantTc, 0, Wgmma),
         (GemmMode::InvariantTc, 64, WgmmaTma),
         (GemmMode::InvariantTc, 0, WgmmaTma),
         (GemmMode::InvariantTc, 64, TcKernels::Auto),
@@ -84,9 +84,8 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
         if kind != MmaSync && !hopper {
             continue;
         }
-        let mut gemm = Gemm::new(&g, mode).expect("gemm");
+        let mut gemm = Gemm::new(&g, mode, kind).expect("gemm");
         gemm.large_from = large_from;
-        gemm.tc_kernels = kind;
         let mode_name = match (mode, large_from) {
             (GemmMode::InvariantTc, 0) => format!("InvariantTc/{kind:?}/128-row tile at every m"),
             (GemmMode::InvariantTc, _) => format!("InvariantTc/{kind:?}"),
@@ -178,8 +177,8 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
 fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
     let Some(g) = gpu() else { return };
     let s = &g.stream;
-    let ops = Ops::new(&g).expect("ops");
-    let inv_gemm = Gemm::new(&g, GemmMode::BatchInvariant).expect("gemm");
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
+    let inv_gemm = Gemm::new(&g, GemmMode::BatchInvariant, TcKernels::Auto).expect("gemm");
     let mut rng = Rng::new(29);
     let mut fails = Vec::new();
     for (experts, n, k, tokens, topk) in
@@ -206,16 +205,16 @@ fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
         );
         ops.moe_sort(s, &idd, tokens, topk, experts, &mut off, &mut perm, &mut inv).expect("sort");
         let mut xs = s.alloc_zeros::<bf16>(slots * k).expect("xs");
-        ops.gather_bf16_sorted(s, &mut xs, &xd, &perm, slots, k).expect("gather");
+        ops.gather_sorted(s, &mut xs, &xd, &perm, slots, k).expect("gather");
         let mut y = s.alloc_zeros::<f32>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, true, GroupedVariant::Direct).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut y, &xs, &table, &off, slots, GroupedVariant::Direct).expect("grouped");
         let mut yb = s.alloc_zeros::<bf16>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, false, GroupedVariant::Direct).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut yb, &xs, &table, &off, slots, GroupedVariant::Direct).expect("grouped");
         // The staged entry points: the same bits.
         let mut ys = s.alloc_zeros::<f32>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut ys, &xs, &table, &off, slots, true, GroupedVariant::Staged).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut ys, &xs, &table, &off, slots, GroupedVariant::Staged).expect("grouped");
         let mut ysb = s.alloc_zeros::<bf16>(slots * n).expect("y");
-        ops.moe_grouped_sorted(s, &mut ysb, &xs, &table, &off, slots, false, GroupedVariant::Staged).expect("grouped");
+        ops.moe_grouped_sorted(s, &mut ysb, &xs, &table, &off, slots, GroupedVariant::Staged).expect("grouped");
         let bits = |a: &CudaSlice<f32>, b: &CudaSlice<f32>| {
             s.clone_dtoh(a)
                 .expect("a")
@@ -287,7 +286,7 @@ fn moe_cfg(e: usize, k: usize, g: usize, tg: usize, m: TopkMethod, sf: ScoringFu
 fn routing_matches_reference_every_variant() {
     let Some(g) = gpu() else { return };
     let s = &g.stream;
-    let ops = Ops::new(&g).expect("ops");
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(5);
     let mut fails = Vec::new();
     let cases = [
@@ -363,7 +362,7 @@ fn routing_matches_reference_every_variant() {
 fn mla_pieces_match_reference() {
     let Some(g) = gpu() else { return };
     let s = &g.stream;
-    let ops = Ops::new(&g).expect("ops");
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(9);
     let mut fails = Vec::new();
     // (heads, nope, rope, lora, vdim, batch, q_len, seq_len)
@@ -499,7 +498,7 @@ fn mla_pieces_match_reference() {
 fn small_backend_ops_match_reference() {
     let Some(g) = gpu() else { return };
     let s = &g.stream;
-    let ops = Ops::new(&g).expect("ops");
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(3);
     let mut fails = Vec::new();
     for (h, vocab, n) in [(7168, 1000, 9), (64, 512, 33)] {
@@ -524,7 +523,7 @@ fn small_backend_ops_match_reference() {
         let w = rand(&mut rng, h, 0.5, 1.5);
         let wd = s.clone_htod(&w).expect("w");
         let mut out = s.alloc_zeros::<f32>(n * 2 * h).expect("out");
-        ops.rmsnorm_f32(s, &mut out.slice_mut(h..), 2 * h, &x, h, &wd, n, 1e-6).expect("norm");
+        ops.rmsnorm(s, &mut out.slice_mut(h..), 2 * h, &x, h, &wd, n, 1e-6).expect("norm");
         let got: Vec<f32> = s.clone_dtoh(&out).expect("out").chunks(2 * h).flat_map(|r| r[h..].to_vec()).collect();
         let mut want = xh.clone();
         for row in want.chunks_mut(h) {
@@ -583,11 +582,11 @@ fn small_backend_ops_match_reference() {
 /// Hopper the wgmma kernels (cp.async and TMA) must give mma.sync's bits.
 #[test]
 fn grouped_experts_tensor_core_match_reference() {
-    use mlaserve_cuda::kernels::Util;
     use mlaserve_cuda::ops::ExpertWeights;
+    use mlaserve_cuda_lab::util::Util;
     let Some(g) = gpu() else { return };
     let s = &g.stream;
-    let ops = Ops::new(&g).expect("ops");
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let util = Util::new(&g).expect("util");
     let mut fails = Vec::new();
     let counts = [0usize, 1, 7, 16, 0, 17, 100, 150, 300, 0];
@@ -616,7 +615,7 @@ fn grouped_experts_tensor_core_match_reference() {
         let xh: Vec<f64> = s.clone_dtoh(&xd).expect("x").iter().map(|v| v.to_f64()).collect();
         let len = (rows * n).next_multiple_of(2);
         let mut yc = s.alloc_zeros::<f32>(len).expect("y");
-        ops.moe_grouped_sorted(s, &mut yc, &xd, &table, &offd, rows, true, GroupedVariant::Direct).expect("cc");
+        ops.moe_grouped_sorted(s, &mut yc, &xd, &table, &offd, rows, GroupedVariant::Direct).expect("cc");
         let cuda_cores = s.clone_dtoh(&yc).expect("y");
         let mut tc_bits: Option<Vec<f32>> = None;
         let hopper = g.compute_capability == (9, 0);
@@ -632,7 +631,7 @@ fn grouped_experts_tensor_core_match_reference() {
                 }
             }
         }
-        for variant in [GroupedVariant::TensorCore, GroupedVariant::Wgmma, GroupedVariant::WgmmaTma] {
+        for variant in [GroupedVariant::TensorCore, GroupedVariant::WgmmaTma] {
             if variant != GroupedVariant::TensorCore && !hopper {
                 continue;
             }
@@ -640,8 +639,8 @@ fn grouped_experts_tensor_core_match_reference() {
             util.poison_f32(s, &mut yf, 0x7fc0_0000).expect("poison");
             let mut yb = s.alloc_zeros::<bf16>(len).expect("y");
             util.poison_bf16(s, &mut yb, 0x7fc0_7fc0).expect("poison");
-            ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, true, variant).expect("tc");
-            ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, false, variant).expect("tc");
+            ops.moe_grouped_sorted(s, &mut yf, &xd, &table, &offd, rows, variant).expect("tc");
+            ops.moe_grouped_sorted(s, &mut yb, &xd, &table, &offd, rows, variant).expect("tc");
             let got = s.clone_dtoh(&yf).expect("y");
             let gotb: Vec<f32> = s.clone_dtoh(&yb).expect("y").iter().map(|v| v.to_f32()).collect();
 
@@ -680,155 +679,4 @@ fn grouped_experts_tensor_core_match_reference() {
     }
 
     assert!(fails.is_empty(), "failed: {fails:?}");
-}
-
-/// Timings of the grouped expert kernels at V3 shapes (a separate test so that memcheck
-/// can run the correctness test above without them).
-#[test]
-fn grouped_experts_tensor_core_timing() {
-    use mlaserve_cuda::bench::{measure_copy_bandwidth, time_calls};
-    use mlaserve_cuda::kernels::Util;
-    use mlaserve_cuda::ops::ExpertWeights;
-    let Some(g) = gpu() else { return };
-    let s = &g.stream;
-    let ops = Ops::new(&g).expect("ops");
-    let util = Util::new(&g).expect("util");
-    // Timings at V3 shapes: 64 experts (5.6 GB of weights, far past L2), every one touched.
-    let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
-    let experts = 64;
-    for (what, n, k, out_f32) in [("gate_up", 4096usize, 7168usize, false), ("down", 7168, 2048, true)] {
-        let lins: Vec<Linear> = (0..experts)
-            .map(|i| {
-                let mut w = s.alloc_zeros::<bf16>(n * k).expect("w");
-                util.fill_bf16(s, &mut w, 5000 + i as u64, -0.05, 0.05).expect("fill");
-                Linear { w, out: n, inp: k }
-            })
-            .collect();
-        let table = ExpertWeights::new(s, &lins.iter().collect::<Vec<_>>()).expect("table");
-        let read_us = (experts * n * k * 2) as f64 / (copy_gbps * 1e9) * 1e6;
-        // Rows per expert: even, and uneven around 64 (40 to 88, as a prefill's routing
-        // spreads them: experts past 64 rows take a second 64-row chunk).
-        let cases: Vec<(String, Vec<usize>)> = [8usize, 64, 128, 256]
-            .iter()
-            .map(|&per| (format!("{per} rows"), vec![per; experts]))
-            .chain(std::iter::once((
-                "40-88 rows (mean 64)".to_string(),
-                (0..experts).map(|e| 40 + (e * 37) % 49).collect(),
-            )))
-            .collect();
-        for (label, counts) in cases {
-            let rows: usize = counts.iter().sum();
-            let mut off = vec![0i32];
-            for c in &counts {
-                off.push(off.last().copied().unwrap_or(0) + *c as i32);
-            }
-            let offd = s.clone_htod(&off).expect("off");
-            let mut x = s.alloc_zeros::<bf16>(rows * k).expect("x");
-            util.fill_bf16(s, &mut x, 77, -1.0, 1.0).expect("fill");
-            let mut yf = s.alloc_zeros::<f32>(rows * n).expect("y");
-            let mut yb = s.alloc_zeros::<bf16>(rows * n).expect("y");
-            let mut time = |v: GroupedVariant| -> f64 {
-                let t = time_calls(&g, 3, 25, || {
-                    if out_f32 {
-                        ops.moe_grouped_sorted(s, &mut yf, &x, &table, &offd, rows, true, v)
-                    } else {
-                        ops.moe_grouped_sorted(s, &mut yb, &x, &table, &offd, rows, false, v)
-                    }
-                })
-                .expect("time");
-                t[t.len() / 2] * 1e3
-            };
-            // The CUDA-core kernels only where they are candidates (few rows per expert).
-            let few = rows <= 64 * experts;
-            let (direct, staged) =
-                if few { (time(GroupedVariant::Direct), time(GroupedVariant::Staged)) } else { (f64::NAN, f64::NAN) };
-            let tc = time(GroupedVariant::TensorCore);
-            let hopper = g.compute_capability == (9, 0);
-            let wg = if hopper { time(GroupedVariant::Wgmma) } else { f64::NAN };
-            let wgt = if hopper { time(GroupedVariant::WgmmaTma) } else { f64::NAN };
-            let tflops = |us: f64| (2 * rows * n * k) as f64 / (us * 1e-6) / 1e12;
-            println!(
-                "grouped {what} [{n}×{k}] {experts} experts × {label}, median of 25 (µs): CUDA cores direct \
-                 {direct:.0}, staged {staged:.0}; tensor cores {tc:.0}, wgmma {wg:.0}, wgmma + TMA {wgt:.0} \
-                 ({:.0} TFLOP/s); weights once at copy bandwidth ({copy_gbps:.0} GB/s) {read_us:.0}",
-                tflops(wgt)
-            );
-        }
-    }
-}
-
-/// Times of the dense projections at DeepSeek-V3's shapes: cuBLAS against `linear_tc`
-/// (the batch-invariant tensor-core GEMM, 64-row tiles up to 64 rows, 128 × 128 above),
-/// beside the time to read the weight once at the copy bandwidth and the cuBLAS 8192³ rate
-/// of the same run (printed, not asserted).
-#[test]
-fn gemm_invariant_tc_timing() {
-    use mlaserve_cuda::bench::{measure_copy_bandwidth, measure_gemm_bf16, time_calls};
-    use mlaserve_cuda::kernels::Util;
-    let Some(g) = gpu() else { return };
-    let s = &g.stream;
-    let util = Util::new(&g).expect("util");
-    let copy_gbps = measure_copy_bandwidth(&g, &util, 1 << 30).expect("copy");
-    let peak = measure_gemm_bf16(&g, &util, 8192).expect("gemm rate");
-    println!("ceilings: copy {copy_gbps:.0} GB/s, cuBLAS bf16 8192³ {peak:.0} TFLOP/s");
-    let mut gemms: Vec<Gemm> = [GemmMode::Cublas, GemmMode::InvariantTc, GemmMode::InvariantTc, GemmMode::InvariantTc]
-        .map(|m| Gemm::new(&g, m).expect("gemm"))
-        .into();
-    gemms[1].tc_kernels = TcKernels::MmaSync;
-    gemms[2].tc_kernels = TcKernels::MmaSync;
-    gemms[2].large_from = 0;
-    if g.compute_capability == (9, 0) {
-        gemms[3].tc_kernels = TcKernels::Wgmma;
-        gemms.push(Gemm::new(&g, GemmMode::InvariantTc).expect("gemm"));
-        gemms[4].tc_kernels = TcKernels::WgmmaTma;
-    }
-    for (what, n, k) in [
-        ("q_a", 1536usize, 7168usize),
-        ("q_b", 24576, 1536),
-        ("kv_a", 576, 7168),
-        ("o_proj", 7168, 16384),
-        ("gate_up", 36864, 7168),
-        ("down", 7168, 18432),
-        ("head", 129280, 7168),
-    ] {
-        let mut w = s.alloc_zeros::<bf16>(n * k).expect("w");
-        util.fill_bf16(s, &mut w, 900 + n as u64, -0.05, 0.05).expect("fill");
-        let lin = Linear { w, out: n, inp: k };
-        let read_ms = (n * k * 2) as f64 / (copy_gbps * 1e9) * 1e3;
-        for m in [8usize, 64, 256, 2048] {
-            let mut x = s.alloc_zeros::<bf16>(m * k).expect("x");
-            util.fill_bf16(s, &mut x, 31, -1.0, 1.0).expect("fill");
-            let mut y = s.alloc_zeros::<f32>(m * n).expect("y");
-            let ms: Vec<f64> = gemms
-                .iter()
-                .map(|gm| {
-                    let t = time_calls(&g, 3, 15, || gm.forward(s, &lin, &x, m, &mut y)).expect("time");
-                    t[t.len() / 2] // ms
-                })
-                .collect();
-            let tf = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
-            println!(
-                "gemm {what:>7} [{n}×{k}] m={m:>4}: cuBLAS {:.3} ms ({:.0} TFLOP/s), linear_tc {:.3} ms ({:.0} \
-                 TFLOP/s, {:.2}x cuBLAS), its 128-row tile at this m {:.3} ms ({:.0} TFLOP/s), wgmma {:.3} ms ({:.0} \
-                 TFLOP/s, {:.2}x cuBLAS); weight once at copy bandwidth {read_ms:.3} ms",
-                ms[0],
-                tf(ms[0]),
-                ms[1],
-                tf(ms[1]),
-                ms[1] / ms[0],
-                ms[2],
-                tf(ms[2]),
-                ms[3],
-                tf(ms[3]),
-                ms[3] / ms[0]
-            );
-            if let Some(&t) = ms.get(4) {
-                println!(
-                    "gemm {what:>7} [{n}×{k}] m={m:>4}: wgmma+TMA {t:.3} ms ({:.0} TFLOP/s, {:.2}x cuBLAS)",
-                    tf(t),
-                    t / ms[0]
-                );
-            }
-        }
-    }
 }

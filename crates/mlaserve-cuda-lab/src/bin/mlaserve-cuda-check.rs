@@ -1,22 +1,21 @@
-//! `mlaserve-cuda-check`: the GPU machine's one-stop check, until the `mlaserve` CLI
-//! exposes the same as `mlaserve bench mla-decode`.
+//! `mlaserve-cuda-check`: the GPU machine's one-stop check of the decode kernels.
 //!
 //! Runs every kernel check against the CPU reference, then (unless `--no-bench`) the
 //! decode benchmark sweep beside the copy-bandwidth and cuBLAS ceilings. Exits non-zero
 //! if any check fails.
 //!
 //! Usage: mlaserve-cuda-check [--no-bench] [--no-check] [--quick] [--device N]
-//!        [--kernel mma.sync|wgmma|wgmma+tma|wgmma-ss|wgmma-t|auto]   (default: checks of every
+//!        [--kernel mma.sync|wgmma-ss|wgmma-t|auto]   (default: checks of every
 //!        kernel, bench of auto) [--merge cluster|last-cta|kernel] (how the 64-token kernels
 //!        merge split-KV partials; default cluster)
-//!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--exact] [--device N]
+//!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--batch-invariant] [--device N]
 //!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
 
 use anyhow::{bail, Context, Result};
-use mlaserve_cuda::bench::{bench_mla_decode, MlaDecodeBenchOpts};
-use mlaserve_cuda::check::{run_decode_case, run_op_checks, standard_cases};
-use mlaserve_cuda::kernels::Util;
 use mlaserve_cuda::{Gpu, MlaDecode, MlaKernel, SplitMerge};
+use mlaserve_cuda_lab::bench::{bench_mla_decode, MlaDecodeBenchOpts};
+use mlaserve_cuda_lab::check::{run_decode_case, run_op_checks, standard_cases};
+use mlaserve_cuda_lab::util::Util;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -25,7 +24,7 @@ fn main() -> Result<()> {
         Some(i) => args.get(i + 1).context("--device needs a number")?.parse()?,
         None => 0,
     };
-    // --kernel NAME: only this tensor-core kernel (mma.sync, wgmma, wgmma+tma), so that a
+    // --kernel NAME: only this tensor-core kernel (mma.sync, wgmma-ss, wgmma-t), so that a
     // run of each in its own process keeps one kernel's fault from hiding the others.
     let only = match args.iter().position(|a| a == "--kernel") {
         Some(i) => Some(args.get(i + 1).context("--kernel needs a name")?.clone()),
@@ -46,15 +45,15 @@ fn main() -> Result<()> {
                 None => Ok(default),
             }
         };
-        let d = mlaserve_cuda::bench_step::StepBenchOpts::default();
-        let opts = mlaserve_cuda::bench_step::StepBenchOpts {
+        let d = mlaserve_cuda_lab::bench_step::StepBenchOpts::default();
+        let opts = mlaserve_cuda_lab::bench_step::StepBenchOpts {
             ordinal: device,
             moe_layers: num("--moe-layers", d.moe_layers)?,
             context: num("--context", d.context)?,
-            exact: flag("--exact"),
+            batch_invariant: flag("--batch-invariant"),
             ..d
         };
-        let report = mlaserve_cuda::bench_step::bench_step(&opts).context("bench step")?;
+        let report = mlaserve_cuda_lab::bench_step::bench_step(&opts).context("bench step")?;
         print!("{report}");
         return Ok(());
     }

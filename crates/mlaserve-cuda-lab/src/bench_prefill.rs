@@ -22,15 +22,17 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::bench::{measure_ceilings, time_calls, Ceilings};
-use crate::error::Result;
-use crate::gpu::Gpu;
-use crate::kernels::Util;
-use crate::linear::{Gemm, GemmMode, Linear};
-use crate::ops::{AttnMeta, Ops, RopeTables};
-use crate::plan::PAGE;
-use crate::prefill::{self, LatentCache, MlaPrefill, PrefillDims, PrefillPlan, PrefillSeq};
 use crate::reference::err_stats;
 use crate::rng::Rng;
+use crate::util::Util;
+use mlaserve_cuda::layout::AttnMeta;
+use mlaserve_cuda::linear::{Gemm, GemmMode, Linear, TcKernels};
+use mlaserve_cuda::ops::Ops;
+use mlaserve_cuda::plan::PAGE;
+use mlaserve_cuda::prefill::{self, LatentCache, MlaPrefill, PrefillDims, PrefillKernel, PrefillPlan, PrefillSeq};
+use mlaserve_cuda::rope::RopeTables;
+use mlaserve_cuda::Gpu;
+use mlaserve_cuda::Result;
 
 /// What to sweep: every combination of the lists.
 #[derive(Debug, Clone)]
@@ -48,6 +50,8 @@ pub struct PrefillBenchOpts {
     /// Time the absorbed path only when visible pairs × heads is at most this (it is a
     /// scalar kernel, one block per (row, head), minutes at the largest sizes).
     pub absorbed_max: u64,
+    /// The attention kernel timed (mma.sync where the GPU has no wgmma).
+    pub kernel: PrefillKernel,
 }
 
 impl Default for PrefillBenchOpts {
@@ -61,6 +65,7 @@ impl Default for PrefillBenchOpts {
             warmup: 2,
             iters: 10,
             absorbed_max: 150_000_000,
+            kernel: PrefillKernel::default(),
         }
     }
 }
@@ -98,9 +103,9 @@ fn median(sorted: &[f64]) -> f64 {
 pub fn bench_mla_prefill(gpu: &Gpu, opts: &PrefillBenchOpts) -> Result<PrefillBenchReport> {
     let util = Util::new(gpu)?;
     let ceilings = measure_ceilings(gpu, &util)?;
-    let pre = MlaPrefill::new(gpu)?;
-    let ops = Ops::new(gpu)?;
-    let gemm = Gemm::new(gpu, GemmMode::Cublas)?;
+    let pre = MlaPrefill::new(gpu, opts.kernel)?;
+    let ops = Ops::new(gpu, TcKernels::Auto)?;
+    let gemm = Gemm::new(gpu, GemmMode::Cublas, TcKernels::Auto)?;
     let s = &gpu.stream;
     let (nope, rope, vdim, lora) = (128usize, 64usize, 128usize, 512usize);
     let lat = lora + rope;

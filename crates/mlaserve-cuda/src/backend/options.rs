@@ -1,0 +1,111 @@
+//! [`CudaOptions`]: how a [`super::CudaBackend`] runs (kernel choices, CUDA graphs,
+//! batch invariance), set by the command line's flags; its presets name what they
+//! guarantee.
+
+use super::route::PrefillPath;
+use crate::linear::{GemmMode, TcKernels};
+use crate::prefill::PrefillKernel;
+
+/// Construction options.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaOptions {
+    /// Physical blocks of [`mlaserve_core::BLOCK_SIZE`] tokens in every layer's latent cache.
+    pub num_blocks: usize,
+    /// Device ordinal.
+    pub ordinal: usize,
+    pub gemm: GemmMode,
+    /// Use the FlashMLA-style decode kernel for uniform decode windows (≤ 4 tokens).
+    /// Off, every row goes through the varlen kernel, whose result for a token does not
+    /// depend on the window length or the batch.
+    pub decode_kernel: bool,
+    /// Tensor parallelism's all-reduce in a fixed order (all-gather, then a rank-ordered
+    /// sum) instead of NCCL's, so results do not depend on the batch (batch-invariant mode).
+    pub ordered_all_reduce: bool,
+    /// Which sequences take the expanded form of MLA (prefill chunks by default).
+    pub prefill: PrefillPath,
+    /// Run decode steps (uniform windows of 1 to 4 tokens) as CUDA graphs, one per batch
+    /// bucket and window length (`graphs.rs`); off, every step is launched kernel by kernel
+    /// (vLLM's `enforce_eager`). They need the decode kernel, so the batch-invariant mode
+    /// runs eagerly either way, and so do tensor-parallel ranks unless `tp_graphs`.
+    pub graphs: bool,
+    /// Graphs on tensor-parallel ranks too (experimental, off): each capture is launched
+    /// at once, and each capture's outcome goes to stderr.
+    pub tp_graphs: bool,
+    /// The stream capture mode of the graphs (thread-local unless relaxed).
+    pub graph_capture: CaptureMode,
+    /// The tensor-core kernels of [`GemmMode::InvariantTc`] and of the MoE experts
+    /// ([`TcKernels::Auto`]: by row count on Hopper; the others for comparisons).
+    pub linear_tc: TcKernels,
+    /// The expanded-form attention kernel ([`PrefillKernel::WgmmaTma`] by default;
+    /// mma.sync where the GPU has no wgmma).
+    pub prefill_kernel: PrefillKernel,
+    /// Decode-kernel splits of this many pages each, from the start of every request
+    /// ([`crate::MlaDecode::set_fixed_splits`]: batch-invariant decode attention); None:
+    /// the planner's, which depend on the batch.
+    pub decode_split_blocks: Option<usize>,
+}
+
+/// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
+/// for a batch of long requests, few partials to merge.
+pub const INVARIANT_SPLIT_BLOCKS: usize = 16;
+
+/// How a CUDA graph's stream capture treats other threads' CUDA calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CaptureMode {
+    /// Only this thread's unsafe calls are prohibited during the capture (the default).
+    #[default]
+    ThreadLocal,
+    /// Nothing is prohibited (for diagnosing a capture that fails).
+    Relaxed,
+}
+
+impl CudaOptions {
+    pub fn new(num_blocks: usize, ordinal: usize) -> Self {
+        CudaOptions {
+            num_blocks,
+            ordinal,
+            gemm: GemmMode::Cublas,
+            decode_kernel: true,
+            ordered_all_reduce: false,
+            prefill: PrefillPath::Auto,
+            graphs: true,
+            tp_graphs: false,
+            graph_capture: CaptureMode::ThreadLocal,
+            linear_tc: TcKernels::Auto,
+            prefill_kernel: PrefillKernel::WgmmaTma,
+            decode_split_blocks: None,
+        }
+    }
+    /// Every token's result independent of its batch, on the fast kernels: the
+    /// tensor-core invariant GEMM ([`GemmMode::InvariantTc`]), the decode kernel with
+    /// fixed-size splits ([`INVARIANT_SPLIT_BLOCKS`]), the ordered all-reduce, CUDA graphs.
+    /// Greedy output with speculation then equals output without it, token for token.
+    ///
+    /// The form of MLA follows what a chunk is ([`PrefillPath::Flagged`]): prefill chunks,
+    /// of any length, take the expanded form, whose kernel walks every row's keys in tiles
+    /// from key 0 (so a row's sums do not depend on where its chunk starts); decode windows
+    /// take the decode kernel, whose fixed splits make a token's sums the same in a window
+    /// of 4 and as a single token. A sequence recomputed after preemption prefills its
+    /// generated tokens, so those can differ in the last bits from their first pass.
+    pub fn batch_invariant(mut self) -> Self {
+        self.gemm = GemmMode::InvariantTc;
+        self.decode_kernel = true;
+        self.decode_split_blocks = Some(INVARIANT_SPLIT_BLOCKS);
+        self.ordered_all_reduce = true;
+        self.prefill = PrefillPath::Flagged;
+        self
+    }
+    /// Every token's result independent of its batch on CUDA cores (slow; the fallback
+    /// where the fast kernels are missing): the CUDA-core invariant GEMM, no decode kernel,
+    /// every row in the absorbed form. The expanded kernel is batch-invariant itself, but
+    /// the choice of form is made by a chunk's length, and the scheduler sizes prefill
+    /// chunks by what else is in the step: a prompt's tail could take the absorbed form in
+    /// one batch and the expanded one in another, and the two forms round differently.
+    pub fn batch_invariant_cuda_cores(mut self) -> Self {
+        self.gemm = GemmMode::BatchInvariant;
+        self.decode_kernel = false;
+        self.ordered_all_reduce = true;
+        self.prefill = PrefillPath::Absorbed;
+        self
+    }
+}

@@ -1,0 +1,47 @@
+//! Launch helpers every typed wrapper shares: length checks against what a kernel
+//! touches, `i32` kernel arguments, the common grid shapes, and loading a function with
+//! its dynamic shared-memory allowance. A leaf: it imports nothing of the crate but
+//! [`crate::error`].
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
+
+use crate::error::{CudaError, Result};
+
+/// Fails with a shape error unless `len >= want`.
+pub(crate) fn need(kernel: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
+    if len < want {
+        return Err(CudaError::shape(kernel, format!("{what} has {len} elements, needs {want}")));
+    }
+    Ok(())
+}
+
+/// `v` as a kernel's `int` argument, or a shape error naming the kernel.
+pub(crate) fn i32_of(kernel: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::shape(kernel, format!("{v} overflows i32")))
+}
+
+/// One block of `threads` per row.
+pub(crate) fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+/// One block of `threads` per (head, row).
+pub(crate) fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (heads as u32, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
+}
+
+/// A grid-stride launch: `blocks_per_sm` blocks of 256 threads per SM, independent of the
+/// element count.
+pub(crate) fn grid_stride(num_sms: usize, blocks_per_sm: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((num_sms * blocks_per_sm) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Function `name` of `m`, allowed `smem` bytes of dynamic shared memory.
+pub(crate) fn with_smem(m: &Arc<CudaModule>, name: &str, smem: usize) -> Result<CudaFunction> {
+    let f = m.load_function(name)?;
+    f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+    Ok(f)
+}

@@ -1,0 +1,331 @@
+//! The absorbed-MLA pieces of the forward pass: RoPE + the paged latent write, query
+//! absorption (`W_UK`), the varlen absorbed attention, and `W_UV`; the two head-wise
+//! products run on tensor cores (`heads_tc`) where the widths allow.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::Ops;
+use crate::error::{CudaError, Result};
+use crate::launch::{head_cfg, i32_of, need, rows_cfg};
+use crate::layout::AttnMeta;
+use crate::rope::RopeTables;
+
+/// One `heads_tc` call: `m` rows of `heads` heads, `k` inputs and `n` outputs per head,
+/// row strides (elements) of x and y, and W's layout per head: `[k][n]` (W_UK) when
+/// `w_kn`, else `[n][k]` (W_UV).
+struct HeadsTc {
+    m: usize,
+    heads: usize,
+    k: usize,
+    n: usize,
+    x_stride: usize,
+    y_stride: usize,
+    w_kn: bool,
+}
+
+/// Whether `heads_tc` (kernels/gemm_tc.cu) takes these widths: 16-byte rows of x and W,
+/// pairs of outputs.
+fn heads_tc_takes(k: usize, n: usize, x_stride: usize, y_stride: usize) -> bool {
+    k.is_multiple_of(8) && n.is_multiple_of(8) && x_stride.is_multiple_of(4) && y_stride.is_multiple_of(2)
+}
+
+impl Ops {
+    /// Writes the latent of `n` rows of `kv` (`[n][lora + rope]` f32) into `cache` at
+    /// `slot[r]`: `[RMSNorm(c_kv) * norm_w, RoPE(k_pe, pos[r])]` as bf16. A row whose slot
+    /// is negative (a CUDA-graph bucket's padding) or past the cache writes nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        s: &Arc<CudaStream>,
+        cache: &mut CudaSlice<bf16>,
+        kv: &CudaSlice<f32>,
+        norm_w: &CudaSlice<f32>,
+        rope: &RopeTables,
+        pos: &CudaSlice<i32>,
+        slot: &CudaSlice<i64>,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "kv_cache_write_bf16";
+        let (lora, r) = (norm_w.len(), rope.dim);
+        let lat = lora + r;
+        need(K, "kv", kv.len(), n * lat)?;
+        need(K, "pos", pos.len(), n)?;
+        need(K, "slot", slot.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (li, ri) = (i32_of(K, lora)?, i32_of(K, r)?);
+        let slots = (cache.len() / lat) as i64;
+        // SAFETY: block r reads kv[r*lat..][..lat], norm_w[..lora], pos[r], slot[r] and the
+        // rope tables at pos[r] (positions < the tables' length, validated by the caller
+        // through Batch::validate; a padding row's positions are 0..4), and writes
+        // cache[slot[r]*lat..][..lat] only for 0 <= slot[r] < slots = whole latents in the
+        // cache (the kernel skips the others).
+        unsafe {
+            s.launch_builder(&self.kv_write)
+                .arg(cache)
+                .arg(kv)
+                .arg(norm_w)
+                .arg(&rope.cos)
+                .arg(&rope.sin)
+                .arg(pos)
+                .arg(slot)
+                .arg(&slots)
+                .arg(&li)
+                .arg(&ri)
+                .arg(&eps)
+                .launch(rows_cfg(n, 128, 0))
+        }?;
+        Ok(())
+    }
+
+    /// Absorbed queries: `qa[r][h] = [W_UK[h]^T q_nope, RoPE(q_pe, pos[r])]`, in f32 and bf16,
+    /// on tensor cores (`heads_tc`, q_nope as bf16 hi + lo) when the widths allow, else one
+    /// CUDA-core block per row and head. Either way a row's result ignores the other rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn q_absorb(
+        &self,
+        s: &Arc<CudaStream>,
+        qa: &mut CudaSlice<f32>,
+        qa_bf16: &mut CudaSlice<bf16>,
+        q: &CudaSlice<f32>,
+        wuk: &CudaSlice<bf16>,
+        rope: &RopeTables,
+        pos: &CudaSlice<i32>,
+        n: usize,
+        heads: usize,
+        nope: usize,
+        lora: usize,
+    ) -> Result<()> {
+        const K: &str = "q_absorb_f32";
+        let r = rope.dim;
+        need(K, "q", q.len(), n * heads * (nope + r))?;
+        need(K, "wuk", wuk.len(), heads * nope * lora)?;
+        need(K, "qa", qa.len(), n * heads * (lora + r))?;
+        need(K, "qa_bf16", qa_bf16.len(), n * heads * (lora + r))?;
+        need(K, "pos", pos.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if heads_tc_takes(nope, lora, nope + r, lora + r) {
+            let t = HeadsTc { m: n, heads, k: nope, n: lora, x_stride: nope + r, y_stride: lora + r, w_kn: true };
+            return self.heads_tc(s, Some(qa), qa_bf16, q, wuk, &t, Some((rope, pos)));
+        }
+        let (hi, ni, ri, li) = (i32_of(K, heads)?, i32_of(K, nope)?, i32_of(K, r)?, i32_of(K, lora)?);
+        // SAFETY: block (h, r) reads q[(r*heads+h)*(nope+rope)..][..nope+rope],
+        // wuk[h*nope*lora..][..nope*lora] and the rope tables at pos[r] (validated by the
+        // caller), writes qa/qa_bf16[(r*heads+h)*(lora+rope)..][..lora+rope]; lengths
+        // checked above; shared memory holds nope floats.
+        unsafe {
+            s.launch_builder(&self.q_absorb)
+                .arg(qa)
+                .arg(qa_bf16)
+                .arg(q)
+                .arg(wuk)
+                .arg(&rope.cos)
+                .arg(&rope.sin)
+                .arg(pos)
+                .arg(&hi)
+                .arg(&ni)
+                .arg(&ri)
+                .arg(&li)
+                .launch(head_cfg(heads, n, 128, nope * 4))
+        }?;
+        Ok(())
+    }
+
+    /// Varlen causal absorbed attention: row r (sequence `row_seq[r]`, position `pos[r]`)
+    /// attends to its sequence's cache positions `0..=pos[r]` through `tables`
+    /// (`[seqs][bt_stride]`). `max_pos` bounds every `pos[r]` (the caller's host copy);
+    /// `max_block` bounds every table entry.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_varlen(
+        &self,
+        s: &Arc<CudaStream>,
+        o_lat: &mut CudaSlice<f32>,
+        qa: &CudaSlice<f32>,
+        cache: &CudaSlice<bf16>,
+        tables: &CudaSlice<i32>,
+        row_seq: &CudaSlice<i32>,
+        pos: &CudaSlice<i32>,
+        meta: &AttnMeta,
+        heads: usize,
+        lora: usize,
+        rope: usize,
+        scale: f32,
+    ) -> Result<()> {
+        const K: &str = "mla_attn_varlen_f32";
+        let (n, dqk) = (meta.n, lora + rope);
+        need(K, "qa", qa.len(), n * heads * dqk)?;
+        need(K, "o_lat", o_lat.len(), n * heads * lora)?;
+        need(K, "row_seq", row_seq.len(), n)?;
+        need(K, "pos", pos.len(), n)?;
+        need(K, "tables", tables.len(), meta.seqs * meta.bt_stride)?;
+        need(K, "cache", cache.len(), (meta.max_block + 1) * 64 * dqk)?;
+        if meta.max_pos >= meta.bt_stride * 64 {
+            return Err(CudaError::shape(K, "a position lies past its block table"));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let smem = (dqk + meta.max_pos + 1) * 4;
+        if smem > self.max_smem {
+            return Err(CudaError::shape(
+                K,
+                format!("context of {} tokens needs {smem} B of shared memory", meta.max_pos),
+            ));
+        }
+        if smem > 48 * 1024 {
+            self.attn.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let (bt, hi, li, ri) = (i32_of(K, meta.bt_stride)?, i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, rope)?);
+        // SAFETY: block (h, r) reads qa[(r*heads+h)*dqk..][..dqk], tables[row_seq[r]*bt..][..]
+        // for pages j/64 with j <= pos[r] <= max_pos < bt*64, cache entries of those pages
+        // (every table entry <= max_block, checked against the cache length), and writes
+        // o_lat[(r*heads+h)*lora..][..lora]; shared memory holds dqk + max_pos + 1 floats.
+        unsafe {
+            s.launch_builder(&self.attn)
+                .arg(o_lat)
+                .arg(qa)
+                .arg(cache)
+                .arg(tables)
+                .arg(row_seq)
+                .arg(pos)
+                .arg(&bt)
+                .arg(&hi)
+                .arg(&li)
+                .arg(&ri)
+                .arg(&scale)
+                .launch(head_cfg(heads, n, 128, smem))
+        }?;
+        Ok(())
+    }
+
+    /// `heads_tc`: per head h, `y[r][h][..n] = x[r][h][..k] · W_h` (see [`HeadsTc`]), f32
+    /// into `y` when given and bf16 into `yb`; with `rope`, also the rotated q_pe (x's
+    /// elements k..k + rope.dim of each row, at `pos[r]`) into columns n.. of y and yb.
+    #[allow(clippy::too_many_arguments)]
+    fn heads_tc(
+        &self,
+        s: &Arc<CudaStream>,
+        y: Option<&mut CudaSlice<f32>>,
+        yb: &mut CudaSlice<bf16>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        t: &HeadsTc,
+        rope: Option<(&RopeTables, &CudaSlice<i32>)>,
+    ) -> Result<()> {
+        const K: &str = "heads_tc";
+        let rd = rope.map_or(0, |r| r.0.dim);
+        need(K, "x", x.len(), t.m * t.heads * t.x_stride)?;
+        need(K, "yb", yb.len(), t.m * t.heads * t.y_stride)?;
+        need(K, "w", w.len(), t.heads * t.k * t.n)?;
+        if t.x_stride < t.k + rd || t.y_stride < t.n + rd {
+            return Err(CudaError::shape(K, "strides narrower than the row"));
+        }
+        let (yp, _gy) = match y {
+            Some(y) => {
+                need(K, "y", y.len(), t.m * t.heads * t.y_stride)?;
+                let (p, g) = y.device_ptr_mut(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (cp, sp, pp, _gr) = match rope {
+            Some((tab, pos)) => {
+                need(K, "pos", pos.len(), t.m)?;
+                let (c, g1) = tab.cos.device_ptr(s);
+                let (sn, g2) = tab.sin.device_ptr(s);
+                let (p, g3) = pos.device_ptr(s);
+                (c, sn, p, Some((g1, g2, g3)))
+            }
+            None => (0, 0, 0, None),
+        };
+        let chunks = t.m.div_ceil(64);
+        if chunks > u32::MAX as usize || t.n.div_ceil(64) > 65_535 || t.heads > 65_535 {
+            return Err(CudaError::shape(K, "grid too large"));
+        }
+        let mut args = [0i32; 8];
+        for (a, v) in args.iter_mut().zip([t.m, t.heads, t.k, t.n, t.x_stride, t.y_stride, t.w_kn as usize, rd]) {
+            *a = i32_of(K, v)?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, t.n.div_ceil(64) as u32, t.heads as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: heads_tc(y, yb, x, w, m, heads, K, N, x_stride, y_stride, wt, cos, sin,
+        // pos, rope): block (chunk, col block, h) reads x[(r·heads + h)·x_stride..][..K +
+        // rope] for its rows r < m, w[h·K·N..][..K·N], the rope tables at pos[r] (validated
+        // positions, the tables cover them) and writes y/yb[(r·heads + h)·y_stride..][..N +
+        // rope] for r < m only; every length is checked above (y null: not written); 16-byte
+        // loads: K, N, x_stride multiples of 8, 8, 4 (heads_tc_takes), 256-byte aligned buffers.
+        unsafe {
+            s.launch_builder(&self.heads_tc)
+                .arg(&yp)
+                .arg(yb)
+                .arg(x)
+                .arg(w)
+                .arg(&args[0])
+                .arg(&args[1])
+                .arg(&args[2])
+                .arg(&args[3])
+                .arg(&args[4])
+                .arg(&args[5])
+                .arg(&args[6])
+                .arg(&cp)
+                .arg(&sp)
+                .arg(&pp)
+                .arg(&args[7])
+                .launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    /// `out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h]` (bf16 out), on tensor cores
+    /// (`heads_tc`) when the widths allow.
+    #[allow(clippy::too_many_arguments)]
+    pub fn wuv(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        o_lat: &CudaSlice<f32>,
+        wuv: &CudaSlice<bf16>,
+        n: usize,
+        heads: usize,
+        lora: usize,
+        vdim: usize,
+    ) -> Result<()> {
+        const K: &str = "wuv_f32_obf16";
+        need(K, "out", out.len(), n * heads * vdim)?;
+        need(K, "o_lat", o_lat.len(), n * heads * lora)?;
+        need(K, "wuv", wuv.len(), heads * vdim * lora)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if heads_tc_takes(lora, vdim, lora, vdim) {
+            let t = HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false };
+            return self.heads_tc(s, None, out, o_lat, wuv, &t, None);
+        }
+        let (hi, li, vi) = (i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, vdim)?);
+        // SAFETY: block (h, r) reads o_lat[(r*heads+h)*lora..][..lora] and
+        // wuv[h*vdim*lora..][..vdim*lora], writes out[(r*heads+h)*vdim..][..vdim]; lengths
+        // checked; shared memory holds lora floats.
+        unsafe {
+            s.launch_builder(&self.wuv).arg(out).arg(o_lat).arg(wuv).arg(&hi).arg(&li).arg(&vi).launch(head_cfg(
+                heads,
+                n,
+                128,
+                lora * 4,
+            ))
+        }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,89 @@
+//! Row gathers: rows picked by an index list, from one buffer into a dense one, in one
+//! generic launch path for every (input, output) element pair a kernel exists for.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, PushKernelArg};
+use half::bf16;
+
+use super::Ops;
+use crate::error::{CudaError, Result};
+use crate::launch::{i32_of, need, rows_cfg};
+
+/// The gather entry points of `backend_ops.cu`, indexed by [`GatherInto::KERNEL`].
+pub(super) const KERNELS: [&str; 3] = ["gather_rows_f32", "gather_rows_f32_obf16", "gather_rows_bf16"];
+
+/// An element type whose rows can be gathered into rows of `O` (f32 → f32, f32 → bf16
+/// with rounding to nearest even, bf16 → bf16): the pairs a kernel exists for.
+pub trait GatherInto<O>: DeviceRepr {
+    /// Index of the entry point in [`KERNELS`].
+    const KERNEL: usize;
+}
+impl GatherInto<f32> for f32 {
+    const KERNEL: usize = 0;
+}
+impl GatherInto<bf16> for f32 {
+    const KERNEL: usize = 1;
+}
+impl GatherInto<bf16> for bf16 {
+    const KERNEL: usize = 2;
+}
+
+impl Ops {
+    /// `out[i] = x[rows[i]]` (converted to `O`), rows of width `h`. `host_rows` is the
+    /// host copy of `rows`, checked against `x` before the launch.
+    pub fn gather<I: GatherInto<O>, O>(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut impl DevicePtrMut<O>,
+        x: &CudaSlice<I>,
+        rows: &CudaSlice<i32>,
+        host_rows: &[u32],
+        h: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_rows";
+        let n = host_rows.len();
+        need(K, "rows", rows.len(), n)?;
+        need(K, "out", out.len(), n * h)?;
+        if let Some(&r) = host_rows.iter().find(|&&r| (r as usize + 1) * h > x.len()) {
+            return Err(CudaError::shape(K, format!("row {r} outside the input")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let hi = i32_of(K, h)?;
+        let (o, _g) = out.device_ptr_mut(s);
+        // SAFETY: gather_rows_*(out, x, rows, h): block i reads rows[i] (< n entries) and
+        // x[rows[i]*h..][..h] (every row checked in bounds on the host copy), writes
+        // out[i*h..][..h] (n*h checked); the entry point is the one of (I, O).
+        unsafe {
+            s.launch_builder(&self.gather[I::KERNEL]).arg(&o).arg(x).arg(rows).arg(&hi).launch(rows_cfg(n, 256, 0))
+        }?;
+        Ok(())
+    }
+
+    /// `out[i] = x[rows[i]]` (bf16) for `n` rows whose indices were made on the device
+    /// ([`Ops::moe_sort`]'s `perm`, each < the tokens of `x`), so not checked on the host.
+    pub fn gather_sorted(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        x: &CudaSlice<bf16>,
+        rows: &CudaSlice<i32>,
+        n: usize,
+        h: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_rows";
+        need(K, "rows", rows.len(), n)?;
+        need(K, "out", out.len(), n * h)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let hi = i32_of(K, h)?;
+        let f = &self.gather[<bf16 as GatherInto<bf16>>::KERNEL];
+        // SAFETY: block i reads rows[i] (n entries) — a token index from moe_sort, < the
+        // tokens whose rows x holds — and x[rows[i]*h..][..h], writes out[i*h..][..h].
+        unsafe { s.launch_builder(f).arg(out).arg(x).arg(rows).arg(&hi).launch(rows_cfg(n, 256, 0)) }?;
+        Ok(())
+    }
+}
