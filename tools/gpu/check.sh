@@ -156,10 +156,19 @@ if [[ "$mode" == tp ]]; then
         sleep 2
         timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def fibonacci(n):" \
             --max-new-tokens 48 || return 1
-        local victim=$((tp_n - 1)) t0
+        # A long generation streams; the last rank is killed under it: the client's stream
+        # must end with UNAVAILABLE (the group failed), not INTERNAL.
+        local victim=$((tp_n - 1)) t0 gen="$logs/generate-killed.log"
+        timeout 90 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def main():" \
+            --max-new-tokens 1000 --ignore-eos >"$gen" 2>&1 &
+        local gen_pid=$!
+        for _ in $(seq 100); do [[ $(wc -c <"$gen") -gt 40 ]] && break; sleep 0.1; done
         kill -9 "${pids[victim]}"
         t0=$(date +%s.%N)
-        timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "x = " --max-new-tokens 8 || true
+        wait "$gen_pid"
+        echo "TP=$tp_n CLI: the stream cut by the kill ended with: $(tail -n 2 "$gen" | tr '\n' ' ')"
+        local unavailable=0
+        grep -q "Unavailable" "$gen" && unavailable=1
         for _ in $(seq 600); do grep -q "group failed" "$logs/rank0.log" && break; sleep 0.1; done
         echo "TP=$tp_n CLI: leader reported the group failed $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t0 }") s after rank $victim was killed"
         grep -h "group failed\|aborted" "$logs/rank0.log" | head -3
@@ -180,7 +189,7 @@ if [[ "$mode" == tp ]]; then
         kill "$router" "${pids[@]}" 2>/dev/null
         wait 2>/dev/null
         tail -n 15 "$logs"/*.log
-        grep -q "group failed" "$logs/rank0.log" && ((ok))
+        grep -q "group failed" "$logs/rank0.log" && ((ok)) && ((unavailable))
     }
     step "CLI worker group TP $tp_n (cuda) + kill" "$out/cli.log" cli_group
     for ((n = 1; n <= tp_n; n *= 2)); do

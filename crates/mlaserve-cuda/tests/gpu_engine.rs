@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use mlaserve_core::Backend;
 use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
-use mlaserve_tp::{LocalGroup, TpLeader};
 use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams};
+use mlaserve_tp::{LocalGroup, TpLeader};
 
 const BLOCKS: usize = 512;
 

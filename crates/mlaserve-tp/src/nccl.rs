@@ -76,11 +76,18 @@ impl NcclComm {
         Error::Collective(format!("rank {} of {}: {what}: {why}", self.rank, self.world))
     }
 
-    /// Enqueues `op` on the communicator (fails once it was aborted).
+    /// Enqueues `op` on the communicator (fails once it was aborted). An error from `op`
+    /// itself (NCCL refused the call at once) fails the group exactly as a timeout does:
+    /// the communicator is aborted, so this rank's peers see it gone instead of waiting
+    /// for a collective it will never join.
     pub fn with<T>(&self, what: &str, op: impl FnOnce(&Comm) -> Result<T>) -> Result<T> {
-        let guard = self.comm.borrow();
-        let comm = guard.as_ref().ok_or_else(|| self.error(what, "communicator aborted after an earlier failure"))?;
-        op(comm)
+        let out = {
+            let guard = self.comm.borrow();
+            let comm =
+                guard.as_ref().ok_or_else(|| self.error(what, "communicator aborted after an earlier failure"))?;
+            op(comm)
+        };
+        out.map_err(|e| self.abort(what, &e.to_string()))
     }
 
     /// Waits until everything enqueued on the stream so far is done, at most the timeout;

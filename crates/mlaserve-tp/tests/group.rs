@@ -137,6 +137,27 @@ mod nccl {
         eprintln!("follower {rank}: {r:?}");
     }
 
+    /// A collective that NCCL refuses at once (here: an error from the enqueue itself)
+    /// aborts the communicator like a timeout: a group error, and every later call fails.
+    #[test]
+    fn a_synchronous_nccl_error_fails_the_group_like_a_timeout() {
+        use mlaserve_tp::nccl::NcclComm;
+        let ctx = cudarc::driver::CudaContext::new(0).expect("CUDA device 0");
+        let stream = ctx.new_stream().expect("stream");
+        let id = mlaserve_tp::nccl::new_id().expect("NCCL id");
+        let comm = NcclComm::join(&stream, 0, 1, &id, Duration::from_secs(10)).expect("a world of one");
+        comm.with("all_reduce", |_| Ok(())).expect("a healthy call");
+        let e = comm
+            .with("all_reduce", |_| -> mlaserve_core::Result<()> {
+                Err(mlaserve_core::Error::Collective("ncclAllReduce: ncclInvalidArgument".into()))
+            })
+            .expect_err("refused");
+        assert!(matches!(e, mlaserve_core::Error::Collective(_)), "{e:?}");
+        assert!(e.to_string().contains("communicator aborted"), "{e}");
+        let later = comm.with("broadcast", |_| Ok(())).expect_err("aborted for good");
+        assert!(later.to_string().contains("aborted after an earlier failure"), "{later}");
+    }
+
     fn spawn_followers(addr: SocketAddr, world: usize, dir: &Path) -> Vec<Child> {
         let exe = std::env::current_exe().expect("exe");
         (1..world)

@@ -33,6 +33,9 @@ pub struct GenerateArgs {
     /// Stop string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Keep generating past the model's end-of-sequence tokens (up to max-new-tokens).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 /// Errors of the client commands.
@@ -40,7 +43,8 @@ pub struct GenerateArgs {
 pub enum ClientError {
     #[error("cannot connect to {0}: {1}")]
     Connect(String, String),
-    #[error("{0}")]
+    /// The server's status: its code (as gRPC names it) and message.
+    #[error("{:?}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -74,6 +78,7 @@ pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
         stopping: Some(StoppingCriteria {
             max_new_tokens: args.max_new_tokens,
             stop: args.stop.clone(),
+            ignore_eos: args.ignore_eos,
             ..Default::default()
         }),
         ..Default::default()
