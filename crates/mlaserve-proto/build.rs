@@ -5,7 +5,9 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time, not baked in with env!(): cargo may reuse one compiled build
+    // script for checkouts at other paths, which must each compile their own protos.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let ours = [root.join("mlaserve/v1/generation.proto"), root.join("mlaserve/worker/v1/worker.proto")];
     let etcd = root.join("etcd/etcd_v3_subset.proto");
     for p in ours.iter().chain([&etcd]) {

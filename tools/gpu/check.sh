@@ -20,8 +20,12 @@
 # CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0, a
 # stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
 # rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
-# TP 1 .. N, and `bench mla-decode`. CUDA graphs on TP ranks (experimental) get their own
-# test and a `bench step --tp N --tp-graphs`.
+# TP 1 .. N, and `bench mla-decode`.
+#
+# `--tp-graphs N`: the experiment of CUDA graphs on TP ranks (`--tp-graphs`, off by
+# default): its test and a `bench step --tp N --tp-graphs`. Kept apart from the checks of
+# what ships: on two H200s both capture every graph, replay bit-identical to eager for
+# several rounds, then hang (docs/status.md, "Open").
 #
 # Runs every GPU test binary in .gpu/tests/ (mlaserve-cuda's and mlaserve-cuda-lab's),
 # compute-sanitizer memcheck on the kernel tests, a SASS summary of the embedded kernels,
@@ -45,8 +49,11 @@ case "${1:-}" in
     --quick) quick="--quick" ;;
     --backend) mode=backend ;;   # per-test processes + targeted memcheck, no benchmark
     --tp) mode=tp; tp_n="${2:?--tp needs the number of GPUs}" ;;
+    --tp-graphs) mode=tp_graphs; tp_n="${2:?--tp-graphs needs the number of GPUs}" ;;
     --decode) mode=decode ;;
 esac
+# The test of an experiment that is off by default; only `--tp-graphs` runs it.
+EXPERIMENTAL_TESTS=tp2_decode_steps_through_graphs_equal_eager
 # Every step's time limit is cut to what is left of this budget (a device call has one).
 deadline=$((SECONDS + ${MLASERVE_CHECK_BUDGET_S:-270}))
 
@@ -113,6 +120,17 @@ if [[ "$mode" == decode ]]; then
     exit "$failures"
 fi
 
+# The experiment of CUDA graphs on TP ranks (see the header).
+if [[ "$mode" == tp_graphs ]]; then
+    export MLASERVE_REQUIRE_GPUS="$tp_n"
+    step "gpu_graphs::$EXPERIMENTAL_TESTS" "$out/tests.log" timeout 120 \
+        "$gpu_dir/tests/gpu_graphs" --exact "$EXPERIMENTAL_TESTS" --nocapture --test-threads=1
+    step "bench step --tp $tp_n, graphs on TP ranks" "$out/bench-step.log" timeout 120 \
+        "$gpu_dir/bin/mlaserve" bench step --tp "$tp_n" --tp-graphs
+    printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+    exit "$failures"
+fi
+
 # TP mode (see the header).
 if [[ "$mode" == tp ]]; then
     export MLASERVE_REQUIRE_GPUS="$tp_n"
@@ -124,11 +142,6 @@ if [[ "$mode" == tp ]]; then
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
             --nocapture --test-threads=1
     done
-    # CUDA graphs on TP ranks (experimental: a hang here is the fourth session's bug).
-    step "gpu_graphs::tp2_decode_steps_through_graphs_equal_eager" "$out/tests.log" timeout 120 \
-        "$gpu_dir/tests/gpu_graphs" --exact tp2_decode_steps_through_graphs_equal_eager --nocapture --test-threads=1
-    step "bench step --tp $tp_n, graphs on TP ranks" "$out/bench-step.log" timeout 120 \
-        "$gpu_dir/bin/mlaserve" bench step --tp "$tp_n" --tp-graphs
     # Processes over real NCCL (CPU compute: exact equality with TP = 1), tiny-v3 and the
     # bundled model, then a killed rank.
     step "tp_group processes (TP $worlds)" "$out/tp-group.log" env MLASERVE_TP_WORLDS="$worlds" timeout 300 \
@@ -221,6 +234,7 @@ if [[ "$mode" == backend ]]; then
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
+            [[ "$name" == "$EXPERIMENTAL_TESTS" ]] && continue   # --tp-graphs runs it
             step "$bin::$name" "$out/tests.log" timeout 150 "$t" --exact "$name" --nocapture --test-threads=1
         done
     done

@@ -432,3 +432,25 @@ async fn http_get(addr: SocketAddr) -> String {
     s.read_to_string(&mut out).await.unwrap();
     out
 }
+
+/// `--max-model-len` is the served context: GetModelInfo reports it, and a request past it
+/// is refused at the router with INVALID_ARGUMENT naming the limit.
+#[tokio::test]
+async fn max_model_len_is_the_served_context() {
+    let s = serve(|a| a.engine.max_model_len = Some(100));
+    let mut c = client(s.get().addr()).await;
+    let info = c.get_model_info(GetModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.max_context_tokens, 100);
+    for (req, field) in [
+        (ids_request(vec![7; 100], 4), "prompt.token_ids"),
+        (ids_request(vec![7; 90], 11), "stopping.max_new_tokens"),
+    ] {
+        let e = collect(&mut c, req).await.error.expect("refused");
+        assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+        assert!(e.message().starts_with(field), "{}", e.message());
+        assert!(e.message().contains("max_model_len"), "{}", e.message());
+    }
+    let ok = collect(&mut c, ids_request(vec![7; 90], 10)).await;
+    assert!(ok.error.is_none(), "{:?}", ok.error);
+    assert_eq!(ok.tokens.len(), 10);
+}

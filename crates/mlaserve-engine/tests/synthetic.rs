@@ -229,3 +229,20 @@ fn backend_failure_fails_the_step_only() {
     let o = run_all(&mut e, &[Arrival { at: 0, req: Request::new(vec![9], sp) }]);
     assert_eq!(o[0].tokens.len(), 5);
 }
+
+/// An explicit max_model_len must fit one request in the KV cache, or the engine refuses
+/// to start naming it; the default is clipped to what the cache holds.
+#[test]
+fn max_model_len_is_checked_against_the_cache() {
+    let cfg = |len| EngineConfig { num_speculative_tokens: Some(2), max_model_len: len, ..Default::default() };
+    // 4 blocks of 64 positions: 256 positions, of which a request needs its length + 2k.
+    let b = SyntheticBackend::new(VOCAB, 2, 4, 4096);
+    let e = Engine::new(b, cfg(Some(1000))).expect_err("1000 tokens cannot fit 4 blocks").to_string();
+    assert!(e.contains("max_model_len 1000") && e.contains("--kv-blocks"), "{e}");
+    let b = SyntheticBackend::new(VOCAB, 2, 4, 4096);
+    let fits = Engine::new(b, cfg(Some(200))).expect("200 tokens fit");
+    assert_eq!(fits.max_model_len(), 200);
+    let b = SyntheticBackend::new(VOCAB, 2, 4, 4096);
+    let clipped = Engine::new(b, cfg(None)).expect("the default is clipped").max_model_len();
+    assert!(clipped > 200 && clipped < 256, "{clipped}");
+}
