@@ -441,10 +441,9 @@ async fn max_model_len_is_the_served_context() {
     let mut c = client(s.get().addr()).await;
     let info = c.get_model_info(GetModelInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.max_context_tokens, 100);
-    for (req, field) in [
-        (ids_request(vec![7; 100], 4), "prompt.token_ids"),
-        (ids_request(vec![7; 90], 11), "stopping.max_new_tokens"),
-    ] {
+    for (req, field) in
+        [(ids_request(vec![7; 100], 4), "prompt.token_ids"), (ids_request(vec![7; 90], 11), "stopping.max_new_tokens")]
+    {
         let e = collect(&mut c, req).await.error.expect("refused");
         assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
         assert!(e.message().starts_with(field), "{}", e.message());
