@@ -139,6 +139,13 @@ async fn graceful_worker_shutdown_deregisters_at_once() {
     let pool = r.get().pool().clone();
     let mut w = worker(&etcd.endpoint, "g-graceful");
     assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    // The registration carries the group's address and its real TP size.
+    let kv = mlaserve_cluster::Etcd::connect(std::slice::from_ref(&etcd.endpoint)).await.unwrap();
+    let key = mlaserve_cluster::keys::group_key(CLUSTER, "g-graceful");
+    let (kvs, _) = kv.list(key.as_bytes()).await.unwrap();
+    let reg: mlaserve_cluster::Registration = serde_json::from_slice(&kvs[0].1).unwrap();
+    assert_eq!(reg.addr, format!("http://{}", w.get().addr));
+    assert_eq!(reg.tp_size, 1);
     // A lease TTL is 2 s; a graceful stop revokes it, so the key goes at once.
     let h = w.handle.take().unwrap();
     let t = Instant::now();
