@@ -21,6 +21,8 @@
 //! reported, not asserted (see gpu_backend.rs).
 #![cfg(feature = "cuda")]
 
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
 mod common;
 
 use std::collections::BTreeSet;

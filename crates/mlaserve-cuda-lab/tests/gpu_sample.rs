@@ -26,6 +26,8 @@
 //!   beside the time to read those logits once at the copy bandwidth of the same run.
 #![cfg(feature = "cuda")]
 
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
 mod common;
 
 use common::{require_gpu, require_gpus};
