@@ -2,7 +2,7 @@
 // embedding gather, RMSNorm over f32 rows, residual add, conversions and row gathers,
 // YaRN RoPE + paged latent-cache write, query absorption (q_lat = W_UK^T q_nope), a
 // varlen causal absorbed MLA attention over the paged cache, the W_UV up-projection,
-// MoE routing (every variant of DESIGN §3) and the weighted expert combine, and a
+// MoE routing (every variant the config names: topk_method, scoring_func, groups) and the weighted expert combine, and a
 // batch-invariant bf16 linear layer.
 //
 // Every reduction runs in an order fixed by the row's own data (thread-strided partial
@@ -261,7 +261,7 @@ extern "C" __global__ void wuv_f32_obf16(bf16* __restrict__ out, const float* __
     }
 }
 
-// MoE routing for one token per block (DESIGN §3; mirrors mlaserve-cpu's moe::route).
+// MoE routing for one token per block (mirrors mlaserve-cpu's moe::route).
 // method: 0 greedy, 1 group_limited_greedy (group max), 2 noaux_tc (bias for choice only,
 // group = sum of its top 2). scoring: 0 sigmoid, 1 softmax. Ties go to the lower index.
 // Dynamic shared memory: (2 * experts + n_group) floats + (experts + n_group) bytes.

@@ -1,4 +1,4 @@
-// Absorbed-MLA decode attention over the paged latent cache (DESIGN.md §4).
+// Absorbed-MLA decode attention over the paged latent cache (docs/cuda.md, "MLA decode").
 //
 // Per request b (uniform query length s for the whole batch, heads h):
 //   rows  = s * h, packed row = s_idx * h + head, in 64-row tiles

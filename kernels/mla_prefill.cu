@@ -1,5 +1,5 @@
 // Expanded-form (non-absorbed) MLA attention for prefill and chunked-prefill chunks
-// (DESIGN.md §4), and the two small kernels around it (crates/mlaserve-cuda/src/prefill.rs).
+// (docs/cuda.md, "MLA prefill"), and the two small kernels around it (crates/mlaserve-cuda/src/prefill.rs).
 //
 // A call covers E sequences. Sequence j has `q_len` new tokens (query rows) at the end of
 // its `k_len` keys (positions 0..k_len: the cached prefix, then the new tokens), so query

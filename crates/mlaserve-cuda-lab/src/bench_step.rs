@@ -10,7 +10,7 @@
 //! logits to the host as the `Backend` contract says.
 //!
 //! With `tp > 1` the model is spread over GPUs `ordinal..ordinal + tp`, one rank per GPU,
-//! each with its shard and the backend's NCCL communicator (DESIGN §6): [`bench_step`]
+//! each with its shard and the backend's NCCL communicator: [`bench_step`]
 //! runs the ranks as threads of this process, [`bench_step_rank`] is one rank for a
 //! caller that runs them as processes (the CLI does, as a worker group does); the
 //! roofline is per rank (each reads its shard of the weights and of the heads' work: the

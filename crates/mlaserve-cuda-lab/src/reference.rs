@@ -347,7 +347,7 @@ mod tests {
 
     /// The expanded form (K_nope = c·W_UKᵀ, V = c·W_UVᵀ, attend, per head) equals the
     /// absorbed form (q_lat = W_UKᵀ q_nope over the latent cache, then W_UV): the same
-    /// function (DESIGN §3), here through the two references, with a cached prefix that
+    /// function, here through the two references, with a cached prefix that
     /// crosses a page and two sequences.
     #[test]
     fn prefill_expanded_equals_absorbed() {

@@ -1,7 +1,7 @@
 //! The shapes of the attention calls, shared by the kernels' wrappers, their planning
 //! and the references that check them. A leaf: plain data, no CUDA.
 
-/// Shape of one decode attention call (DESIGN.md §4).
+/// Shape of one decode attention call (docs/cuda.md, "MLA decode").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeDims {
     pub batch: usize,

@@ -15,7 +15,7 @@
 //! - kernels: [`linear`] (projections: cuBLAS or the batch-invariant GEMMs), [`router`]
 //!   (the MoE router's batch-invariant f32 logits), [`ops`] (the forward pass's per-token
 //!   kernels, by family), [`MlaDecode`] (the FlashMLA-style padded decode attention,
-//!   DESIGN.md §4), [`prefill::MlaPrefill`] (the expanded-form prefill attention),
+//!   docs/cuda.md), [`prefill::MlaPrefill`] (the expanded-form prefill attention),
 //!   [`elementwise`] (RMSNorm, SiLU-mul, argmax), [`sample`] (the sampling rule);
 //! - [`comm`] (the tensor-parallel collectives on the device) and [`CudaBackend`], the
 //!   `mlaserve_core::Backend` on one GPU.

@@ -1,5 +1,5 @@
 //! [`MlaDecode`]: the padded absorbed-MLA decode attention of `kernels/mla_decode.cu`
-//! (DESIGN.md §4). It owns the kernel's launch geometry (64-row tiles × split-KV ×
+//! (docs/cuda.md, "MLA decode"). It owns the kernel's launch geometry (64-row tiles × split-KV ×
 //! batch, 256 threads, ~196 KB of shared memory), the split plan, and every `unsafe`.
 //!
 //! One call covers the whole decode batch: one launch of the split kernel, plus one of

@@ -1,5 +1,5 @@
 //! The expanded-form (non-absorbed) MLA attention of prefill and chunked-prefill chunks
-//! (DESIGN.md §4): the host planning of a call (always built, unit-tested on the CPU) and,
+//! (docs/cuda.md, "MLA prefill"): the host planning of a call (always built, unit-tested on the CPU) and,
 //! with `cuda`, [`MlaPrefill`], the typed wrappers of `kernels/mla_prefill.cu`.
 //!
 //! For the sequences that take this path, the cached latents of positions `0..k_len` (the

@@ -17,7 +17,7 @@
 //! to the host for `logit_rows`, and for `argmax_rows` and `sample_rows` only the chosen
 //! ids (the argmax and the sampling rule run on the device over the full rows).
 //!
-//! Tensor parallelism (DESIGN §6): with a [`TpInit`] the backend joins its group's NCCL
+//! Tensor parallelism (docs/architecture.md): with a [`TpInit`] the backend joins its group's NCCL
 //! communicator on its own stream and loads only its shards through
 //! `Weights::f32_shard` (heads, the MLPs' intermediate widths, the vocabulary). A layer
 //! all-reduces twice (after `o_proj`, after the FFN) and the vocabulary-parallel
@@ -683,7 +683,7 @@ impl CudaBackend {
         // vLLM's convention: the embedding input is zero at position 0.
         self.ops.embed(&s, &mut e, &table.w, &st.tokens, &st.pos, h, table.lo, table.rows, true)?;
         self.all_reduce(&mut e)?;
-        // cat[r] = [enorm(e_r), hnorm(h_r)]: embedding first (DESIGN §3).
+        // cat[r] = [enorm(e_r), hnorm(h_r)]: embedding first (as vLLM and SGLang feed DeepSeek's MTP layer).
         let mut cat = s.alloc_zeros::<half::bf16>(n * 2 * h)?;
         self.ops.rmsnorm(&s, &mut cat, 2 * h, &e, h, &m.enorm, n, eps)?;
         self.ops.rmsnorm(&s, &mut cat.slice_mut(h..), 2 * h, hid, h, &m.hnorm, n, eps)?;

@@ -1,4 +1,4 @@
-//! Which rows of a step take which form of MLA (DESIGN §4, "attention split by kind"):
+//! Which rows of a step take which form of MLA (mixed steps: attention split by kind):
 //! decode windows keep the absorbed form over the latent cache (decompressing a long
 //! context for one to four query rows would cost far more than it saves), sequences that
 //! bring more new tokens take the expanded form ([`crate::prefill`]). The split is made

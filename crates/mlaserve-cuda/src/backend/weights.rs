@@ -1,5 +1,5 @@
 //! The model's weights on the device: read as f32 through `mlaserve_model::Weights`
-//! (this rank's shard, DESIGN §6), converted to bf16 on upload. Norm weights and the
+//! (this rank's shard: heads, vocabulary and intermediate columns split as docs/architecture.md says), converted to bf16 on upload. Norm weights and the
 //! routing bias stay f32 (tiny, and read by f32 kernels).
 
 use std::sync::Arc;
@@ -243,7 +243,7 @@ impl Embed {
     }
 }
 
-/// An MTP layer (DESIGN §3).
+/// An MTP layer: `eh_proj(concat[enorm(embed(t)), hnorm(h)])`, a decoder block, its own head norm.
 #[derive(Debug)]
 pub(crate) struct Mtp {
     pub enorm: CudaSlice<f32>,
