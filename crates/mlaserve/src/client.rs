@@ -13,27 +13,36 @@ use tonic::transport::{Channel, Endpoint};
 
 /// Settings of `mlaserve generate`.
 #[derive(Debug, Clone, clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"])))]
 pub struct GenerateArgs {
-    /// Router address.
+    /// Router address (`host:port` or `http://host:port`).
     #[arg(long, default_value = "http://127.0.0.1:50051")]
     pub addr: String,
-    /// The prompt text.
+    /// The prompt text (the router tokenizes it).
     #[arg(long)]
-    pub prompt: String,
+    pub prompt: Option<String>,
+    /// The prompt as token ids, comma separated (instead of --prompt).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// New tokens at most; default: the server's (256, clipped to the context left).
     #[arg(long)]
     pub max_new_tokens: Option<u32>,
+    /// Sampling temperature; 0 (the default) is greedy.
     #[arg(long)]
     pub temperature: Option<f32>,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches this.
     #[arg(long)]
     pub top_p: Option<f32>,
+    /// Keep only the k most likely tokens (0: no cut).
     #[arg(long)]
     pub top_k: Option<i32>,
+    /// Seed of the request's sampling (the same seed gives the same tokens).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Stop string (repeatable).
+    /// Stop string (repeatable); the text ends before it.
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Keep generating past the model's end-of-sequence tokens (up to max-new-tokens).
+    /// Keep generating past the model's end-of-sequence tokens (up to --max-new-tokens).
     #[arg(long)]
     pub ignore_eos: bool,
 }
@@ -67,8 +76,13 @@ pub async fn connect(addr: &str) -> Result<GenerationClient<Channel>, ClientErro
 /// `mlaserve generate`: streams the completion to stdout, then a usage line.
 pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
     let mut client = connect(&args.addr).await?;
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (Some(t), _) => Prompt::Text(t.clone()),
+        (None, Some(ids)) => Prompt::TokenIds(mlaserve_proto::v1::TokenIds { ids: ids.clone() }),
+        (None, None) => return Err(ClientError::Protocol("give --prompt or --prompt-ids".into())),
+    };
     let req = GenerateRequest {
-        prompt: Some(Prompt::Text(args.prompt.clone())),
+        prompt: Some(prompt),
         sampling: Some(SamplingParams {
             temperature: args.temperature,
             top_k: args.top_k,
@@ -86,7 +100,9 @@ pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
     let start = Instant::now();
     let mut stream = client.generate(req).await?.into_inner();
     let mut out = std::io::stdout();
-    write!(out, "{}", args.prompt)?;
+    if let Some(t) = &args.prompt {
+        write!(out, "{t}")?;
+    }
     while let Some(msg) = stream.next().await {
         let msg = msg?;
         write!(out, "{}", msg.text)?;
@@ -300,6 +316,20 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
         args.concurrency.max(1)
     }));
     let mut tasks = tokio::task::JoinSet::new();
+    // A progress line on stderr every few seconds: a long run is not silent.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let progress = {
+        let (done, total) = (done.clone(), args.requests);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(PROGRESS_PERIOD);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let n = done.load(std::sync::atomic::Ordering::Relaxed);
+                eprintln!("bench serve: {n}/{total} requests done after {:.0} s", start.elapsed().as_secs_f64());
+            }
+        })
+    };
     let mut rng = 0x2545_f491_4f6c_dd1du64;
     let mut next_at = Instant::now();
     for i in 0..args.requests {
@@ -328,9 +358,11 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
             }),
             ..Default::default()
         };
+        let done = done.clone();
         tasks.spawn(async move {
             let s = tokio::time::timeout_at(deadline.into(), timed_request(&mut client, req)).await;
             drop(permit);
+            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             s.unwrap_or(Sample { error: Some(tonic::Code::DeadlineExceeded), ..Default::default() })
         });
     }
@@ -340,8 +372,12 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
             samples.push(s);
         }
     }
+    progress.abort();
     Ok(report(samples, start.elapsed()))
 }
+
+/// How often `bench serve` reports its progress.
+const PROGRESS_PERIOD: Duration = Duration::from_secs(5);
 
 /// Summarises samples.
 pub fn report(samples: Vec<Sample>, wall: Duration) -> BenchReport {

@@ -27,17 +27,42 @@ enum Command {
     Generate(cmd::generate::Args),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let result = match Cli::parse().command {
         Command::GenModel(a) => cmd::gen_model::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Router(a) => cmd::router::run(a),
         Command::Worker(a) => cmd::worker::run(a),
         Command::Generate(a) => cmd::generate::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the error and its causes, each said once (no debug dump, no
+            // backtrace; RUST_LOG=debug shows more).
+            eprintln!("error: {}", one_line(&e));
+            std::process::ExitCode::FAILURE
+        }
     }
+}
+
+/// `e` and its causes joined by ": ", leaving out a cause whose text the message above
+/// it already contains (thiserror's `{0}` wrappers repeat their source).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&c);
+        }
+    }
+    out
 }

@@ -22,7 +22,8 @@ pub struct ServeArgs {
     /// Address of the Prometheus `/metrics` endpoint; none when unset.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
-    /// Model directory (default: the bundled model, relative to the repository root).
+    /// Model directory (default: the bundled model; a relative path is taken from the
+    /// working directory, so the default works from the repository root).
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: PathBuf,
     #[command(flatten)]

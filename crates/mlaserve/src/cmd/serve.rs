@@ -12,6 +12,13 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let model = &a.serve.model;
+    anyhow::ensure!(
+        model.join("config.json").is_file(),
+        "--model {}: no config.json there (a relative path is taken from the working directory {})",
+        model.display(),
+        std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default()
+    );
     super::runtime()?.block_on(async move {
         let w = a.serve.worker_args();
         let engine = spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, w.engine.engine_config()).await?;
