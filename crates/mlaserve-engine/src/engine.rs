@@ -131,16 +131,21 @@ impl<B: Backend> Engine<B> {
                  (drafting needs 2k - 1 positions of headroom)"
             )));
         }
-        if config.max_batch_tokens < 1 + k || config.max_num_seqs == 0 {
+        if config.max_batch_tokens < 1 + k {
             return Err(EngineError::Config(format!(
-                "max_batch_tokens {} must hold one decode window of {} tokens, max_num_seqs {} must be > 0",
+                "max_batch_tokens {} must hold one decode window of 1 + k = {} tokens",
                 config.max_batch_tokens,
-                1 + k,
-                config.max_num_seqs
+                1 + k
             )));
         }
+        if config.max_num_seqs == 0 {
+            return Err(EngineError::Config("max_num_seqs must be at least 1".into()));
+        }
+        if config.max_queued == 0 {
+            return Err(EngineError::Config("max_queued must be at least 1".into()));
+        }
         if backend.num_blocks() == 0 {
-            return Err(EngineError::Config("the backend has no cache blocks".into()));
+            return Err(EngineError::Config("kv_blocks: the KV cache has no blocks".into()));
         }
         let max_model_len =
             fit_max_model_len(&lim, max_model_len, config.max_model_len.is_some(), backend.num_blocks())?;

@@ -246,3 +246,22 @@ fn max_model_len_is_checked_against_the_cache() {
     let clipped = Engine::new(b, cfg(None)).expect("the default is clipped").max_model_len();
     assert!(clipped > 200 && clipped < 256, "{clipped}");
 }
+
+/// A zero or too-small limit is refused at start, naming the one that is wrong.
+#[test]
+fn bad_limits_name_themselves() {
+    let start = |cfg: EngineConfig, blocks| Engine::new(SyntheticBackend::new(VOCAB, 2, blocks, 4096), cfg);
+    let k3 = EngineConfig { num_speculative_tokens: Some(3), ..Default::default() };
+    for (cfg, blocks, name) in [
+        (EngineConfig { max_batch_tokens: 3, ..k3.clone() }, 64, "max_batch_tokens"),
+        (EngineConfig { max_num_seqs: 0, ..k3.clone() }, 64, "max_num_seqs"),
+        (EngineConfig { max_queued: 0, ..k3.clone() }, 64, "max_queued"),
+        (k3.clone(), 0, "kv_blocks"),
+    ] {
+        let e = start(cfg, blocks).expect_err("refused").to_string();
+        assert!(e.contains(name), "{name}: {e}");
+        for other in ["max_batch_tokens", "max_num_seqs", "max_queued", "kv_blocks"].iter().filter(|o| **o != name) {
+            assert!(!e.contains(other), "{name}: names {other} too: {e}");
+        }
+    }
+}

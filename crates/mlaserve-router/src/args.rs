@@ -26,10 +26,10 @@ pub struct RouterArgs {
     pub cluster: String,
     /// Requests admitted at once (queued in groups or running); the next one gets
     /// RESOURCE_EXHAUSTED at once.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = at_least_one())]
     pub queue_size: usize,
     /// Largest request message in bytes; larger ones get RESOURCE_EXHAUSTED.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = 4 << 20, value_parser = at_least_one())]
     pub max_message_bytes: usize,
     /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish before stopping.
     #[arg(long, default_value_t = 30)]
@@ -50,5 +50,33 @@ impl RouterArgs {
             max_message_bytes: 4 << 20,
             drain_timeout_s: 30,
         }
+    }
+}
+
+/// A count flag that must be at least 1 (0 would start a server that refuses everything
+/// while its health says SERVING): clap refuses it at start, naming the flag.
+pub fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        r: RouterArgs,
+    }
+
+    #[test]
+    fn zero_limits_are_refused_naming_the_flag() {
+        for flag in ["--queue-size", "--max-message-bytes"] {
+            let e = Cli::try_parse_from(["router", "--model", "m", flag, "0"]).expect_err("0 refused").to_string();
+            assert!(e.contains(flag), "{e}");
+        }
+        let ok = Cli::try_parse_from(["router", "--model", "m", "--queue-size", "1"]).expect("1 is fine");
+        assert_eq!(ok.r.queue_size, 1);
     }
 }

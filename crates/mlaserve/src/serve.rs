@@ -4,6 +4,7 @@
 //! crate's job: neither server crate knows the other.
 
 use mlaserve_engine::EngineHandle;
+use mlaserve_router::args::at_least_one;
 use mlaserve_router::{RouterArgs, RouterHandle, StartError};
 use mlaserve_worker::{EngineArgs, WorkerArgs, WorkerError, WorkerHandle};
 use std::net::SocketAddr;
@@ -29,10 +30,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Requests admitted at once; the next one gets RESOURCE_EXHAUSTED.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = at_least_one())]
     pub queue_size: usize,
     /// Largest request message in bytes.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = 4 << 20, value_parser = at_least_one())]
     pub max_message_bytes: usize,
     /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish.
     #[arg(long, default_value_t = 30)]
