@@ -93,7 +93,7 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
     let server = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(65_536))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .layer(crate::limit::OversizeIsResourceExhausted)
+        .layer(crate::limit::ClientFaultCodes)
         .add_service(generation)
         .add_service(health)
         .add_service(reflection)
