@@ -9,6 +9,14 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+/// HTTP/2 keep-alive towards etcd. etcd answers pings more frequent than its
+/// `--grpc-keepalive-min-time` (5 s by default), or any ping on a connection without an
+/// open stream, with GOAWAY "too_many_pings" and closes the connection, which breaks
+/// every watch and lease stream on it. So: a ping every 10 s, only while a stream (a
+/// watch, a lease keep-alive) is open; a dead or hung etcd is noticed within 15 s.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Errors talking to etcd.
 #[derive(Debug, thiserror::Error)]
 pub enum EtcdError {
@@ -54,8 +62,9 @@ impl Etcd {
             let endpoint = match Endpoint::from_shared(url.clone()) {
                 Ok(e) => e
                     .connect_timeout(Duration::from_secs(2))
-                    .http2_keep_alive_interval(Duration::from_secs(2))
-                    .keep_alive_timeout(Duration::from_secs(3)),
+                    .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                    .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+                    .keep_alive_while_idle(false),
                 Err(e) => {
                     last = EtcdError::Connect(url, e.to_string());
                     continue;

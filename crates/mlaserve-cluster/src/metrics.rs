@@ -1,6 +1,8 @@
 //! Prometheus metrics: one process-wide recorder, rendered as Prometheus text by a tiny
 //! HTTP endpoint (`GET /metrics`). Router and worker in one process (`mlaserve serve`)
-//! share it. Every metric either server emits is described once, in [`describe`].
+//! share it. Every metric either server emits is described once, in [`describe`], and
+//! every one without labels is registered at zero when the recorder is installed, so it
+//! is present from the first scrape (labelled series appear with their first value).
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::net::SocketAddr;
@@ -24,6 +26,7 @@ pub fn handle() -> Option<PrometheusHandle> {
                 .ok()?;
             let h = builder.install_recorder().ok()?;
             describe();
+            register_unlabelled();
             Some(h)
         })
         .clone()
@@ -103,10 +106,44 @@ pub fn describe() {
         "mlaserve_accepted_tokens_by_position_total",
         "Draft tokens accepted, by draft position (1-based)"
     );
+    describe_histogram!("mlaserve_router_batch_size", "Submissions and aborts per router-to-group message");
     describe_counter!("mlaserve_requests_total", "Finished requests by outcome");
+    describe_counter!(
+        "mlaserve_etcd_watch_restarts_total",
+        "Times the router's etcd watch broke and was re-established (re-list and re-watch)"
+    );
     describe_counter!("mlaserve_engine_steps_total", "Engine steps (worker)");
     describe_counter!(
         "mlaserve_engine_step_seconds_total",
         "Wall time of engine steps by phase (worker); rate(seconds)/rate(steps) is the mean step time"
     );
+}
+
+/// Registers every metric without labels, at zero. Adding zero (rather than setting it)
+/// leaves any value recorded meanwhile as it is.
+fn register_unlabelled() {
+    for name in [
+        "mlaserve_prompt_tokens_total",
+        "mlaserve_generation_tokens_total",
+        "mlaserve_draft_tokens_total",
+        "mlaserve_accepted_tokens_total",
+        "mlaserve_engine_steps_total",
+        "mlaserve_etcd_watch_restarts_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for name in ["mlaserve_router_in_flight", "mlaserve_ready_groups"] {
+        metrics::gauge!(name).increment(0.0);
+    }
+    for name in [
+        "mlaserve_time_to_first_token_seconds",
+        "mlaserve_inter_token_latency_seconds",
+        "mlaserve_request_duration_seconds",
+        "mlaserve_queue_time_seconds",
+        "mlaserve_router_overhead_seconds",
+        "mlaserve_router_batch_size",
+    ] {
+        // Registering is enough: a histogram without samples renders with zero counts.
+        let _ = metrics::histogram!(name);
+    }
 }

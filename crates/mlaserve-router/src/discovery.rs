@@ -17,12 +17,15 @@ pub fn add_static(pool: &Pool, addrs: &[String]) {
 
 /// Mirrors the groups registered in etcd into `pool` until the task is dropped.
 /// Survives etcd restarts: it re-lists and re-watches, keeping known groups meanwhile.
+/// Each restart counts in `mlaserve_etcd_watch_restarts_total`: against a healthy etcd
+/// it stays 0.
 pub async fn watch_etcd(pool: Pool, endpoints: Vec<String>, cluster: String) {
     let prefix = groups_prefix(&cluster);
     loop {
         if let Err(e) = watch_once(&pool, &endpoints, &prefix).await {
             tracing::warn!(error = %e, "etcd watch failed; retrying");
         }
+        crate::metrics::watch_restarted();
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -205,7 +205,11 @@ impl Group {
 
     /// Marks the group down and ends every in-flight request with `Lost`.
     pub fn fail_all(&self, why: &str) {
-        self.state.alive.store(false, Ordering::Release);
+        if self.state.alive.swap(false, Ordering::AcqRel) {
+            // Under the load lock, so a report being published cannot bring them back.
+            let _reported = lock(&self.state.reported);
+            crate::metrics::group_gone(&self.name);
+        }
         let drained: Vec<Inflight> = lock(&self.state.inflight).drain().map(|(_, r)| r).collect();
         for r in drained {
             self.state.owed.fetch_sub(r.owed, Ordering::Relaxed);
@@ -265,8 +269,11 @@ async fn receive(g: &Group, mut inbound: tonic::Streaming<wire::WorkerBatch>) ->
         match inbound.next().await {
             Some(Ok(batch)) => {
                 if let Some(load) = batch.load {
-                    *lock(&g.state.reported) = load;
-                    crate::metrics::group_load(&g.name, &load);
+                    let mut reported = lock(&g.state.reported);
+                    *reported = load;
+                    if g.is_alive() {
+                        crate::metrics::group_load(&g.name, &load);
+                    }
                 }
                 for ev in batch.events {
                     g.on_event(ev);

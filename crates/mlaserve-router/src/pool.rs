@@ -99,8 +99,9 @@ impl Pool {
 
     fn publish(&self) {
         let n = self.ready_groups().len();
+        // The gauge first: whoever the watch wakes already reads the same count there.
+        crate::metrics::ready_groups(n);
         self.ready_tx.send_if_modified(|v| std::mem::replace(v, n) != n);
-        metrics::gauge!("mlaserve_ready_groups").set(n as f64);
     }
 }
 

@@ -47,7 +47,11 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
     let limits =
         ModelLimits { vocab_size: config.vocab_size as u32, max_context: config.max_position_embeddings as u32 };
     let model_name = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    // The recorder first: whatever discovery publishes from here on is kept, and
+    // `mlaserve_ready_groups` reads 0 (not absent) until a group is ready.
+    mlaserve_cluster::metrics::handle();
     let pool = Pool::default();
+    crate::metrics::ready_groups(pool.ready_count());
     let state = Arc::new(RouterState::new(tokenizer, model_name, limits, pool.clone(), args.queue_size));
 
     let discovery = if args.etcd.is_empty() {
@@ -60,10 +64,7 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
 
     let metrics_addr = match args.metrics_listen {
         Some(a) => Some(mlaserve_cluster::metrics::serve(a).await.map_err(|e| StartError::Bind(a, e))?),
-        None => {
-            mlaserve_cluster::metrics::handle();
-            None
-        }
+        None => None,
     };
 
     let (reporter, health) = tonic_health::server::health_reporter();
