@@ -91,10 +91,21 @@ async fn graceful_worker_stop_under_load_fails_no_request() {
 
     // Stop group A gracefully, on a runtime of its own (as `mlaserve worker` on SIGTERM).
     let h = a.handle.take().unwrap();
+    let a_addr = format!("http://{}", h.addr);
     let stopper = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(h.shutdown());
     });
+    // The router stops picking A at once, long before A's streams end.
+    assert!(
+        eventually(Duration::from_millis(300), || !pool
+            .ready_groups()
+            .iter()
+            .any(|g| g.addr == a_addr && g.accepts_work()))
+        .await,
+        "the router must stop picking a draining group at once"
+    );
+    assert!(!stopper.is_finished(), "A must still be draining its long streams");
     let finished = eventually(Duration::from_secs(40), || stopper.is_finished()).await;
     assert!(finished, "the worker must stop within its drain timeout");
     stopper.join().unwrap();
