@@ -319,3 +319,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         Err(poisoned) => poisoned.into_inner(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_only_moves_forward() {
+        let life = Arc::new(Lifecycle::default());
+        let mut seen = life.phase.subscribe();
+        life.set(Phase::Draining);
+        assert!(seen.has_changed().unwrap_or(false));
+        seen.mark_unchanged();
+        life.set(Phase::Serving);
+        assert_eq!(life.phase(), Phase::Draining);
+        assert!(!seen.has_changed().unwrap_or(true), "a no-op must not wake the sessions");
+        life.set(Phase::Stopped);
+        assert_eq!(life.phase(), Phase::Stopped);
+    }
+
+    #[test]
+    fn live_requests_are_counted_until_their_guard_drops() {
+        let life = Arc::new(Lifecycle::default());
+        let (a, b) = (LiveGuard::new(&life), LiveGuard::new(&life));
+        assert_eq!(life.live(), 2);
+        drop(a);
+        drop(b);
+        assert_eq!(life.live(), 0);
+    }
+}
