@@ -60,6 +60,8 @@ struct Shared {
     owed: AtomicU64,
     reported: Mutex<Load>,
     alive: AtomicBool,
+    /// The group said it is stopping: no new work goes to it.
+    draining: AtomicBool,
     next_id: AtomicU64,
 }
 
@@ -129,6 +131,7 @@ impl Group {
             owed: AtomicU64::new(0),
             reported: Mutex::new(Load::default()),
             alive: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
         });
         let group = Arc::new(Group { name: name.to_string(), addr: addr.to_string(), info, cmd: cmd_tx, state });
@@ -185,6 +188,11 @@ impl Group {
 
     pub fn is_alive(&self) -> bool {
         self.state.alive.load(Ordering::Acquire)
+    }
+
+    /// Whether new requests may go to the group: its session is up and it is not draining.
+    pub fn accepts_work(&self) -> bool {
+        self.is_alive() && !self.state.draining.load(Ordering::Acquire)
     }
 
     /// Outstanding tokens used to pick a group: the larger of the router's own count and
@@ -269,6 +277,11 @@ async fn receive(g: &Group, mut inbound: tonic::Streaming<wire::WorkerBatch>) ->
         match inbound.next().await {
             Some(Ok(batch)) => {
                 if let Some(load) = batch.load {
+                    if load.draining && !g.state.draining.swap(true, Ordering::AcqRel) {
+                        tracing::info!(group = %g.name, "worker group draining; no new requests go to it");
+                    }
+                    // Under the lock fail_all takes: a report that arrives after the group
+                    // went down is not published (its gauges stay zeroed).
                     let mut reported = lock(&g.state.reported);
                     *reported = load;
                     if g.is_alive() {

@@ -5,7 +5,8 @@
 //! Picking a group: the ready group with the fewest outstanding tokens (prompt tokens
 //! not yet prefilled plus new tokens still allowed), ties broken by fewer in-flight
 //! requests. Tokens, not requests, because one 8k-token prompt costs more than fifty
-//! short chats.
+//! short chats. A group that reports it is draining is never picked, though it stays
+//! in the pool until its session ends (its requests are still streaming).
 
 use crate::group::Group;
 use std::collections::BTreeMap;
@@ -53,9 +54,12 @@ impl Pool {
         lock(&self.inner).values().filter_map(|e| e.ready.clone()).filter(|g| g.is_alive()).collect()
     }
 
-    /// The least loaded ready group not in `exclude`.
+    /// The least loaded ready group not in `exclude` that takes work (not draining).
     pub fn pick(&self, exclude: &[String]) -> Option<Arc<Group>> {
-        self.ready_groups().into_iter().filter(|g| !exclude.contains(&g.name)).min_by_key(|g| (g.score(), g.inflight()))
+        self.ready_groups()
+            .into_iter()
+            .filter(|g| g.accepts_work() && !exclude.contains(&g.name))
+            .min_by_key(|g| (g.score(), g.inflight()))
     }
 
     /// Adds (or re-points) group `name` at `addr`; a supervisor keeps it connected.

@@ -233,15 +233,22 @@ impl<'a> Run<'a> {
     }
 
     /// Streams the request; returns the finish label, or the error to end the stream with.
+    ///
+    /// Until its first token the request may move: a group that was lost (session
+    /// broke) or answered UNAVAILABLE (draining, stopped, failed) is left for another
+    /// group, each group tried once. After a token nothing is retried: the client has
+    /// seen part of one group's output.
     async fn drive(&mut self, deadline: Option<(Instant, Duration)>) -> Result<&'static str, RouterError> {
         let mut tried: Vec<String> = Vec::new();
+        let mut last_refusal: Option<RouterError> = None;
         let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
         let (until, budget) = deadline.unwrap_or((far, Duration::ZERO));
         loop {
             let Some(group) = self.st.pool.pick(&tried) else {
-                return Err(match tried.last() {
-                    None => RouterError::NoGroup,
-                    Some(g) => {
+                return Err(match (last_refusal, tried.last()) {
+                    (Some(e), _) => e,
+                    (None, None) => RouterError::NoGroup,
+                    (None, Some(g)) => {
                         RouterError::GroupLost { group: g.clone(), msg: "no other group could take the request".into() }
                     }
                 });
@@ -263,6 +270,12 @@ impl<'a> Run<'a> {
             match end {
                 End::Done(label) => return Ok(label),
                 End::ClientGone => return Ok("cancelled"),
+                End::Failed(RouterError::Worker { code: Code::Unavailable, msg, .. }) if self.first_token.is_none() => {
+                    tracing::info!(group = %group.name, reason = %msg, "group refused before the first token; retrying elsewhere");
+                    tried.push(group.name.clone());
+                    last_refusal =
+                        Some(RouterError::Worker { group: group.name.clone(), code: Code::Unavailable, msg });
+                }
                 End::Failed(RouterError::Worker { code, msg, .. }) => {
                     return Err(RouterError::Worker { group: group.name.clone(), code, msg })
                 }
@@ -270,6 +283,7 @@ impl<'a> Run<'a> {
                 End::Lost(why) if self.first_token.is_none() => {
                     tracing::warn!(group = %group.name, reason = %why, "group lost before the first token; retrying elsewhere");
                     tried.push(group.name.clone());
+                    last_refusal = None;
                 }
                 End::Lost(why) => return Err(RouterError::GroupLost { group: group.name.clone(), msg: why }),
             }

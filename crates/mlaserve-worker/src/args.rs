@@ -93,6 +93,10 @@ pub struct WorkerArgs {
     /// Address of the Prometheus `/metrics` endpoint; none when unset.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
+    /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish (no new ones are
+    /// taken meanwhile) before stopping.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
 }
 
 impl WorkerArgs {
@@ -108,6 +112,7 @@ impl WorkerArgs {
             lease_ttl_s: 3,
             engine: EngineArgs::default(),
             metrics_listen: None,
+            drain_timeout_s: 30,
         }
     }
 }

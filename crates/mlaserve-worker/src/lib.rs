@@ -16,8 +16,9 @@ pub use args::{EngineArgs, WorkerArgs};
 use mlaserve_cluster::{keys, LeasedKey, Registration};
 use mlaserve_engine::{EngineError, EngineHandle};
 use mlaserve_proto::worker::{worker_server::WorkerServer, GroupInfo};
-use service::WorkerService;
+use service::{Lifecycle, Phase, WorkerService};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
@@ -44,6 +45,9 @@ pub struct WorkerHandle {
     pub group: String,
     pub engine: EngineHandle,
     registration: Option<LeasedKey>,
+    life: Arc<Lifecycle>,
+    health: tonic_health::server::HealthReporter,
+    drain_timeout: Duration,
     shutdown_tx: Option<oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     stats: tokio::task::JoinHandle<()>,
@@ -77,7 +81,8 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
     }
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<WorkerServer<WorkerService>>().await;
-    let svc = WorkerServer::new(WorkerService { engine: engine.clone(), info })
+    let life = Arc::new(Lifecycle::default());
+    let svc = WorkerServer::new(WorkerService { engine: engine.clone(), info, life: life.clone() })
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
@@ -107,15 +112,41 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
         Some(leased)
     };
     tracing::info!(%addr, group, "worker listening");
-    Ok(WorkerHandle { addr, group, engine, registration, shutdown_tx: Some(shutdown_tx), server, stats })
+    Ok(WorkerHandle {
+        addr,
+        group,
+        engine,
+        registration,
+        life,
+        health: reporter,
+        drain_timeout: Duration::from_secs(args.drain_timeout_s),
+        shutdown_tx: Some(shutdown_tx),
+        server,
+        stats,
+    })
 }
 
 impl WorkerHandle {
-    /// Deregisters, stops the server and the engine (in-flight requests are aborted).
+    /// Stops gracefully: tells every router session at once that the group is draining
+    /// (routers stop picking it; new submissions are refused with UNAVAILABLE before any
+    /// token, which routers retry elsewhere), turns health NOT_SERVING and deregisters,
+    /// lets the requests it holds finish for up to `--drain-timeout-s`, then ends the
+    /// sessions and stops the server and the engine (whatever still runs is aborted).
     pub async fn shutdown(mut self) {
+        self.life.set(Phase::Draining);
+        self.health.set_not_serving::<WorkerServer<WorkerService>>().await;
+        self.health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         if let Some(r) = self.registration.take() {
             r.stop().await;
         }
+        let until = tokio::time::Instant::now() + self.drain_timeout;
+        while self.life.live() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if self.life.live() > 0 {
+            tracing::warn!(requests = self.life.live(), "drain timeout: aborting the requests still running");
+        }
+        self.life.set(Phase::Stopped);
         if let Some(tx) = self.shutdown_tx.take() {
             let _ = tx.send(());
         }

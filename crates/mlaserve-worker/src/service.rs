@@ -8,6 +8,11 @@
 //! a request drops its event receiver, which the engine turns into an abort at its next
 //! iteration. When the session ends — the router left or its connection broke — every
 //! request it submitted is aborted, so a dead router never leaks KV blocks.
+//!
+//! Stopping is shared by every session through [`Lifecycle`]: while the group drains,
+//! each session pushes a load report with `draining` set at once and refuses new
+//! submissions with UNAVAILABLE (no token streamed, so the router retries elsewhere);
+//! once stopped, each session sends what its requests produced and ends.
 
 use mlaserve_engine::{EngineError, EngineHandle, Event as EngineEvent, FinishReason, Request, SamplingParams};
 use mlaserve_proto::worker::{
@@ -16,9 +21,10 @@ use mlaserve_proto::worker::{
 };
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Code, Request as GrpcRequest, Response, Status, Streaming};
@@ -33,10 +39,72 @@ const LOAD_PERIOD: Duration = Duration::from_millis(200);
 pub struct WorkerService {
     pub engine: EngineHandle,
     pub info: GroupInfo,
+    pub life: Arc<Lifecycle>,
+}
+
+/// Where the group is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Serving,
+    /// Refusing new submissions; the requests it holds run to the end.
+    Draining,
+    /// Sessions flush their events and end; whatever still runs is aborted.
+    Stopped,
+}
+
+/// The group's phase, watched by every session, and its live requests across sessions.
+#[derive(Debug)]
+pub struct Lifecycle {
+    phase: watch::Sender<Phase>,
+    live: AtomicUsize,
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Lifecycle { phase: watch::channel(Phase::Serving).0, live: AtomicUsize::new(0) }
+    }
+}
+
+impl Lifecycle {
+    pub fn phase(&self) -> Phase {
+        *self.phase.borrow()
+    }
+
+    /// Moves to `phase` (never back) and wakes every session.
+    pub fn set(&self, phase: Phase) {
+        self.phase.send_if_modified(|p| {
+            let later = phase as u8 > *p as u8;
+            if later {
+                *p = phase;
+            }
+            later
+        });
+    }
+
+    /// Requests submitted on any session whose final event has not been queued yet.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Acquire)
+    }
+}
+
+/// Counts a request as live until dropped (its forwarder ended or was aborted).
+struct LiveGuard(Arc<Lifecycle>);
+
+impl LiveGuard {
+    fn new(life: &Arc<Lifecycle>) -> Self {
+        life.live.fetch_add(1, Ordering::AcqRel);
+        LiveGuard(life.clone())
+    }
+}
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The group's load in wire form.
-pub fn wire_load(engine: &EngineHandle) -> Load {
+pub fn wire_load(engine: &EngineHandle, life: &Lifecycle) -> Load {
     let l = engine.load();
     Load {
         running: l.running_requests as u32,
@@ -44,6 +112,7 @@ pub fn wire_load(engine: &EngineHandle) -> Load {
         outstanding_tokens: l.outstanding_tokens,
         kv_blocks_total: l.kv_blocks_total as u32,
         kv_blocks_free: l.kv_blocks_free as u32,
+        draining: life.phase() != Phase::Serving,
     }
 }
 
@@ -58,8 +127,8 @@ impl Worker for WorkerService {
         let (out_tx, out_rx) = mpsc::channel(64);
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
         let live: Live = Arc::default();
-        let writer = tokio::spawn(write_session(self.engine.clone(), ev_rx, out_tx));
-        tokio::spawn(read_session(self.engine.clone(), inbound, ev_tx, live, writer));
+        let writer = tokio::spawn(write_session(self.engine.clone(), self.life.clone(), ev_rx, out_tx));
+        tokio::spawn(read_session(self.engine.clone(), self.life.clone(), inbound, ev_tx, live, writer));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out_rx))))
     }
 
@@ -68,7 +137,7 @@ impl Worker for WorkerService {
     }
 
     async fn get_load(&self, _r: GrpcRequest<GetLoadRequest>) -> Result<Response<Load>, Status> {
-        Ok(Response::new(wire_load(&self.engine)))
+        Ok(Response::new(wire_load(&self.engine, &self.life)))
     }
 }
 
@@ -77,19 +146,25 @@ type Live = Arc<Mutex<HashMap<u64, JoinHandle<()>>>>;
 
 async fn read_session(
     engine: EngineHandle,
+    life: Arc<Lifecycle>,
     mut inbound: Streaming<RouterBatch>,
     ev_tx: mpsc::UnboundedSender<Event>,
     live: Live,
     writer: JoinHandle<()>,
 ) {
-    loop {
-        let batch = match inbound.next().await {
+    let mut phase = life.phase.subscribe();
+    let stopped = loop {
+        let next = tokio::select! {
+            b = inbound.next() => b,
+            _ = phase.wait_for(|p| *p == Phase::Stopped) => break true,
+        };
+        let batch = match next {
             Some(Ok(b)) => b,
             Some(Err(s)) => {
                 tracing::info!(status = %s, "router session broke");
-                break;
+                break false;
             }
-            None => break,
+            None => break false,
         };
         for id in batch.abort {
             if let Some(task) = lock(&live).remove(&id) {
@@ -98,23 +173,48 @@ async fn read_session(
         }
         for s in batch.submit {
             let id = s.id;
+            if life.phase() != Phase::Serving {
+                // Before any token: the router takes this as "try another group".
+                let refused = refusal(Code::Unavailable, "the worker group is draining (stopping)".into());
+                let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refused) });
+                continue;
+            }
             // Insert under the lock the task itself takes to remove its entry, so a
             // request that ends at once cannot leave a stale entry behind.
             let mut g = lock(&live);
-            let task = tokio::spawn(forward(engine.clone(), s, ev_tx.clone(), live.clone()));
+            let guard = LiveGuard::new(&life);
+            let task = tokio::spawn(forward(engine.clone(), s, ev_tx.clone(), live.clone(), guard));
             g.insert(id, task);
         }
-    }
-    // The router is gone: abort everything it submitted.
+    };
+    // The router is gone, or the group stopped: abort everything it submitted (after a
+    // drain nothing is left).
     let tasks: Vec<JoinHandle<()>> = lock(&live).drain().map(|(_, t)| t).collect();
     for t in tasks {
         t.abort();
     }
-    writer.abort();
+    if stopped {
+        // The writer sends the events already queued and ends the session.
+        drop(ev_tx);
+        let _ = writer.await;
+    } else {
+        writer.abort();
+    }
+}
+
+/// A request's final event when the group could not run it.
+fn refusal(code: Code, error: String) -> Finished {
+    Finished { reason: wire::FinishReason::Error as i32, usage: None, error, status_code: code as i32 }
 }
 
 /// Runs one request: submit, then relay its events until it finishes.
-async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSender<Event>, live: Live) {
+async fn forward(
+    engine: EngineHandle,
+    s: wire::Submit,
+    ev_tx: mpsc::UnboundedSender<Event>,
+    live: Live,
+    _live_guard: LiveGuard,
+) {
     let id = s.id;
     let submitted = Instant::now();
     let (sp, st) = (s.sampling.unwrap_or_default(), s.stopping.unwrap_or_default());
@@ -137,13 +237,7 @@ async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSe
                 EngineError::Stopped | EngineError::Failed(_) => (Code::Unavailable, e.to_string()),
                 _ => (Code::Internal, e.to_string()),
             };
-            let finished = Finished {
-                reason: wire::FinishReason::Error as i32,
-                usage: None,
-                error: msg,
-                status_code: code as i32,
-            };
-            let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(finished) });
+            let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refusal(code, msg)) });
             lock(&live).remove(&id);
             return;
         }
@@ -186,20 +280,25 @@ async fn forward(engine: EngineHandle, s: wire::Submit, ev_tx: mpsc::UnboundedSe
 /// Drains the session's events into batches, each with the current load.
 async fn write_session(
     engine: EngineHandle,
+    life: Arc<Lifecycle>,
     mut ev_rx: mpsc::UnboundedReceiver<Event>,
     out: mpsc::Sender<Result<WorkerBatch, Status>>,
 ) {
     // The first message tells the router the session is up and how loaded we are.
-    if out.send(Ok(WorkerBatch { events: Vec::new(), load: Some(wire_load(&engine)) })).await.is_err() {
+    if out.send(Ok(WorkerBatch { events: Vec::new(), load: Some(wire_load(&engine, &life)) })).await.is_err() {
         return;
     }
+    let mut phase = life.phase.subscribe();
     loop {
         let mut events = Vec::new();
+        let mut last = false;
         tokio::select! {
             ev = ev_rx.recv() => match ev {
                 Some(ev) => events.push(ev),
-                None => return,
+                None => last = true,
             },
+            // A phase change goes out at once: a draining group must stop getting work.
+            _ = phase.changed() => last = *phase.borrow_and_update() == Phase::Stopped,
             _ = tokio::time::sleep(LOAD_PERIOD) => {}
         }
         while events.len() < MAX_EVENTS {
@@ -208,7 +307,7 @@ async fn write_session(
                 Err(_) => break,
             }
         }
-        if out.send(Ok(WorkerBatch { events, load: Some(wire_load(&engine)) })).await.is_err() {
+        if out.send(Ok(WorkerBatch { events, load: Some(wire_load(&engine, &life)) })).await.is_err() || last {
             return;
         }
     }
@@ -218,5 +317,34 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_only_moves_forward() {
+        let life = Arc::new(Lifecycle::default());
+        let mut seen = life.phase.subscribe();
+        life.set(Phase::Draining);
+        assert!(seen.has_changed().unwrap_or(false));
+        seen.mark_unchanged();
+        life.set(Phase::Serving);
+        assert_eq!(life.phase(), Phase::Draining);
+        assert!(!seen.has_changed().unwrap_or(true), "a no-op must not wake the sessions");
+        life.set(Phase::Stopped);
+        assert_eq!(life.phase(), Phase::Stopped);
+    }
+
+    #[test]
+    fn live_requests_are_counted_until_their_guard_drops() {
+        let life = Arc::new(Lifecycle::default());
+        let (a, b) = (LiveGuard::new(&life), LiveGuard::new(&life));
+        assert_eq!(life.live(), 2);
+        drop(a);
+        drop(b);
+        assert_eq!(life.live(), 0);
     }
 }
