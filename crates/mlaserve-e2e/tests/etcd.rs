@@ -8,8 +8,8 @@
 mod common;
 
 use common::*;
-use mlaserve_router::{RouterArgs, RouterHandle};
-use mlaserve_worker::{WorkerArgs, WorkerHandle};
+use mlaserve_router::RouterHandle;
+use mlaserve_worker::WorkerHandle;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
@@ -19,22 +19,11 @@ use tonic_health::pb::{health_check_response::ServingStatus, health_client::Heal
 const CLUSTER: &str = "e2e";
 
 fn worker(etcd: &str, group: &str) -> Background<WorkerHandle> {
-    let mut a = WorkerArgs::new(model_path());
-    a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.etcd = vec![etcd.to_string()];
-    a.cluster = CLUSTER.into();
-    a.group = Some(group.into());
-    a.lease_ttl_s = 2;
-    a.engine.kv_blocks = 256;
-    Background::start(move || async move { start_cpu_worker(a).await })
+    etcd_worker(etcd, CLUSTER, group, 2)
 }
 
 fn router(etcd: &str) -> Background<RouterHandle> {
-    let mut a = RouterArgs::new(model_path());
-    a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.etcd = vec![etcd.to_string()];
-    a.cluster = CLUSTER.into();
-    Background::start(move || async move { mlaserve_router::start(a).await.unwrap() })
+    etcd_router(etcd, CLUSTER)
 }
 
 async fn health(addr: SocketAddr) -> i32 {

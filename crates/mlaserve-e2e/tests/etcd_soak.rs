@@ -11,30 +11,19 @@
 mod common;
 
 use common::*;
-use mlaserve_router::{RouterArgs, RouterHandle};
-use mlaserve_worker::{WorkerArgs, WorkerHandle};
-use std::net::SocketAddr;
+use mlaserve_router::RouterHandle;
+use mlaserve_worker::WorkerHandle;
 use std::time::{Duration, Instant};
 
 const CLUSTER: &str = "soak";
 const SOAK: Duration = Duration::from_secs(35);
 
 fn worker(etcd: &str, group: &str) -> Background<WorkerHandle> {
-    let mut a = WorkerArgs::new(model_path());
-    a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.etcd = vec![etcd.to_string()];
-    a.cluster = CLUSTER.into();
-    a.group = Some(group.into());
-    a.engine.kv_blocks = 256;
-    Background::start(move || async move { start_cpu_worker(a).await })
+    etcd_worker(etcd, CLUSTER, group, 3)
 }
 
 fn router(etcd: &str) -> Background<RouterHandle> {
-    let mut a = RouterArgs::new(model_path());
-    a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.etcd = vec![etcd.to_string()];
-    a.cluster = CLUSTER.into();
-    Background::start(move || async move { mlaserve_router::start(a).await.unwrap() })
+    etcd_router(etcd, CLUSTER)
 }
 
 /// `mlaserve_etcd_watch_restarts_total` as this process's recorder has it.

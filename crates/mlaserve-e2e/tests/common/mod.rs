@@ -113,6 +113,28 @@ pub async fn start_cpu_worker(args: WorkerArgs) -> WorkerHandle {
     mlaserve_worker::start(args, engine, 1).await.unwrap()
 }
 
+/// A single-rank CPU worker group registered in etcd under `cluster` as `group`, with a
+/// lease of `lease_ttl_s`.
+pub fn etcd_worker(etcd: &str, cluster: &str, group: &str, lease_ttl_s: u64) -> Background<WorkerHandle> {
+    let mut a = WorkerArgs::new(model_path());
+    a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    a.etcd = vec![etcd.to_string()];
+    a.cluster = cluster.into();
+    a.group = Some(group.into());
+    a.lease_ttl_s = lease_ttl_s;
+    a.engine.kv_blocks = 256;
+    Background::start(move || async move { start_cpu_worker(a).await })
+}
+
+/// A router discovering the groups of `cluster` in etcd.
+pub fn etcd_router(etcd: &str, cluster: &str) -> Background<mlaserve_router::RouterHandle> {
+    let mut a = mlaserve_router::RouterArgs::new(model_path());
+    a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    a.etcd = vec![etcd.to_string()];
+    a.cluster = cluster.into();
+    Background::start(move || async move { mlaserve_router::start(a).await.unwrap() })
+}
+
 pub async fn client(addr: SocketAddr) -> GenerationClient<Channel> {
     GenerationClient::connect(format!("http://{addr}")).await.unwrap().max_decoding_message_size(64 << 20)
 }
