@@ -7,8 +7,13 @@
 //! requests. Tokens, not requests, because one 8k-token prompt costs more than fifty
 //! short chats. A group that reports it is draining is never picked, though it stays
 //! in the pool until its session ends (its requests are still streaming).
+//!
+//! A group must serve this router's model ([`ModelIdentity`]): one whose `GetInfo`
+//! differs (config or tokenizer fingerprint, vocabulary, EOS ids) is logged and kept out
+//! of the pool; its supervisor looks again every few seconds, in case it is replaced.
 
 use crate::group::Group;
+use mlaserve_proto::worker::GroupInfo;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,11 +25,55 @@ struct Entry {
     stop: Option<oneshot::Sender<()>>,
 }
 
+/// What a group must serve to join this router's pool: the router's own model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelIdentity {
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<u32>,
+    pub config_fingerprint: String,
+    pub tokenizer_fingerprint: String,
+}
+
+impl ModelIdentity {
+    /// `Err` naming every field in which the group's model differs from this one.
+    pub fn check(&self, info: &GroupInfo) -> Result<(), String> {
+        let mut diff = Vec::new();
+        if info.config_fingerprint != self.config_fingerprint {
+            diff.push(format!(
+                "config.json fingerprint {:?} (the router's: {:?})",
+                info.config_fingerprint, self.config_fingerprint
+            ));
+        }
+        if info.tokenizer_fingerprint != self.tokenizer_fingerprint {
+            diff.push(format!(
+                "tokenizer.json fingerprint {:?} (the router's: {:?})",
+                info.tokenizer_fingerprint, self.tokenizer_fingerprint
+            ));
+        }
+        if info.vocab_size != self.vocab_size {
+            diff.push(format!("vocab_size {} (the router's: {})", info.vocab_size, self.vocab_size));
+        }
+        if info.eos_token_ids != self.eos_token_ids {
+            diff.push(format!("eos_token_ids {:?} (the router's: {:?})", info.eos_token_ids, self.eos_token_ids));
+        }
+        if diff.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("serves model `{}`, not this router's: {}", info.model_name, diff.join("; ")))
+        }
+    }
+}
+
+/// How long a supervisor waits before asking a refused group again.
+const MISMATCH_RETRY: Duration = Duration::from_secs(5);
+
 /// Worker groups known to the router (see the module docs).
 #[derive(Clone)]
 pub struct Pool {
     inner: Arc<Mutex<BTreeMap<String, Entry>>>,
     ready_tx: Arc<watch::Sender<usize>>,
+    /// The model every group must serve; `None` takes any (tests of the pool alone).
+    expect: Option<Arc<ModelIdentity>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -35,11 +84,16 @@ impl std::fmt::Debug for Pool {
 
 impl Default for Pool {
     fn default() -> Self {
-        Pool { inner: Arc::default(), ready_tx: Arc::new(watch::channel(0).0) }
+        Pool { inner: Arc::default(), ready_tx: Arc::new(watch::channel(0).0), expect: None }
     }
 }
 
 impl Pool {
+    /// A pool that admits only groups serving `model`.
+    pub fn expecting(model: ModelIdentity) -> Self {
+        Pool { expect: Some(Arc::new(model)), ..Pool::default() }
+    }
+
     /// Number of ready groups, as a watch (health follows it).
     pub fn ready_watch(&self) -> watch::Receiver<usize> {
         self.ready_tx.subscribe()
@@ -127,6 +181,17 @@ async fn supervise(pool: Pool, name: String, addr: String, mut stop: oneshot::Re
             r = Group::connect(&name, &addr) => r,
         };
         match attempt {
+            Ok((group, session)) if pool.expect.as_ref().is_some_and(|m| m.check(&group.info).is_err()) => {
+                let why = pool.expect.as_ref().and_then(|m| m.check(&group.info).err()).unwrap_or_default();
+                tracing::error!(group = %name, addr = %addr, "worker group refused: it {why}");
+                session.abort();
+                group.fail_all("the group serves another model");
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tokio::time::sleep(MISMATCH_RETRY) => {}
+                }
+                continue;
+            }
             Ok((group, mut session)) => {
                 backoff = Duration::from_millis(100);
                 if !pool.set_ready(&name, &addr, Some(group.clone())) {
@@ -163,5 +228,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_different_model_is_named_field_by_field() {
+        let me = ModelIdentity {
+            vocab_size: 100,
+            eos_token_ids: vec![1],
+            config_fingerprint: "aa".into(),
+            tokenizer_fingerprint: "bb".into(),
+        };
+        let same = GroupInfo {
+            vocab_size: 100,
+            eos_token_ids: vec![1],
+            config_fingerprint: "aa".into(),
+            tokenizer_fingerprint: "bb".into(),
+            ..Default::default()
+        };
+        assert_eq!(me.check(&same), Ok(()));
+        let other = GroupInfo { vocab_size: 90, config_fingerprint: "cc".into(), model_name: "m2".into(), ..same };
+        let e = me.check(&other).expect_err("refused");
+        assert!(e.contains("`m2`") && e.contains("config.json") && e.contains("vocab_size 90"), "{e}");
+        assert!(!e.contains("tokenizer.json") && !e.contains("eos"), "{e}");
     }
 }

@@ -50,7 +50,13 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
     // The recorder first: whatever discovery publishes from here on is kept, and
     // `mlaserve_ready_groups` reads 0 (not absent) until a group is ready.
     mlaserve_cluster::metrics::handle();
-    let pool = Pool::default();
+    let fingerprints = mlaserve_model::Fingerprints::of_dir(&args.model);
+    let pool = Pool::expecting(crate::pool::ModelIdentity {
+        vocab_size: config.vocab_size as u32,
+        eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+        config_fingerprint: fingerprints.config,
+        tokenizer_fingerprint: fingerprints.tokenizer,
+    });
     crate::metrics::ready_groups(pool.ready_count());
     let state = Arc::new(RouterState::new(tokenizer, model_name, limits, pool.clone(), args.queue_size));
 

@@ -58,6 +58,7 @@ pub struct WorkerHandle {
 /// registered.
 pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Result<WorkerHandle, WorkerError> {
     let config = mlaserve_model::load_config(&args.model)?;
+    let fingerprints = mlaserve_model::Fingerprints::of_dir(&args.model);
     let tokenizer_eos = mlaserve_model::Tokenizer::from_dir(&args.model, &config)
         .map(|t| t.eos_token_ids().to_vec())
         .unwrap_or_else(|_| config.eos_token_ids.clone());
@@ -75,6 +76,8 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
         tp_size: tp_size as u32,
         kv_blocks_total: ei.kv_blocks_total as u32,
         block_size: mlaserve_core::BLOCK_SIZE as u32,
+        config_fingerprint: fingerprints.config,
+        tokenizer_fingerprint: fingerprints.tokenizer,
     };
     if let Some(m) = args.metrics_listen {
         mlaserve_cluster::metrics::serve(m).await.map_err(|e| WorkerError::Bind(m, e))?;
