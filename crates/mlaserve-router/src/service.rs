@@ -22,6 +22,8 @@ use tonic::{Code, Request, Response, Status};
 
 /// Prompts longer than this (bytes) are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 16 << 10;
+/// `Tokenize` calls tokenizing at once; the others wait their turn (admitted already).
+const TOKENIZE_SLOTS: usize = 4;
 /// Messages buffered per client stream before the router waits for the client.
 const STREAM_BUFFER: usize = 64;
 
@@ -34,6 +36,8 @@ pub struct RouterState {
     pub config_limits: ModelLimits,
     pub pool: Pool,
     pub admission: Admission,
+    /// Texts being tokenized at once by `Tokenize` (each takes ~200× its size).
+    pub tokenize_slots: tokio::sync::Semaphore,
     pub draining: AtomicBool,
     next_request: AtomicU64,
 }
@@ -52,6 +56,7 @@ impl RouterState {
             config_limits: limits,
             pool,
             admission: Admission::new(queue),
+            tokenize_slots: tokio::sync::Semaphore::new(TOKENIZE_SLOTS),
             draining: AtomicBool::new(false),
             next_request: AtomicU64::new(1),
         }
@@ -155,6 +160,12 @@ impl Generation for GenerationService {
 
     async fn tokenize(&self, request: Request<TokenizeRequest>) -> Result<Response<TokenizeResponse>, Status> {
         let r = request.into_inner();
+        // Admitted like a generation (RESOURCE_EXHAUSTED when full), bounded in size, and
+        // tokenized a few at a time: each text takes about 200 times its size while the
+        // tokenizer runs.
+        let _admitted = self.state.admission.try_admit()?;
+        validate::check_text_bytes("text", &r.text, self.state.limits())?;
+        let _slot = self.state.tokenize_slots.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
         let tok = self.state.tokenizer.clone();
         let ids = tokio::task::spawn_blocking(move || tok.encode(&r.text, r.add_special_tokens).map(|ids| (ids, tok)))
             .await

@@ -29,6 +29,29 @@ impl From<InvalidField> for RouterError {
     }
 }
 
+/// Bytes of text allowed per token of the served context, checked before tokenizing.
+pub const TEXT_BYTES_PER_TOKEN: usize = 64;
+
+/// The cheap bound a text passes before it is tokenized: at most
+/// [`TEXT_BYTES_PER_TOKEN`] bytes per token of the served context. Only texts that could
+/// never fit are refused (a token is rarely longer than a few bytes), and the memory the
+/// tokenizer takes for one text (about 200 times its size) stays bounded.
+pub fn check_text_bytes(field: &str, text: &str, limits: ModelLimits) -> Result<(), RouterError> {
+    let max = TEXT_BYTES_PER_TOKEN * limits.max_context as usize;
+    if text.len() > max {
+        return Err(RouterError::invalid(
+            field,
+            format!(
+                "{} bytes is over the limit of {max} ({TEXT_BYTES_PER_TOKEN} per token of the served context of {} \
+                 tokens, max_model_len)",
+                text.len(),
+                limits.max_context
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Validates `req`; `tokenize` turns a text prompt into ids (BOS included).
 pub fn validate(
     req: &GenerateRequest,
@@ -46,18 +69,7 @@ pub fn validate(
         Some(Prompt::TokenIds(t)) => ("prompt.token_ids", t.ids.clone()),
         Some(Prompt::Text(t)) if t.is_empty() => return Err(RouterError::invalid("prompt.text", "must not be empty")),
         Some(Prompt::Text(t)) => {
-            // Cheap bound first: a byte-level tokenizer makes at most one token per byte,
-            // so only absurdly long texts are refused before tokenizing.
-            if t.len() > 64 * limits.max_context as usize {
-                return Err(RouterError::invalid(
-                    "prompt.text",
-                    format!(
-                        "{} bytes cannot fit the served context of {} tokens (max_model_len)",
-                        t.len(),
-                        limits.max_context
-                    ),
-                ));
-            }
+            check_text_bytes("prompt.text", t, limits)?;
             ("prompt.text", tokenize(t)?)
         }
     };
