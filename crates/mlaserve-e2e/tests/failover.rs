@@ -114,3 +114,36 @@ async fn requests_go_to_the_group_with_fewer_outstanding_tokens() {
     let (big_side, small_side) = if fa <= fb { (fa, fb) } else { (fb, fa) };
     assert_eq!((big_side, small_side), (0, 6), "a: {fa}, b: {fb} finished (the big one was still running)");
 }
+
+/// `GetModelInfo` reports the groups' limits whether or not a group is ready right now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_info_keeps_the_groups_limits_while_none_is_ready() {
+    let mut a = {
+        let mut w = WorkerArgs::new(model_path());
+        w.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        w.engine.kv_blocks = 128;
+        w.engine.max_model_len = Some(100);
+        Background::start(move || async move { start_cpu_worker(w).await })
+    };
+    let r: Background<RouterHandle> = {
+        let mut args = RouterArgs::new(model_path());
+        args.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        args.workers = vec![format!("http://{}", a.get().addr)];
+        Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
+    };
+    let pool = r.get().pool().clone();
+    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    let mut c = client(r.get().addr).await;
+    let info = |mut c: mlaserve_proto::v1::generation_client::GenerationClient<tonic::transport::Channel>| async move {
+        c.get_model_info(mlaserve_proto::v1::GetModelInfoRequest {}).await.unwrap().into_inner()
+    };
+    let up = info(c.clone()).await;
+    assert_eq!(up.max_context_tokens, 100);
+    a.kill();
+    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 0).await);
+    let down = info(c.clone()).await;
+    assert_eq!((down.max_context_tokens, down.vocab_size), (up.max_context_tokens, up.vocab_size));
+    assert_eq!(down.ready_groups, 0);
+    let e = collect(&mut c, ids_request(vec![7; 120], 4)).await.error.expect("refused");
+    assert_eq!(e.code(), Code::InvalidArgument, "the known limit still applies: {}", e.message());
+}

@@ -34,6 +34,8 @@ pub struct RouterState {
     pub model_name: String,
     /// From the model's `config.json`; the groups' own limits take precedence.
     pub config_limits: ModelLimits,
+    /// The limits of the last ready groups (see [`RouterState::limits`]).
+    known_limits: std::sync::Mutex<Option<ModelLimits>>,
     pub pool: Pool,
     pub admission: Admission,
     /// Texts being tokenized at once by `Tokenize` (each takes ~200× its size).
@@ -54,6 +56,7 @@ impl RouterState {
             tokenizer: Arc::new(tokenizer),
             model_name,
             config_limits: limits,
+            known_limits: std::sync::Mutex::new(None),
             pool,
             admission: Admission::new(queue),
             tokenize_slots: tokio::sync::Semaphore::new(TOKENIZE_SLOTS),
@@ -62,10 +65,17 @@ impl RouterState {
         }
     }
 
-    /// What validation enforces now: the strictest of the config and the ready groups.
+    /// What validation enforces and `GetModelInfo` reports: the strictest of the config
+    /// and the ready groups. While no group is ready, the last groups' limits stand (a
+    /// client sees the same limits whether or not a group is up at that moment).
     pub fn limits(&self) -> ModelLimits {
+        let groups = self.pool.ready_groups();
+        let mut known = lock(&self.known_limits);
+        if groups.is_empty() {
+            return known.unwrap_or(self.config_limits);
+        }
         let mut l = self.config_limits;
-        for g in self.pool.ready_groups() {
+        for g in groups {
             if g.info.max_context_tokens > 0 {
                 l.max_context = l.max_context.min(g.info.max_context_tokens);
             }
@@ -73,6 +83,7 @@ impl RouterState {
                 l.vocab_size = l.vocab_size.min(g.info.vocab_size);
             }
         }
+        *known = Some(l);
         l
     }
 
@@ -450,4 +461,11 @@ enum End {
     Failed(RouterError),
     /// The group went away; retryable while no token was streamed.
     Lost(String),
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
 }
