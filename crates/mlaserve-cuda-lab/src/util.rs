@@ -55,19 +55,7 @@ impl Util {
         lo: f32,
         hi: f32,
     ) -> Result<()> {
-        let n = x.len();
-        // SAFETY: fill_uniform_bf16(bf16*, size_t, u64, float, float) writes x[0..n), n = x.len().
-        unsafe {
-            stream
-                .launch_builder(&self.fill_bf16)
-                .arg(x)
-                .arg(&n)
-                .arg(&seed)
-                .arg(&lo)
-                .arg(&hi)
-                .launch(grid_stride(self.num_sms))
-        }?;
-        Ok(())
+        self.fill_uniform(&self.fill_bf16, stream, x, seed, lo, hi)
     }
 
     /// Fills `x` with U(lo, hi), deterministic in `seed`.
@@ -79,17 +67,25 @@ impl Util {
         lo: f32,
         hi: f32,
     ) -> Result<()> {
+        self.fill_uniform(&self.fill_f32, stream, x, seed, lo, hi)
+    }
+
+    /// One launch path for both fills: `f` is `fill_uniform_bf16` or `fill_uniform_f32`,
+    /// the one whose element type is `T`.
+    fn fill_uniform<T: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        x: &mut CudaSlice<T>,
+        seed: u64,
+        lo: f32,
+        hi: f32,
+    ) -> Result<()> {
         let n = x.len();
-        // SAFETY: fill_uniform_f32(float*, size_t, u64, float, float) writes x[0..n), n = x.len().
+        // SAFETY: fill_uniform_{bf16,f32}(T*, size_t, u64, float, float) writes x[0..n),
+        // n = x.len(); the callers pass the kernel of x's element type.
         unsafe {
-            stream
-                .launch_builder(&self.fill_f32)
-                .arg(x)
-                .arg(&n)
-                .arg(&seed)
-                .arg(&lo)
-                .arg(&hi)
-                .launch(grid_stride(self.num_sms))
+            stream.launch_builder(f).arg(x).arg(&n).arg(&seed).arg(&lo).arg(&hi).launch(grid_stride(self.num_sms))
         }?;
         Ok(())
     }
