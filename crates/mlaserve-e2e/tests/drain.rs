@@ -138,3 +138,85 @@ async fn graceful_worker_stop_under_load_fails_no_request() {
     assert_still_serves(&mut c.clone()).await;
     drop(a);
 }
+
+/// A request still running when a drain timeout passes ends with an error that says so,
+/// whether the worker group or the router is the one stopping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_timeouts_say_what_happened() {
+    let start_router = |w: SocketAddr| -> Background<RouterHandle> {
+        let mut args = RouterArgs::new(model_path());
+        args.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        args.workers = vec![format!("http://{w}")];
+        Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
+    };
+    let long_stream = |c: &mlaserve_proto::v1::generation_client::GenerationClient<tonic::transport::Channel>| {
+        let mut c = c.clone();
+        tokio::spawn(async move {
+            let room = c
+                .get_model_info(mlaserve_proto::v1::GetModelInfoRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .max_context_tokens
+                - 16;
+            collect(&mut c, ids_request(vec![5, 6, 7, 8], room)).await
+        })
+    };
+
+    // The worker's drain timeout passes.
+    let mut a = {
+        let mut w = WorkerArgs::new(model_path());
+        w.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        w.drain_timeout_s = 0;
+        Background::start(move || async move { start_cpu_worker(w).await })
+    };
+    let r = start_router(a.get().addr);
+    let pool = r.get().pool().clone();
+    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    let c = client(r.get().addr).await;
+    let stream = long_stream(&c);
+    let engine = a.get().engine.clone();
+    assert!(eventually(Duration::from_secs(10), || engine.load().running_requests > 0).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let h = a.handle.take().unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(h.shutdown());
+    })
+    .join()
+    .unwrap();
+    let got = stream.await.unwrap();
+    let e = got.error.expect("the stream was cut");
+    assert!(!got.tokens.is_empty(), "it had streamed");
+    assert!(e.message().contains("worker group is stopping") && e.message().contains("drain timeout"), "{e:?}");
+    drop((r, a));
+
+    // The router's drain timeout passes.
+    let b = {
+        let mut w = WorkerArgs::new(model_path());
+        w.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        Background::start(move || async move { start_cpu_worker(w).await })
+    };
+    let mut r = start_router(b.get().addr);
+    let pool = r.get().pool().clone();
+    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    let c = client(r.get().addr).await;
+    let stream = long_stream(&c);
+    let engine = b.get().engine.clone();
+    assert!(eventually(Duration::from_secs(10), || engine.load().running_requests > 0).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let h = r.handle.take().unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            h.drain(Duration::from_millis(100)).await;
+            h.shutdown().await;
+        });
+    })
+    .join()
+    .unwrap();
+    let got = stream.await.unwrap();
+    let e = got.error.expect("the stream was cut");
+    assert!(e.message().contains("router is stopping") && e.message().contains("drain timeout"), "{e:?}");
+    drop((r, b));
+}

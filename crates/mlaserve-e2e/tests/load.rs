@@ -24,6 +24,8 @@ async fn thousand_concurrent_streams() {
         a.engine.kv_blocks = 1024;
         a.queue_size = 2048;
         a.metrics_listen = None;
+        // The embedded group takes only its router: this test talks to it too.
+        a.link_secret = "load-test-secret".into();
     });
     let h = s.get();
     let addr = h.addr();
@@ -39,7 +41,12 @@ async fn thousand_concurrent_streams() {
     }
     let mut w = WorkerClient::connect(format!("http://{}", h.worker.addr)).await.unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let mut events = w.session(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    // Without the secret the group refuses us: no other local process can act as its router.
+    let e = w.get_info(mlaserve_proto::worker::GetInfoRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    let mut session = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    session.metadata_mut().insert("authorization", "Bearer load-test-secret".parse().unwrap());
+    let mut events = w.session(session).await.unwrap().into_inner();
     let mut direct = Vec::new();
     for i in 0..30u64 {
         let t = Instant::now();

@@ -34,6 +34,56 @@ pub struct RouterArgs {
     /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish before stopping.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub access: PublicAccess,
+    #[command(flatten)]
+    pub link: WorkerLink,
+}
+
+/// Who may use the public API, and over what (shared by `router` and `serve`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PublicAccess {
+    /// An API key clients must send as `authorization: Bearer <key>` (repeatable; also
+    /// read from MLASERVE_API_KEY). Health checks and `/metrics` stay open.
+    #[arg(long = "api-key", env = "MLASERVE_API_KEY", hide_env_values = true)]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (`#` comments); repeatable.
+    #[arg(long = "api-key-file")]
+    pub api_key_files: Vec<PathBuf>,
+    /// PEM certificate chain: serve the public API over TLS (needs --tls-key).
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificate(s): require clients to present a certificate it signed (mutual TLS).
+    #[arg(long)]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+/// How the router reaches its workers: TLS (mutual when given a certificate) and the
+/// group secret the workers require.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct WorkerLink {
+    /// PEM CA certificate(s) that signed the workers' certificates: connect to workers
+    /// over TLS (`http://` worker addresses become `https://`).
+    #[arg(long)]
+    pub worker_tls_ca: Option<PathBuf>,
+    /// PEM certificate the router presents to workers (mutual TLS; needs --worker-tls-key).
+    #[arg(long)]
+    pub worker_tls_cert: Option<PathBuf>,
+    /// PEM private key of --worker-tls-cert.
+    #[arg(long)]
+    pub worker_tls_key: Option<PathBuf>,
+    /// The name the workers' certificates carry, when it is not the host of their address.
+    #[arg(long)]
+    pub worker_tls_server_name: Option<String>,
+    /// A file holding the group secret the workers require (their --router-secret-file).
+    #[arg(long)]
+    pub worker_secret_file: Option<PathBuf>,
+    /// The group secret itself (set by `serve` for its embedded group; no flag).
+    #[arg(skip)]
+    pub worker_secret: Option<String>,
 }
 
 impl RouterArgs {
@@ -49,6 +99,8 @@ impl RouterArgs {
             queue_size: 2048,
             max_message_bytes: 4 << 20,
             drain_timeout_s: 30,
+            access: PublicAccess::default(),
+            link: WorkerLink::default(),
         }
     }
 }

@@ -99,32 +99,96 @@ impl Drop for Submission {
 /// Channel settings: HTTP/2 keep-alive notices a hung leader within ~6 s even when the
 /// TCP connection stays up (a killed leader's connection closes at once). Not tighter:
 /// on a CPU-saturated host a busy but healthy leader must not be declared dead.
-pub fn endpoint(addr: &str) -> Result<Endpoint, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(addr.to_string())?
+pub fn endpoint(addr: &str, link: &Link) -> Result<Endpoint, tonic::transport::Error> {
+    let addr = match (&link.tls, addr.strip_prefix("http://")) {
+        (Some(_), Some(rest)) => format!("https://{rest}"),
+        _ => addr.to_string(),
+    };
+    let e = Endpoint::from_shared(addr)?
         .connect_timeout(Duration::from_secs(3))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(2))
         .keep_alive_timeout(Duration::from_secs(4))
-        .keep_alive_while_idle(true))
+        .keep_alive_while_idle(true);
+    match &link.tls {
+        Some(tls) => e.tls_config(tls.clone()),
+        None => Ok(e),
+    }
+}
+
+/// An error with its causes (a transport error's own text is only "transport error").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// Prefix of a connect error that means the group does not accept this router (its
+/// certificate or group secret), not that the group is down.
+pub const REFUSED: &str = "refused: ";
+
+fn describe(context: &str, text: &str, code: Option<tonic::Code>) -> String {
+    let refused = matches!(code, Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied))
+        || text.contains("fatal alert")
+        || text.contains("invalid peer certificate");
+    if refused {
+        format!("{REFUSED}{context}: {text}")
+    } else {
+        format!("{context}: {text}")
+    }
+}
+
+/// How the router reaches its workers: TLS settings (files already read) and the group
+/// secret sent as `authorization: Bearer` on every call.
+#[derive(Debug, Clone, Default)]
+pub struct Link {
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
+    pub secret: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl Link {
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(s) = &self.secret {
+            r.metadata_mut().insert("authorization", s.clone());
+        }
+        r
+    }
 }
 
 impl Group {
     /// Connects to the leader at `addr`, fetches its info and opens the session.
     /// Returns the group and a future that resolves when the session ends.
-    pub async fn connect(name: &str, addr: &str) -> Result<(Arc<Group>, tokio::task::JoinHandle<String>), String> {
-        let channel: Channel = endpoint(addr)
+    pub async fn connect(
+        name: &str,
+        addr: &str,
+        link: &Link,
+    ) -> Result<(Arc<Group>, tokio::task::JoinHandle<String>), String> {
+        let channel: Channel = endpoint(addr, link)
             .map_err(|e| format!("bad address {addr}: {e}"))?
             .connect()
             .await
-            .map_err(|e| format!("connect {addr}: {e}"))?;
+            .map_err(|e| describe(&format!("connect {addr}"), &chain(&e), None))?;
         let mut client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
-        let info = client.get_info(wire::GetInfoRequest {}).await.map_err(|e| format!("GetInfo: {e}"))?.into_inner();
+        let info = client
+            .get_info(link.request(wire::GetInfoRequest {}))
+            .await
+            .map_err(|e| describe("GetInfo", &chain(&e), Some(e.code())))?
+            .into_inner();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (out_tx, out_rx) = mpsc::channel::<RouterBatch>(64);
         let inbound = client
-            .session(tokio_stream::wrappers::ReceiverStream::new(out_rx))
+            .session(link.request(tokio_stream::wrappers::ReceiverStream::new(out_rx)))
             .await
-            .map_err(|e| format!("Session: {e}"))?
+            .map_err(|e| describe("Session", &chain(&e), Some(e.code())))?
             .into_inner();
         let state = Arc::new(Shared {
             inflight: Mutex::new(HashMap::new()),

@@ -12,7 +12,7 @@
 //! differs (config or tokenizer fingerprint, vocabulary, EOS ids) is logged and kept out
 //! of the pool; its supervisor looks again every few seconds, in case it is replaced.
 
-use crate::group::Group;
+use crate::group::{Group, Link};
 use mlaserve_proto::worker::GroupInfo;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -74,6 +74,7 @@ pub struct Pool {
     ready_tx: Arc<watch::Sender<usize>>,
     /// The model every group must serve; `None` takes any (tests of the pool alone).
     expect: Option<Arc<ModelIdentity>>,
+    link: Arc<Link>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -84,7 +85,7 @@ impl std::fmt::Debug for Pool {
 
 impl Default for Pool {
     fn default() -> Self {
-        Pool { inner: Arc::default(), ready_tx: Arc::new(watch::channel(0).0), expect: None }
+        Pool { inner: Arc::default(), ready_tx: Arc::new(watch::channel(0).0), expect: None, link: Arc::default() }
     }
 }
 
@@ -92,6 +93,11 @@ impl Pool {
     /// A pool that admits only groups serving `model`.
     pub fn expecting(model: ModelIdentity) -> Self {
         Pool { expect: Some(Arc::new(model)), ..Pool::default() }
+    }
+
+    /// The same pool reaching its groups over `link` (TLS, group secret).
+    pub fn with_link(self, link: Link) -> Self {
+        Pool { link: Arc::new(link), ..self }
     }
 
     /// Number of ready groups, as a watch (health follows it).
@@ -123,7 +129,7 @@ impl Pool {
             return;
         }
         if let Some(old) = inner.remove(name) {
-            shut(old);
+            shut(old, "the group moved to another address");
         }
         let (stop_tx, stop_rx) = oneshot::channel();
         inner.insert(name.to_string(), Entry { addr: addr.to_string(), ready: None, stop: Some(stop_tx) });
@@ -131,12 +137,17 @@ impl Pool {
         tracing::info!(group = name, addr, "worker group added");
     }
 
-    /// Forgets group `name`: its in-flight requests end as lost.
+    /// Forgets group `name` (discovery dropped it): its in-flight requests end as lost.
     pub fn remove(&self, name: &str) {
+        self.remove_because(name, "the group was removed from discovery");
+    }
+
+    /// Forgets group `name`; its in-flight requests end as lost, told `why`.
+    pub fn remove_because(&self, name: &str, why: &str) {
         let old = lock(&self.inner).remove(name);
         if let Some(old) = old {
-            tracing::warn!(group = name, "worker group removed");
-            shut(old);
+            tracing::warn!(group = name, reason = why, "worker group removed");
+            shut(old, why);
         }
         self.publish();
     }
@@ -163,12 +174,13 @@ impl Pool {
     }
 }
 
-fn shut(e: Entry) {
+fn shut(e: Entry, why: &str) {
+    // Fail the requests first, so they hear `why` rather than the supervisor's reason.
+    if let Some(g) = e.ready {
+        g.fail_all(why);
+    }
     if let Some(stop) = e.stop {
         let _ = stop.send(());
-    }
-    if let Some(g) = e.ready {
-        g.fail_all("the group was removed from discovery");
     }
 }
 
@@ -178,7 +190,7 @@ async fn supervise(pool: Pool, name: String, addr: String, mut stop: oneshot::Re
     loop {
         let attempt = tokio::select! {
             _ = &mut stop => return,
-            r = Group::connect(&name, &addr) => r,
+            r = Group::connect(&name, &addr, &pool.link) => r,
         };
         match attempt {
             Ok((group, session)) if pool.expect.as_ref().is_some_and(|m| m.check(&group.info).is_err()) => {
@@ -202,8 +214,9 @@ async fn supervise(pool: Pool, name: String, addr: String, mut stop: oneshot::Re
                 tracing::info!(group = %name, addr = %addr, "worker group ready");
                 let why = tokio::select! {
                     _ = &mut stop => {
+                        // `shut` has failed its requests with the reason.
                         session.abort();
-                        group.fail_all("the group was removed from discovery");
+                        group.fail_all("the group left the router's pool");
                         return;
                     }
                     r = &mut session => r.unwrap_or_else(|e| format!("session task: {e}")),
@@ -214,6 +227,15 @@ async fn supervise(pool: Pool, name: String, addr: String, mut stop: oneshot::Re
                     return;
                 }
             }
+            Err(e) if refused_us(&e) => {
+                // Not a transient fault: the group's TLS or secret does not take ours.
+                tracing::error!(group = %name, addr = %addr, error = %e, "worker group refused this router");
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tokio::time::sleep(MISMATCH_RETRY) => {}
+                }
+                continue;
+            }
             Err(e) => tracing::debug!(group = %name, error = %e, "worker group not reachable"),
         }
         tokio::select! {
@@ -222,6 +244,12 @@ async fn supervise(pool: Pool, name: String, addr: String, mut stop: oneshot::Re
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Whether a failed connect means the group does not accept this router (credentials,
+/// certificates) rather than that it is down.
+fn refused_us(e: &str) -> bool {
+    e.starts_with(crate::group::REFUSED)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -3,15 +3,19 @@
 
 use crate::args::RouterArgs;
 use crate::discovery;
+use crate::group::Link;
 use crate::pool::Pool;
 use crate::service::{GenerationService, RouterState};
 use crate::validate::ModelLimits;
+use mlaserve_cluster::auth::{Keys, OnRefusal, RequireBearer, HEALTH_PATH};
+use mlaserve_cluster::tls::{ClientTls, RefusalLog, ServerTls, TlsIncoming};
 use mlaserve_proto::v1::generation_server::GenerationServer;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{oneshot, watch};
+use tokio_rustls::rustls::ServerConfig;
 use tonic::transport::server::TcpIncoming;
 
 /// Why a router could not start.
@@ -23,6 +27,60 @@ pub enum StartError {
     Bind(SocketAddr, std::io::Error),
     #[error("reflection: {0}")]
     Reflection(String),
+    /// A TLS or key setting (names the flag and file).
+    #[error("{0}")]
+    Access(String),
+}
+
+/// The public API's keys and TLS, and the link to the workers, from the flags (files
+/// read and checked now, so a bad one stops the start naming the flag).
+fn access(args: &RouterArgs) -> Result<(Keys, Option<Arc<ServerConfig>>, Link), StartError> {
+    let bad = |e: &dyn std::fmt::Display| StartError::Access(e.to_string());
+    let a = &args.access;
+    let keys = Keys::load(&a.api_keys, &a.api_key_files, "--api-key-file").map_err(|e| bad(&e))?;
+    let tls = ServerTls::from_flags(
+        a.tls_cert.as_deref(),
+        a.tls_key.as_deref(),
+        a.tls_client_ca.as_deref(),
+        ["--tls-cert", "--tls-key", "--tls-client-ca"],
+    )
+    .map_err(|e| bad(&e))?
+    .map(|t| t.config())
+    .transpose()
+    .map_err(|e| bad(&e))?;
+    let l = &args.link;
+    let identity = match (&l.worker_tls_cert, &l.worker_tls_key) {
+        (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+        (None, None) => None,
+        (Some(_), None) => return Err(StartError::Access("--worker-tls-cert needs --worker-tls-key".into())),
+        (None, Some(_)) => return Err(StartError::Access("--worker-tls-key needs --worker-tls-cert".into())),
+    };
+    let link_tls = if l.worker_tls_ca.is_some() || identity.is_some() {
+        let c = ClientTls { ca: l.worker_tls_ca.clone(), identity, server_name: l.worker_tls_server_name.clone() };
+        Some(c.config(["--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key"]).map_err(|e| bad(&e))?)
+    } else {
+        None
+    };
+    let secret = match (&l.worker_secret, &l.worker_secret_file) {
+        (Some(s), _) => Some(s.clone()),
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| StartError::Access(format!("--worker-secret-file {}: {e}", f.display())))?;
+            Some(text.trim().to_string())
+        }
+        (None, None) => None,
+    };
+    let secret = secret
+        .map(|s| {
+            tonic::metadata::MetadataValue::try_from(format!("Bearer {s}"))
+                .ok()
+                .filter(|_| !s.is_empty() && !s.contains(char::is_whitespace))
+                .ok_or_else(|| {
+                    StartError::Access("--worker-secret-file: the secret must be one word of visible ASCII".into())
+                })
+        })
+        .transpose()?;
+    Ok((keys, tls, Link { tls: link_tls, secret }))
 }
 
 /// A running router.
@@ -42,6 +100,7 @@ pub struct RouterHandle {
 
 /// Starts a router; returns once it listens.
 pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
+    let (keys, tls, link) = access(&args)?;
     let config = mlaserve_model::load_config(&args.model)?;
     let tokenizer = mlaserve_model::Tokenizer::from_dir(&args.model, &config)?;
     let limits =
@@ -56,7 +115,8 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
         eos_token_ids: tokenizer.eos_token_ids().to_vec(),
         config_fingerprint: fingerprints.config,
         tokenizer_fingerprint: fingerprints.tokenizer,
-    });
+    })
+    .with_link(link);
     crate::metrics::ready_groups(pool.ready_count());
     let state = Arc::new(RouterState::new(tokenizer, model_name, limits, pool.clone(), args.queue_size));
 
@@ -95,21 +155,31 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
         .max_decoding_message_size(args.max_message_bytes);
     let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| StartError::Bind(args.listen, e))?;
     let addr = listener.local_addr().map_err(|e| StartError::Bind(args.listen, e))?;
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let secured = tls.is_some();
+    let router = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(65_536))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .layer(crate::limit::ClientFaultCodes)
+        .layer(RequireBearer::new(keys.clone(), &[HEALTH_PATH], OnRefusal::Count, "API key"))
         .add_service(generation)
         .add_service(health)
         .add_service(reflection)
-        .add_service(reflection_alpha)
-        .serve_with_incoming_shutdown(incoming, async {
-            let _ = shutdown_rx.await;
-        });
-    let server = tokio::spawn(server);
-    tracing::info!(%addr, "router listening");
+        .add_service(reflection_alpha);
+    let stopped = async {
+        let _ = shutdown_rx.await;
+    };
+    let server = match tls {
+        Some(tls) => {
+            let incoming = TlsIncoming::new(listener, tls, "router", RefusalLog::Debug);
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+        }
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+        }
+    };
+    tracing::info!(%addr, tls = secured, api_keys = !keys.is_empty(), "router listening");
     Ok(RouterHandle {
         addr,
         metrics_addr,
@@ -145,8 +215,10 @@ impl RouterHandle {
         if let Some(d) = self.discovery.take() {
             d.abort();
         }
+        let why =
+            "the router is stopping and its drain timeout (--drain-timeout-s) passed before this request finished";
         for name in self.state.pool.names() {
-            self.state.pool.remove(&name);
+            self.state.pool.remove_because(&name, why);
         }
         if let Some(tx) = self.shutdown_tx.take() {
             let _ = tx.send(());

@@ -143,6 +143,7 @@ impl Generation for GenerationService {
             Ok(x) => x,
             Err(e) => {
                 metrics::counter!("mlaserve_requests_total", "outcome" => outcome_label(e.code())).increment(1);
+                tracing::debug!(error = %e, "request refused");
                 return Err(e.into());
             }
         };
@@ -150,7 +151,8 @@ impl Generation for GenerationService {
         metrics::gauge!("mlaserve_router_in_flight").set(st.admission.in_flight() as f64);
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let state = st.clone();
-        tokio::spawn(async move {
+        let span = tracing::info_span!("request", request_id = %id);
+        let task = async move {
             let mut run = Run::new(&state, valid, id, arrival, tx.clone());
             let res = run.drive(deadline).await;
             let label = match &res {
@@ -159,13 +161,18 @@ impl Generation for GenerationService {
             };
             metrics::counter!("mlaserve_requests_total", "outcome" => label).increment(1);
             metrics::histogram!("mlaserve_request_duration_seconds").record(arrival.elapsed().as_secs_f64());
+            let ms = arrival.elapsed().as_millis() as u64;
+            match &res {
+                Ok(reason) => tracing::info!(outcome = reason, ms, "request finished"),
+                Err(e) => tracing::info!(outcome = label, ms, error = %e, "request failed"),
+            }
             if let Err(e) = res {
-                tracing::debug!(error = %e, "request failed");
                 let _ = tx.send(Err(e.into())).await;
             }
             drop(permit);
             metrics::gauge!("mlaserve_router_in_flight").set(state.admission.in_flight() as f64);
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(task, span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -97,6 +97,31 @@ pub struct WorkerArgs {
     /// taken meanwhile) before stopping.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub access: WorkerAccess,
+}
+
+/// Who may act as this group's router: TLS (mutual with a client CA) and a shared
+/// group secret.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct WorkerAccess {
+    /// PEM certificate chain: serve routers over TLS (needs --tls-key).
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificate(s): accept only routers presenting a certificate it signed
+    /// (mutual TLS); others are refused at the handshake and logged.
+    #[arg(long)]
+    pub tls_client_ca: Option<PathBuf>,
+    /// A file holding the group secret routers must send (`authorization: Bearer
+    /// <secret>`); calls without it are refused with UNAUTHENTICATED and logged.
+    #[arg(long)]
+    pub router_secret_file: Option<PathBuf>,
+    /// The secret itself (set by `serve` for its embedded group; no flag).
+    #[arg(skip)]
+    pub router_secret: Option<String>,
 }
 
 impl WorkerArgs {
@@ -113,6 +138,7 @@ impl WorkerArgs {
             engine: EngineArgs::default(),
             metrics_listen: None,
             drain_timeout_s: 30,
+            access: WorkerAccess::default(),
         }
     }
 }

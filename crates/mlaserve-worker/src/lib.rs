@@ -11,8 +11,10 @@ pub mod args;
 pub mod nccl_id;
 pub mod service;
 
-pub use args::{EngineArgs, WorkerArgs};
+pub use args::{EngineArgs, WorkerAccess, WorkerArgs};
 
+use mlaserve_cluster::auth::{Keys, OnRefusal, RequireBearer, HEALTH_PATH};
+use mlaserve_cluster::tls::{RefusalLog, ServerTls, TlsIncoming};
 use mlaserve_cluster::{keys, LeasedKey, Registration};
 use mlaserve_engine::{EngineError, EngineHandle};
 use mlaserve_proto::worker::{worker_server::WorkerServer, GroupInfo};
@@ -21,6 +23,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
+use tokio_rustls::rustls::ServerConfig;
 use tonic::transport::server::TcpIncoming;
 
 /// Why a worker could not start.
@@ -34,6 +37,31 @@ pub enum WorkerError {
     Bind(SocketAddr, std::io::Error),
     #[error("etcd registration: {0}")]
     Etcd(#[from] mlaserve_cluster::EtcdError),
+    /// A TLS or secret setting (names the flag and file).
+    #[error("{0}")]
+    Access(String),
+}
+
+/// The group secret and TLS settings from the flags, files read and checked now.
+fn access(a: &WorkerAccess) -> Result<(Keys, Option<Arc<ServerConfig>>), WorkerError> {
+    let bad = |e: &dyn std::fmt::Display| WorkerError::Access(e.to_string());
+    let keys = match (&a.router_secret, &a.router_secret_file) {
+        (Some(s), _) => Keys::load(std::slice::from_ref(s), &[] as &[&std::path::Path], "--router-secret-file"),
+        (None, Some(f)) => Keys::load(&[], std::slice::from_ref(f), "--router-secret-file"),
+        (None, None) => Ok(Keys::default()),
+    }
+    .map_err(|e| bad(&e))?;
+    let tls = ServerTls::from_flags(
+        a.tls_cert.as_deref(),
+        a.tls_key.as_deref(),
+        a.tls_client_ca.as_deref(),
+        ["--tls-cert", "--tls-key", "--tls-client-ca"],
+    )
+    .map_err(|e| bad(&e))?
+    .map(|t| t.config())
+    .transpose()
+    .map_err(|e| bad(&e))?;
+    Ok((keys, tls))
 }
 
 /// A running group leader.
@@ -57,6 +85,7 @@ pub struct WorkerHandle {
 /// registers in etcd when configured. Returns once the server listens and the group is
 /// registered.
 pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Result<WorkerHandle, WorkerError> {
+    let (keys, tls) = access(&args.access)?;
     let config = mlaserve_model::load_config(&args.model)?;
     let fingerprints = mlaserve_model::Fingerprints::of_dir(&args.model);
     let tokenizer_eos = mlaserve_model::Tokenizer::from_dir(&args.model, &config)
@@ -89,23 +118,33 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .max_concurrent_streams(Some(4096))
-            .http2_keepalive_interval(Some(Duration::from_secs(2)))
-            .http2_keepalive_timeout(Some(Duration::from_secs(4)))
-            .add_service(svc)
-            .add_service(health)
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), async {
-                let _ = shutdown_rx.await;
-            }),
-    );
+    let secured = (tls.is_some(), !keys.is_empty());
+    let router = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(4096))
+        .http2_keepalive_interval(Some(Duration::from_secs(2)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(4)))
+        .layer(RequireBearer::new(keys, &[HEALTH_PATH], OnRefusal::Warn, "group secret"))
+        .add_service(svc)
+        .add_service(health);
+    let stopped = async {
+        let _ = shutdown_rx.await;
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let server = match tls {
+        Some(tls) => {
+            let incoming = TlsIncoming::new(listener, tls, "worker", RefusalLog::Warn);
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+        }
+        None => tokio::spawn(
+            router.serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), stopped),
+        ),
+    };
     let stats = tokio::spawn(export_stats(engine.clone(), reporter.clone()));
     // Register only now: the engine runs and the server accepts connections.
     let registration = if args.etcd.is_empty() {
         None
     } else {
-        let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
+        let advertise = args.advertise.clone().unwrap_or_else(|| format!("{scheme}://{addr}"));
         let reg = Registration { addr: keys::normalize_addr(&advertise), tp_size: tp_size as u32 };
         let value = serde_json::to_vec(&reg).map_err(|e| mlaserve_cluster::EtcdError::Protocol(e.to_string()))?;
         let key = keys::group_key(&args.cluster, &group);
@@ -114,7 +153,7 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
         tracing::info!(key = leased.key(), addr = %reg.addr, tp_size, "registered in etcd");
         Some(leased)
     };
-    tracing::info!(%addr, group, "worker listening");
+    tracing::info!(%addr, group, tls = secured.0, router_secret = secured.1, "worker listening");
     Ok(WorkerHandle {
         addr,
         group,
@@ -136,6 +175,11 @@ impl WorkerHandle {
     /// lets the requests it holds finish for up to `--drain-timeout-s`, then ends the
     /// sessions and stops the server and the engine (whatever still runs is aborted).
     pub async fn shutdown(mut self) {
+        tracing::info!(
+            requests = self.life.live(),
+            drain_timeout_s = self.drain_timeout.as_secs(),
+            "draining: no new requests; letting the running ones finish"
+        );
         self.life.set(Phase::Draining);
         self.health.set_not_serving::<WorkerServer<WorkerService>>().await;
         self.health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
@@ -157,6 +201,7 @@ impl WorkerHandle {
         let _ = self.engine.shutdown().await;
         let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
         self.server.abort();
+        tracing::info!("worker stopped");
     }
 }
 

@@ -189,9 +189,16 @@ async fn read_session(
     };
     // The router is gone, or the group stopped: abort everything it submitted (after a
     // drain nothing is left).
-    let tasks: Vec<JoinHandle<()>> = lock(&live).drain().map(|(_, t)| t).collect();
-    for t in tasks {
+    let tasks: Vec<(u64, JoinHandle<()>)> = lock(&live).drain().collect();
+    for (id, t) in tasks {
         t.abort();
+        if stopped {
+            // Say what happened: the client sees this, not a broken session.
+            let why = "aborted: the worker group is stopping and its drain timeout (--drain-timeout-s) \
+                       passed before this request finished";
+            let _ =
+                ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refusal(Code::Unavailable, why.into())) });
+        }
     }
     if stopped {
         // The writer sends the events already queued and ends the session.
@@ -298,7 +305,11 @@ async fn write_session(
                 None => last = true,
             },
             // A phase change goes out at once: a draining group must stop getting work.
-            _ = phase.changed() => last = *phase.borrow_and_update() == Phase::Stopped,
+            // The session ends when the reader drops its event sender (after it has
+            // queued the final events of a stop), not here.
+            _ = phase.changed() => {
+                phase.borrow_and_update();
+            }
             _ = tokio::time::sleep(LOAD_PERIOD) => {}
         }
         while events.len() < MAX_EVENTS {

@@ -15,9 +15,8 @@ use tonic::transport::{Channel, Endpoint};
 #[derive(Debug, Clone, clap::Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"])))]
 pub struct GenerateArgs {
-    /// Router address (`host:port` or `http://host:port`).
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
-    pub addr: String,
+    #[command(flatten)]
+    pub server: ServerArgs,
     /// The prompt text (the router tokenizes it).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -61,21 +60,58 @@ pub enum ClientError {
     Protocol(String),
 }
 
-/// Connects a client to `addr` (`host:port` or a URL).
-pub async fn connect(addr: &str) -> Result<GenerationClient<Channel>, ClientError> {
-    let url = mlaserve_cluster::keys::normalize_addr(addr);
-    let ch = Endpoint::from_shared(url.clone())
-        .map_err(|e| ClientError::Connect(url.clone(), e.to_string()))?
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .map_err(|e| ClientError::Connect(url.clone(), e.to_string()))?;
+/// Where the router is and how to reach it (the client commands share these flags).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// Router address (`host:port`, `http://host:port`, or `https://host:port` for TLS).
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// API key sent as `authorization: Bearer <key>` (also read from MLASERVE_API_KEY).
+    #[arg(long, env = "MLASERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// PEM CA certificate to verify the router's TLS certificate with (implies https).
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
+impl ServerArgs {
+    pub fn new(addr: impl Into<String>) -> Self {
+        ServerArgs { addr: addr.into(), api_key: None, tls_ca: None }
+    }
+
+    /// `msg` as a request carrying the API key, if any.
+    pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(v) = self.api_key.as_ref().and_then(|k| format!("Bearer {k}").parse().ok()) {
+            r.metadata_mut().insert("authorization", v);
+        }
+        r
+    }
+}
+
+/// Connects a client to the router `server` names.
+pub async fn connect(server: &ServerArgs) -> Result<GenerationClient<Channel>, ClientError> {
+    let mut url = mlaserve_cluster::keys::normalize_addr(&server.addr);
+    if let (Some(_), Some(rest)) = (&server.tls_ca, url.strip_prefix("http://")) {
+        url = format!("https://{rest}");
+    }
+    let fail = |e: &dyn std::fmt::Display| ClientError::Connect(url.clone(), e.to_string());
+    let mut ep = Endpoint::from_shared(url.clone()).map_err(|e| fail(&e))?.tcp_nodelay(true);
+    if let Some(ca) = &server.tls_ca {
+        let pem = std::fs::read(ca)
+            .map_err(|e| ClientError::Connect(url.clone(), format!("--tls-ca {}: {e}", ca.display())))?;
+        let tls = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(pem));
+        ep = ep.tls_config(tls).map_err(|e| fail(&e))?;
+    } else if url.starts_with("https://") {
+        ep = ep.tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots()).map_err(|e| fail(&e))?;
+    }
+    let ch = ep.connect().await.map_err(|e| fail(&e))?;
     Ok(GenerationClient::new(ch).max_decoding_message_size(64 << 20))
 }
 
 /// `mlaserve generate`: streams the completion to stdout, then a usage line.
 pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
-    let mut client = connect(&args.addr).await?;
+    let mut client = connect(&args.server).await?;
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(t), _) => Prompt::Text(t.clone()),
         (None, Some(ids)) => Prompt::TokenIds(mlaserve_proto::v1::TokenIds { ids: ids.clone() }),
@@ -98,7 +134,7 @@ pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
         ..Default::default()
     };
     let start = Instant::now();
-    let mut stream = client.generate(req).await?.into_inner();
+    let mut stream = client.generate(args.server.request(req)).await?.into_inner();
     let mut out = std::io::stdout();
     if let Some(t) = &args.prompt {
         write!(out, "{t}")?;
@@ -131,9 +167,8 @@ pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
 /// Settings of `mlaserve bench serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Router address.
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
-    pub addr: String,
+    #[command(flatten)]
+    pub server: ServerArgs,
     /// Streams in flight at once (closed loop). Ignored when --rate is set.
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
@@ -163,7 +198,7 @@ pub struct BenchArgs {
 impl BenchArgs {
     pub fn new(addr: impl Into<String>) -> Self {
         BenchArgs {
-            addr: addr.into(),
+            server: ServerArgs::new(addr),
             concurrency: 32,
             rate: None,
             requests: 256,
@@ -266,7 +301,10 @@ pub fn bench_prompt(i: usize, len: usize, vocab: u32) -> Vec<u32> {
 }
 
 /// Runs one streaming request and times it.
-pub async fn timed_request(client: &mut GenerationClient<Channel>, req: GenerateRequest) -> Sample {
+pub async fn timed_request(
+    client: &mut GenerationClient<Channel>,
+    req: impl tonic::IntoRequest<GenerateRequest>,
+) -> Sample {
     let start = Instant::now();
     let mut s = Sample::default();
     let mut last: Option<Instant> = None;
@@ -306,7 +344,7 @@ pub async fn timed_request(client: &mut GenerationClient<Channel>, req: Generate
 pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
     let mut clients = Vec::new();
     for _ in 0..args.connections.max(1) {
-        clients.push(connect(&args.addr).await?);
+        clients.push(connect(&args.server).await?);
     }
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.time_limit_s);
@@ -359,6 +397,7 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
             ..Default::default()
         };
         let done = done.clone();
+        let req = args.server.request(req);
         tasks.spawn(async move {
             let s = tokio::time::timeout_at(deadline.into(), timed_request(&mut client, req)).await;
             drop(permit);

@@ -5,8 +5,9 @@
 
 use mlaserve_engine::EngineHandle;
 use mlaserve_router::args::at_least_one;
+use mlaserve_router::args::{PublicAccess, WorkerLink};
 use mlaserve_router::{RouterArgs, RouterHandle, StartError};
-use mlaserve_worker::{EngineArgs, WorkerArgs, WorkerError, WorkerHandle};
+use mlaserve_worker::{EngineArgs, WorkerAccess, WorkerArgs, WorkerError, WorkerHandle};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -38,6 +39,24 @@ pub struct ServeArgs {
     /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub access: PublicAccess,
+    /// The secret the embedded router and group share (random per start), so that no
+    /// other local process can act as the group's router.
+    #[arg(skip = link_secret())]
+    pub link_secret: String,
+}
+
+/// 32 random bytes as hex.
+fn link_secret() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    // The kernel's generator; without it (not Linux) the group relies on loopback only.
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_err() {
+        let h = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8);
+        b[..8].copy_from_slice(&h.to_le_bytes());
+    }
+    mlaserve_cluster::keys::hex(&b)
 }
 
 impl ServeArgs {
@@ -51,6 +70,8 @@ impl ServeArgs {
             queue_size: r.queue_size,
             max_message_bytes: r.max_message_bytes,
             drain_timeout_s: r.drain_timeout_s,
+            access: PublicAccess::default(),
+            link_secret: link_secret(),
         }
     }
 
@@ -60,6 +81,7 @@ impl ServeArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             engine: self.engine.clone(),
             group: Some("local".into()),
+            access: WorkerAccess { router_secret: Some(self.link_secret.clone()), ..WorkerAccess::default() },
             ..WorkerArgs::new(self.model.clone())
         }
     }
@@ -72,6 +94,8 @@ impl ServeArgs {
             queue_size: self.queue_size,
             max_message_bytes: self.max_message_bytes,
             drain_timeout_s: self.drain_timeout_s,
+            access: self.access.clone(),
+            link: WorkerLink { worker_secret: Some(self.link_secret.clone()), ..WorkerLink::default() },
             ..RouterArgs::new(self.model.clone())
         }
     }
