@@ -198,6 +198,10 @@ pub struct EngineConfig {
     pub num_speculative_tokens: Option<usize>,
     /// Token budget per step (decode windows count `1 + k` each, plus prefill chunks).
     pub max_batch_tokens: usize,
+    /// Most prompt tokens one step prefills while other requests decode in it, so a
+    /// long prompt is chunked and their inter-token latency stays bounded; a step with
+    /// no decodes prefills up to the whole budget. `None`: no cap below the budget.
+    pub max_prefill_tokens: Option<usize>,
     /// Most requests holding cache at once.
     pub max_num_seqs: usize,
     /// Longest sequence (prompt + output). `None`: the model's
@@ -216,6 +220,7 @@ impl Default for EngineConfig {
         EngineConfig {
             num_speculative_tokens: None,
             max_batch_tokens: 2048,
+            max_prefill_tokens: None,
             max_num_seqs: 256,
             max_model_len: None,
             max_queued: 4096,

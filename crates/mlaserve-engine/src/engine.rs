@@ -124,7 +124,12 @@ impl<B: Backend> Engine<B> {
         }
         let mpe = m.max_position_embeddings;
         let max_model_len = config.max_model_len.unwrap_or(mpe.saturating_sub(2 * MAX_SPECULATIVE_TOKENS));
-        let lim = Limits { k, max_batch_tokens: config.max_batch_tokens, max_num_seqs: config.max_num_seqs };
+        let lim = Limits {
+            k,
+            max_batch_tokens: config.max_batch_tokens,
+            max_prefill_tokens: config.max_prefill_tokens.unwrap_or(config.max_batch_tokens),
+            max_num_seqs: config.max_num_seqs,
+        };
         if max_model_len < 2 || lim.decode_positions(max_model_len - 2) > mpe {
             return Err(EngineError::Config(format!(
                 "max_model_len {max_model_len} with k = {k} does not fit max_position_embeddings {mpe} \
@@ -137,6 +142,9 @@ impl<B: Backend> Engine<B> {
                 config.max_batch_tokens,
                 1 + k
             )));
+        }
+        if config.max_prefill_tokens == Some(0) {
+            return Err(EngineError::Config("max_prefill_tokens must be at least 1".into()));
         }
         if config.max_num_seqs == 0 {
             return Err(EngineError::Config("max_num_seqs must be at least 1".into()));

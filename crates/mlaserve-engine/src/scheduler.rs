@@ -6,7 +6,8 @@
 //!    positions (`L` = cached tokens): the target window writes `L..=L+k` and the MTP
 //!    chain writes up to `L + a + k − 1 ≤ L + 2k − 1`;
 //! 2. running requests part-way through their prefill, a chunk each from what budget
-//!    is left;
+//!    is left — while requests decode in the step, at most `max_prefill_tokens` in all,
+//!    so a long prompt cannot stall their streams;
 //! 3. admission of waiting requests, FCFS, while the budget, `max_num_seqs` and the
 //!    free blocks allow; the head of the queue is never skipped (no starvation).
 //!
@@ -23,6 +24,8 @@ use std::collections::VecDeque;
 pub(crate) struct Limits {
     pub k: usize,
     pub max_batch_tokens: usize,
+    /// Prefill tokens per step while requests decode in it (see `EngineConfig`).
+    pub max_prefill_tokens: usize,
     pub max_num_seqs: usize,
 }
 
@@ -129,6 +132,12 @@ pub(crate) fn schedule(
         }
     }
 
+    // While requests decode in this step, prefill at most the cap: their next token
+    // waits for the whole step.
+    if out.tokens > 0 {
+        budget = budget.min(lim.max_prefill_tokens);
+    }
+
     // 2. Running prefills, oldest first (preempting in 1 only removes requests).
     let mut i = 0;
     while prefilling && i < running.len() && budget > 0 {
@@ -204,7 +213,7 @@ mod tests {
     /// can be marked (`SeqChunk::prefill`); a fresh one is chunked as before.
     #[test]
     fn recompute_prefills_the_prompt_then_the_generated_tokens() {
-        let lim = Limits { k: 3, max_batch_tokens: 512, max_num_seqs: 8 };
+        let lim = Limits { k: 3, max_batch_tokens: 512, max_prefill_tokens: 512, max_num_seqs: 8 };
         let mut s = Sequence::new(RequestId(0), 0, (2..12).collect(), SamplingParams::default(), 0, 3);
         assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((10, true)), "a fresh prompt: one last chunk");
         s.tokens.extend([20, 21, 22, 23, 24]); // 5 generated tokens, then preempted
@@ -215,5 +224,37 @@ mod tests {
         assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((5, true)), "then the generated tokens");
         s.num_cached = 8;
         assert_eq!(lim.fit_chunk(&s, 100, 1 << 20), Some((2, false)), "the prompt's tail alone");
+    }
+
+    /// While a request decodes, a long prompt is prefilled at most `max_prefill_tokens`
+    /// per step; alone, it takes the whole budget.
+    #[test]
+    fn prefill_is_capped_only_while_requests_decode() {
+        let lim = Limits { k: 3, max_batch_tokens: 2048, max_prefill_tokens: 128, max_num_seqs: 8 };
+        let mut blocks = BlockManager::new(64);
+        let long = |id| Sequence::new(RequestId(id), id, (2..1002).collect(), SamplingParams::default(), 0, 3);
+
+        // Alone: one chunk of the whole prompt.
+        let (mut running, mut waiting) = (Vec::new(), VecDeque::from([long(1)]));
+        let out = schedule(&mut running, &mut waiting, &mut blocks, &lim);
+        assert_eq!(out.tokens, 1000);
+        for s in running.iter_mut() {
+            blocks.release(&mut s.block_table);
+        }
+
+        // Beside a decoding request: 4 decode tokens, then 128 prompt tokens per step.
+        let mut d = Sequence::new(RequestId(0), 0, vec![2, 3, 4], SamplingParams::default(), 0, 3);
+        assert!(blocks.ensure(&mut d.block_table, 3));
+        d.num_cached = 3;
+        d.decoding = true;
+        let (mut running, mut waiting) = (vec![d], VecDeque::from([long(1)]));
+        let mut prefilled = 0;
+        for _ in 0..3 {
+            let out = schedule(&mut running, &mut waiting, &mut blocks, &lim);
+            assert_eq!(out.tokens, 4 + 128);
+            assert_eq!(running[1].sched, Some(Sched::Prefill { len: 128, last: false }));
+            prefilled += 128;
+            running[1].num_cached = prefilled;
+        }
     }
 }

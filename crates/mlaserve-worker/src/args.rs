@@ -28,6 +28,11 @@ pub struct EngineArgs {
     /// Token budget of one engine step.
     #[arg(long, default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
+    /// Most prompt tokens one step prefills while other requests decode in it (a long
+    /// prompt is chunked so their streams keep flowing). Default: 128 on the CPU
+    /// backend, the whole step budget on the GPU.
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_prefill_tokens: Option<usize>,
     /// Most requests holding cache at once.
     #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
     pub max_num_seqs: usize,
@@ -43,6 +48,7 @@ impl Default for EngineArgs {
             max_model_len: None,
             speculative_tokens: None,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
+            max_prefill_tokens: None,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             max_queued: DEFAULT_MAX_QUEUED,
         }
@@ -55,6 +61,7 @@ impl EngineArgs {
         mlaserve_engine::EngineConfig {
             num_speculative_tokens: self.speculative_tokens,
             max_batch_tokens: self.max_batch_tokens,
+            max_prefill_tokens: self.max_prefill_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             max_queued: self.max_queued,

@@ -106,3 +106,46 @@ async fn the_router_logs_each_request_with_its_id() {
     }
     assert!(found, "{}", r.log());
 }
+
+/// The longest pause between the messages of a decoding stream while a max-length
+/// prompt is prefilled beside it, on a CPU worker started with `extra` flags.
+async fn stall_beside_a_long_prompt(dir: &std::path::Path, name: &str, extra: &[&str]) -> Duration {
+    let w = worker(dir, name, extra);
+    let r = router(dir, &format!("{name}-router"), &[&w.addr], &[]);
+    assert!(wait_serving(&r.addr, None, Duration::from_secs(30)).await, "{}", r.log());
+    let mut c = client(&r.addr).await;
+    let mut s = c.generate(request(vec![5, 6, 7, 8], 400)).await.unwrap().into_inner();
+    let first = tokio_stream::StreamExt::next(&mut s).await.unwrap().unwrap();
+    assert!(!first.token_ids.is_empty());
+    let stream = tokio::spawn(async move {
+        let mut at = vec![std::time::Instant::now()];
+        while let Some(m) = tokio_stream::StreamExt::next(&mut s).await {
+            m.unwrap();
+            at.push(std::time::Instant::now());
+        }
+        at
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sent = std::time::Instant::now();
+    // A prompt of nearly the whole context (1024 positions less the drafter's headroom).
+    let long: Vec<u32> = (0..1000).map(|i| 3 + (i * 7) % 4000).collect();
+    let mut l = c.generate(request(long, 2)).await.unwrap().into_inner();
+    while let Some(m) = tokio_stream::StreamExt::next(&mut l).await {
+        m.unwrap();
+    }
+    let done = std::time::Instant::now();
+    let at = stream.await.unwrap();
+    let during: Vec<_> = at.windows(2).filter(|w| w[1] > sent && w[0] < done).map(|w| w[1] - w[0]).collect();
+    assert!(!during.is_empty(), "the stream must still run during the long prefill");
+    during.into_iter().max().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_does_not_stall_the_other_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    // The whole prompt in one step: the stall the default avoids.
+    let uncapped = stall_beside_a_long_prompt(dir.path(), "uncapped", &["--max-prefill-tokens", "2048"]).await;
+    let capped = stall_beside_a_long_prompt(dir.path(), "default", &[]).await;
+    eprintln!("longest pause: {capped:?} by default, {uncapped:?} with the whole prompt in one step");
+    assert!(capped * 3 < uncapped, "default {capped:?} vs uncapped {uncapped:?}");
+}

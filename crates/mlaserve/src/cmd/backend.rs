@@ -200,7 +200,19 @@ pub async fn spawn_engine(
         );
     }
     tracing::info!("worker group on the CPU backend");
+    let cfg = cpu_config(cfg);
     Ok(EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&model, kv_blocks), cfg).await?)
+}
+
+/// Prompt tokens per step while others decode, on the CPU backend: about a third of a
+/// second of prefill with the bundled model on two cores, so a long prompt cannot stall
+/// the other streams for seconds (`--max-prefill-tokens` overrides it).
+pub const CPU_MAX_PREFILL_TOKENS: usize = 128;
+
+/// The CPU backend's defaults where the flags left them open.
+fn cpu_config(mut cfg: EngineConfig) -> EngineConfig {
+    cfg.max_prefill_tokens.get_or_insert(CPU_MAX_PREFILL_TOKENS);
+    cfg
 }
 
 #[cfg(test)]
