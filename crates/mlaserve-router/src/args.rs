@@ -59,6 +59,10 @@ pub struct PublicAccess {
     /// PEM CA certificate(s): require clients to present a certificate it signed (mutual TLS).
     #[arg(long)]
     pub tls_client_ca: Option<PathBuf>,
+    /// Also serve gRPC health alone, without TLS or key, here (for probes that cannot
+    /// speak TLS, such as Kubernetes' gRPC probes).
+    #[arg(long)]
+    pub health_listen: Option<SocketAddr>,
 }
 
 /// How the router reaches its workers: TLS (mutual when given a certificate) and the

@@ -90,6 +90,8 @@ pub struct RouterHandle {
     pub addr: SocketAddr,
     /// Where `/metrics` is served, when enabled.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where the plain-text health endpoint listens, when enabled.
+    pub health_addr: Option<SocketAddr>,
     pub state: Arc<RouterState>,
     drain_tx: watch::Sender<bool>,
     health: tonic_health::server::HealthReporter,
@@ -151,6 +153,12 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
         .build_v1alpha()
         .map_err(|e| StartError::Reflection(e.to_string()))?;
 
+    let health_addr = match args.access.health_listen {
+        Some(a) => {
+            Some(mlaserve_cluster::probe::serve_health(a, health.clone()).await.map_err(|e| StartError::Bind(a, e))?)
+        }
+        None => None,
+    };
     let generation = GenerationServer::new(GenerationService { state: state.clone() })
         .max_decoding_message_size(args.max_message_bytes);
     let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| StartError::Bind(args.listen, e))?;
@@ -183,6 +191,7 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
     Ok(RouterHandle {
         addr,
         metrics_addr,
+        health_addr,
         state,
         drain_tx,
         health: reporter,

@@ -129,6 +129,10 @@ pub struct WorkerAccess {
     /// The secret itself (set by `serve` for its embedded group; no flag).
     #[arg(skip)]
     pub router_secret: Option<String>,
+    /// Also serve gRPC health alone, without TLS or secret, here (for probes that
+    /// cannot speak TLS, such as Kubernetes' gRPC probes).
+    #[arg(long)]
+    pub health_listen: Option<SocketAddr>,
 }
 
 impl WorkerArgs {

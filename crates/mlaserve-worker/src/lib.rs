@@ -113,6 +113,9 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
     }
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<WorkerServer<WorkerService>>().await;
+    if let Some(a) = args.access.health_listen {
+        mlaserve_cluster::probe::serve_health(a, health.clone()).await.map_err(|e| WorkerError::Bind(a, e))?;
+    }
     let life = Arc::new(Lifecycle::default());
     let svc = WorkerServer::new(WorkerService { engine: engine.clone(), info, life: life.clone() })
         .max_decoding_message_size(64 << 20)

@@ -128,7 +128,10 @@ async fn the_public_api_over_tls() {
     let ca = Ca::new(dir.path(), "public");
     let (cert, key) = ca.leaf("router");
     let w = worker(dir.path(), "w", &[]);
-    let r = router(dir.path(), "r", &[&w.addr], &["--tls-cert", &cert, "--tls-key", &key]);
+    let health_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let health_addr = format!("127.0.0.1:{health_port}");
+    let r =
+        router(dir.path(), "r", &[&w.addr], &["--tls-cert", &cert, "--tls-key", &key, "--health-listen", &health_addr]);
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(std::fs::read(ca.cert_path()).unwrap()))
         .domain_name("localhost");
@@ -145,6 +148,10 @@ async fn the_public_api_over_tls() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(served, "{}", r.log());
+    // Probes that cannot speak TLS read health on the plain-text health port.
+    let ch = Endpoint::from_shared(format!("http://{health_addr}")).unwrap().connect().await.unwrap();
+    let h = HealthClient::new(ch).check(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+    assert_eq!(h.status, 1, "SERVING");
     // Plain HTTP/2 on the TLS port gets nowhere.
     let plain = Endpoint::from_shared(format!("http://{}", r.addr)).unwrap().connect_timeout(Duration::from_secs(3));
     let plain_ok = match plain.connect().await {
