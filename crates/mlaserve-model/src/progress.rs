@@ -84,7 +84,7 @@ pub struct LoadProgress {
 }
 
 impl LoadProgress {
-    /// A load of `total` bytes called `what` in the log (e.g. the checkpoint's directory).
+    /// A job of `total` bytes called `what` in the log (e.g. "loading /models/v3").
     pub fn new(what: impl Into<String>, total: u64) -> Self {
         Self::starting_at(what, total, Instant::now())
     }
@@ -98,14 +98,14 @@ impl LoadProgress {
         let done = self.done.fetch_add(bytes, Ordering::Relaxed) + bytes;
         let now = Instant::now();
         if self.due(done, now) {
-            tracing::info!(target: "mlaserve::load", "loading {}: {}", self.what, self.snapshot_at(now));
+            tracing::info!(target: "mlaserve::load", "{}: {}", self.what, self.snapshot_at(now));
         }
     }
 
     /// Logs the final line (whatever the cadence) and returns the last snapshot.
     pub fn finish(&self) -> ProgressSnapshot {
         let s = self.snapshot();
-        tracing::info!(target: "mlaserve::load", "loaded {}: {}", self.what, s);
+        tracing::info!(target: "mlaserve::load", "{}: done, {}", self.what, s);
         s
     }
 

@@ -178,6 +178,11 @@ impl Weights {
         Ok(self.info(name)?.1.dtype)
     }
 
+    /// Whether tensor `name` is stored as fp8 e4m3 (false when it is missing).
+    pub fn is_fp8(&self, name: &str) -> bool {
+        self.dtype(name).is_ok_and(|d| d == Dtype::F8_E4M3)
+    }
+
     /// The file that holds tensor `name`.
     pub fn path_of(&self, name: &str) -> Option<&Path> {
         self.index.get(name).map(|&fi| self.files[fi].path.as_path())
