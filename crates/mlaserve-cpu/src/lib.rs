@@ -149,9 +149,22 @@ impl CpuBackend {
 
     /// Loads this rank's shards of the checkpoint in `dir`.
     pub fn load_with(dir: &Path, opts: CpuOptions, comm: Box<dyn Collective>) -> Result<Self> {
+        let progress = Arc::new(LoadProgress::new(format!("loading {}", dir.display()), 0));
+        Self::load_observed(dir, opts, comm, progress)
+    }
+
+    /// [`CpuBackend::load_with`], ticking `progress` (its total is set to the checkpoint's
+    /// size once the files are open): a caller can read it from another thread while the
+    /// load runs, e.g. for a health or metrics endpoint.
+    pub fn load_observed(
+        dir: &Path,
+        opts: CpuOptions,
+        comm: Box<dyn Collective>,
+        progress: Arc<LoadProgress>,
+    ) -> Result<Self> {
         let cfg = mlaserve_model::load_config(dir)?;
         let mut w = Weights::open(dir, cfg.fp8)?;
-        let progress = Arc::new(LoadProgress::new(format!("loading {}", dir.display()), w.data_bytes()));
+        progress.set_total(w.data_bytes());
         w.set_progress(progress.clone());
         let (rank, world) = (comm.rank(), comm.world_size());
         let fp8_act = opts.fp8_activations;

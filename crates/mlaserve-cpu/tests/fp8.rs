@@ -149,7 +149,12 @@ fn mtp_layers_share_identical_embeddings_and_run_in_fp8() {
     // tiny-v3's MTP layer 0 ships a byte-identical copy of the embedding (as V3 does) and
     // its own head; layer 1 has neither embedding nor a copy.
     let t = gen("tiny-v3", true);
-    let mut b = load(t.path(), true);
+    let progress = std::sync::Arc::new(mlaserve_model::LoadProgress::new("test", 0));
+    let opts = CpuOptions { num_blocks: 8, ..Default::default() };
+    let mut b = CpuBackend::load_observed(t.path(), opts, Box::new(SingleRank), progress.clone()).unwrap();
+    // Every tensor was read once (the shared copy too, for the identity check).
+    let s = progress.snapshot();
+    assert!(s.bytes_total > 0 && s.bytes_done == s.bytes_total, "{s:?}");
     assert_eq!(b.mtp_own_tensors(), vec![(false, true), (false, true)]);
     let p = prompt();
     let out = b.forward(&one(&p, 0, false)).unwrap();

@@ -76,7 +76,7 @@ impl std::fmt::Display for ProgressSnapshot {
 #[derive(Debug)]
 pub struct LoadProgress {
     what: String,
-    total: u64,
+    total: AtomicU64,
     done: AtomicU64,
     started: Instant,
     /// When the last line was logged, and the bytes done then.
@@ -90,7 +90,19 @@ impl LoadProgress {
     }
 
     fn starting_at(what: impl Into<String>, total: u64, now: Instant) -> Self {
-        LoadProgress { what: what.into(), total, done: AtomicU64::new(0), started: now, last_log: Mutex::new((now, 0)) }
+        LoadProgress {
+            what: what.into(),
+            total: AtomicU64::new(total),
+            done: AtomicU64::new(0),
+            started: now,
+            last_log: Mutex::new((now, 0)),
+        }
+    }
+
+    /// Sets the total once it is known (a reader may hold the progress before the loader
+    /// has opened the checkpoint).
+    pub fn set_total(&self, total: u64) {
+        self.total.store(total, Ordering::Relaxed);
     }
 
     /// Counts `bytes` more as done and logs a line when one is due.
@@ -117,7 +129,7 @@ impl LoadProgress {
     fn snapshot_at(&self, now: Instant) -> ProgressSnapshot {
         ProgressSnapshot {
             bytes_done: self.done.load(Ordering::Relaxed),
-            bytes_total: self.total,
+            bytes_total: self.total.load(Ordering::Relaxed),
             elapsed: now.saturating_duration_since(self.started),
         }
     }
@@ -125,7 +137,7 @@ impl LoadProgress {
     /// Whether a line is due at `now` with `done` bytes done; if so, records it as logged.
     fn due(&self, done: u64, now: Instant) -> bool {
         let Ok(mut last) = self.last_log.lock() else { return false };
-        let step = (self.total as f64 * LOG_FRACTION) as u64;
+        let step = (self.total.load(Ordering::Relaxed) as f64 * LOG_FRACTION) as u64;
         let by_time = now.saturating_duration_since(last.0) >= LOG_EVERY;
         let by_bytes = done.saturating_sub(last.1) >= step.max(1);
         if (by_time || by_bytes) && done > last.1 {
@@ -181,7 +193,10 @@ mod tests {
 
     #[test]
     fn add_counts_from_many_threads() {
-        let p = std::sync::Arc::new(LoadProgress::new("x", 8 * 1000));
+        let p = std::sync::Arc::new(LoadProgress::new("x", 0));
+        assert_eq!(p.snapshot().fraction(), 1.0, "an empty load is done");
+        p.set_total(8 * 1000);
+        assert_eq!(p.snapshot().fraction(), 0.0);
         let hs: Vec<_> = (0..8)
             .map(|_| {
                 let p = p.clone();
