@@ -11,6 +11,7 @@
 //! and `kv_b_proj` are split by heads, `o_proj` by input (the caller all-reduces), and
 //! the latent projections are replicated.
 
+use crate::fp8::load_linear;
 use crate::ops::{dot, rms_norm, Linear, Rope};
 use mlaserve_core::{ModelConfig, Result, BLOCK_SIZE};
 use mlaserve_model::{names, Shard, Weights};
@@ -79,6 +80,21 @@ pub struct Mla {
 
 impl Mla {
     pub fn load(w: &Weights, c: &ModelConfig, layer: usize, rank: usize, world: usize) -> Result<Self> {
+        Self::load_with(w, c, layer, rank, world, true)
+    }
+
+    /// [`Mla::load`]; `fp8_act` says whether fp8 weights quantise their activations.
+    /// `kv_b_proj` is always dequantised: its halves `W_UK`/`W_UV` multiply per-head
+    /// vectors inside attention (absorbed into the query and the output), where the GPU
+    /// path, like vLLM's and SGLang's, uses them dequantised in bf16, not as an fp8 GEMM.
+    pub fn load_with(
+        w: &Weights,
+        c: &ModelConfig,
+        layer: usize,
+        rank: usize,
+        world: usize,
+        fp8_act: bool,
+    ) -> Result<Self> {
         let (h, nh) = (c.hidden_size, c.num_attention_heads);
         let lh = nh / world;
         let qk = c.qk_head_dim();
@@ -86,18 +102,15 @@ impl Mla {
         let n = |s: &str| names::layer(layer, s);
         let (q_a, q_b) = match c.q_lora_rank {
             Some(r) => {
-                let qa = Linear::new(w.f32(&n("self_attn.q_a_proj.weight"), &[r, h])?, r, h);
+                let qa = load_linear(w, &n("self_attn.q_a_proj.weight"), [r, h], None, fp8_act)?;
                 let qn = w.f32(&n("self_attn.q_a_layernorm.weight"), &[r])?;
-                let qb = w.f32_shard(&n("self_attn.q_b_proj.weight"), &[nh * qk, r], heads_shard)?;
-                (Some((qa, qn)), Linear::new(qb, lh * qk, r))
+                let qb = load_linear(w, &n("self_attn.q_b_proj.weight"), [nh * qk, r], heads_shard, fp8_act)?;
+                (Some((qa, qn)), qb)
             }
-            None => {
-                let q = w.f32_shard(&n("self_attn.q_proj.weight"), &[nh * qk, h], heads_shard)?;
-                (None, Linear::new(q, lh * qk, h))
-            }
+            None => (None, load_linear(w, &n("self_attn.q_proj.weight"), [nh * qk, h], heads_shard, fp8_act)?),
         };
         let lat = c.latent_dim();
-        let kv_a = Linear::new(w.f32(&n("self_attn.kv_a_proj_with_mqa.weight"), &[lat, h])?, lat, h);
+        let kv_a = load_linear(w, &n("self_attn.kv_a_proj_with_mqa.weight"), [lat, h], None, fp8_act)?;
         let kv_a_norm = w.f32(&n("self_attn.kv_a_layernorm.weight"), &[c.kv_lora_rank])?;
         let (nope, vdim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
         let kv_b = w.f32_shard(&n("self_attn.kv_b_proj.weight"), &[nh * (nope + vdim), lora], heads_shard)?;
@@ -109,7 +122,8 @@ impl Mla {
             w_uk.extend_from_slice(&kv_b[base..base + nope * lora]);
             w_uv.extend_from_slice(&kv_b[base + nope * lora..base + (nope + vdim) * lora]);
         }
-        let o = w.f32_shard(&n("self_attn.o_proj.weight"), &[h, nh * vdim], Some(Shard::new(1, rank, world)))?;
+        let o_proj =
+            load_linear(w, &n("self_attn.o_proj.weight"), [h, nh * vdim], Some(Shard::new(1, rank, world)), fp8_act)?;
         Ok(Mla {
             q_a,
             q_b,
@@ -117,7 +131,7 @@ impl Mla {
             kv_a_norm,
             w_uk,
             w_uv,
-            o_proj: Linear::new(o, h, lh * vdim),
+            o_proj,
             heads: lh,
             nope,
             rope: c.qk_rope_head_dim,

@@ -8,15 +8,18 @@
 //! twice per layer.
 
 pub mod attention;
+pub mod fp8;
 pub mod moe;
 pub mod ops;
 
 use attention::{AttnMode, LayerCache, Mla, StepLayout};
+use fp8::load_linear;
 use mlaserve_core::{Backend, Batch, Collective, Error, ForwardOutput, ModelConfig, Result, SampleRow, SingleRank};
-use mlaserve_model::{names, Shard, Weights};
+use mlaserve_model::{names, LoadProgress, Shard, Weights};
 use moe::{Mlp, Moe};
 use ops::{rms_norm, Linear, Rope};
 use std::path::Path;
+use std::sync::Arc;
 
 /// Construction options of the CPU backend.
 #[derive(Debug, Clone, Copy)]
@@ -24,11 +27,16 @@ pub struct CpuOptions {
     /// Physical blocks of [`mlaserve_core::BLOCK_SIZE`] tokens in the latent cache.
     pub num_blocks: usize,
     pub attn_mode: AttnMode,
+    /// For an fp8 checkpoint: quantise activations per token per 128 channels before each
+    /// linear whose weight is fp8, as the GPU's fp8 GEMMs do ([`fp8`]); on by default.
+    /// Off, the fp8 weights are dequantised and multiplied in f32: the dequantised model,
+    /// to measure what activation quantisation costs. No effect on bf16/f32 weights.
+    pub fp8_activations: bool,
 }
 
 impl Default for CpuOptions {
     fn default() -> Self {
-        CpuOptions { num_blocks: 256, attn_mode: AttnMode::Absorbed }
+        CpuOptions { num_blocks: 256, attn_mode: AttnMode::Absorbed, fp8_activations: true }
     }
 }
 
@@ -55,15 +63,23 @@ struct Block {
 }
 
 impl Block {
-    fn load(w: &Weights, c: &ModelConfig, layer: usize, rank: usize, world: usize) -> Result<Self> {
+    fn load(w: &Weights, c: &ModelConfig, layer: usize, rank: usize, world: usize, fp8_act: bool) -> Result<Self> {
         let h = c.hidden_size;
         let ffn = match (&c.moe, c.is_moe_layer(layer)) {
-            (Some(m), true) => Ffn::Moe(Moe::load(w, m, c.arch, layer, h, rank, world)?),
-            _ => Ffn::Dense(Mlp::load(w, &names::layer(layer, "mlp"), h, c.intermediate_size, rank, world)?),
+            (Some(m), true) => Ffn::Moe(Moe::load_with(w, m, c.arch, layer, h, rank, world, fp8_act)?),
+            _ => Ffn::Dense(Mlp::load_with(
+                w,
+                &names::layer(layer, "mlp"),
+                h,
+                c.intermediate_size,
+                rank,
+                world,
+                fp8_act,
+            )?),
         };
         Ok(Block {
             in_norm: w.f32(&names::layer(layer, "input_layernorm.weight"), &[h])?,
-            attn: Mla::load(w, c, layer, rank, world)?,
+            attn: Mla::load_with(w, c, layer, rank, world, fp8_act)?,
             post_norm: w.f32(&names::layer(layer, "post_attention_layernorm.weight"), &[h])?,
             ffn,
         })
@@ -93,8 +109,9 @@ struct MtpLayer {
     eh_proj: Linear,
     block: Block,
     head_norm: Vec<f32>,
-    head: Linear,
-    /// The layer's own embedding when the checkpoint has one.
+    /// The layer's own head when the checkpoint has one that differs from the model's.
+    head: Option<Linear>,
+    /// The layer's own embedding when the checkpoint has one that differs from the model's.
     embed: Option<VocabShard>,
 }
 
@@ -132,46 +149,74 @@ impl CpuBackend {
 
     /// Loads this rank's shards of the checkpoint in `dir`.
     pub fn load_with(dir: &Path, opts: CpuOptions, comm: Box<dyn Collective>) -> Result<Self> {
+        let progress = Arc::new(LoadProgress::new(format!("loading {}", dir.display()), 0));
+        Self::load_observed(dir, opts, comm, progress)
+    }
+
+    /// [`CpuBackend::load_with`], ticking `progress` (its total is set to the checkpoint's
+    /// size once the files are open): a caller can read it from another thread while the
+    /// load runs, e.g. for a health or metrics endpoint.
+    pub fn load_observed(
+        dir: &Path,
+        opts: CpuOptions,
+        comm: Box<dyn Collective>,
+        progress: Arc<LoadProgress>,
+    ) -> Result<Self> {
         let cfg = mlaserve_model::load_config(dir)?;
-        let w = Weights::open(dir, cfg.fp8)?;
+        let mut w = Weights::open(dir, cfg.fp8)?;
+        progress.set_total(w.data_bytes());
+        w.set_progress(progress.clone());
         let (rank, world) = (comm.rank(), comm.world_size());
+        let fp8_act = opts.fp8_activations;
         cfg.check_tp(world)?;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let vocab = Some(Shard::new(0, rank, world));
         let embed = VocabShard::load(&w, names::EMBED, v, h, rank, world)?;
-        let blocks =
-            (0..cfg.num_hidden_layers).map(|l| Block::load(&w, &cfg, l, rank, world)).collect::<Result<Vec<_>>>()?;
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|l| Block::load(&w, &cfg, l, rank, world, fp8_act))
+            .collect::<Result<Vec<_>>>()?;
         let final_norm = w.f32(names::FINAL_NORM, &[h])?;
         let head_name = if cfg.tie_word_embeddings { names::EMBED } else { names::LM_HEAD };
-        let lm_head = Linear::new(w.f32_shard(head_name, &[v, h], Some(Shard::new(0, rank, world)))?, v / world, h);
+        let lm_head = load_linear(&w, head_name, [v, h], vocab, fp8_act)?;
         let mut mtp = Vec::with_capacity(cfg.num_nextn_predict_layers);
         for d in 0..cfg.num_nextn_predict_layers {
             let l = cfg.num_hidden_layers + d;
             let n = |s: &str| names::layer(l, s);
-            let own_embed = n("embed_tokens.weight");
-            let head_name = if w.contains(&n("shared_head.head.weight")) {
-                n("shared_head.head.weight")
-            } else {
-                head_name.to_string()
+            // The layer's own embedding and head, unless absent or the same as the main
+            // model's (DeepSeek-V3 ships copies): then it shares the main one.
+            let own = |name: String, main: &str| -> Result<Option<String>> {
+                Ok(if w.contains(&name) && !w.same_tensor(&name, main)? { Some(name) } else { None })
+            };
+            let head = match own(n("shared_head.head.weight"), head_name)? {
+                Some(name) => Some(load_linear(&w, &name, [v, h], vocab, fp8_act)?),
+                None => None,
+            };
+            let embed = match own(n("embed_tokens.weight"), names::EMBED)? {
+                Some(name) => Some(VocabShard::load(&w, &name, v, h, rank, world)?),
+                None => None,
             };
             mtp.push(MtpLayer {
                 enorm: w.f32(&n("enorm.weight"), &[h])?,
                 hnorm: w.f32(&n("hnorm.weight"), &[h])?,
-                eh_proj: Linear::new(w.f32(&n("eh_proj.weight"), &[h, 2 * h])?, h, 2 * h),
-                block: Block::load(&w, &cfg, l, rank, world)?,
+                eh_proj: load_linear(&w, &n("eh_proj.weight"), [h, 2 * h], None, fp8_act)?,
+                block: Block::load(&w, &cfg, l, rank, world, fp8_act)?,
                 head_norm: w.f32(&n("shared_head.norm.weight"), &[h])?,
-                head: Linear::new(w.f32_shard(&head_name, &[v, h], Some(Shard::new(0, rank, world)))?, v / world, h),
-                embed: if w.contains(&own_embed) {
-                    Some(VocabShard::load(&w, &own_embed, v, h, rank, world)?)
-                } else {
-                    None
-                },
+                head,
+                embed,
             });
         }
+        progress.finish();
         let caches = (0..cfg.num_hidden_layers + mtp.len())
             .map(|_| LayerCache::new(opts.num_blocks, cfg.latent_dim()))
             .collect();
         let rope = Rope::new(&cfg.rope_inv_freq(), cfg.rope_attention_factor(), cfg.max_position_embeddings);
         Ok(CpuBackend { cfg, comm, embed, blocks, final_norm, lm_head, mtp, caches, rope, opts })
+    }
+
+    /// Per MTP layer: whether it keeps its own embedding and its own head (false: it
+    /// shares the main model's, being absent or byte-identical in the checkpoint).
+    pub fn mtp_own_tensors(&self) -> Vec<(bool, bool)> {
+        self.mtp.iter().map(|m| (m.embed.is_some(), m.head.is_some())).collect()
     }
 
     /// Switches the MLA form (tests compare the two).
@@ -353,9 +398,10 @@ impl Backend for CpuBackend {
         let m = &self.mtp[layer];
         let mut normed = x.clone();
         rms_norm(&mut normed, &m.head_norm, eps);
-        let logits = self.head_logits(&m.head, &normed, &batch.logit_rows)?;
-        let argmax = self.head_argmax(&m.head, &normed, &batch.argmax_rows)?;
-        let sampled = self.head_sample(&m.head, &normed, &batch.sample_rows)?;
+        let head = m.head.as_ref().unwrap_or(&self.lm_head);
+        let logits = self.head_logits(head, &normed, &batch.logit_rows)?;
+        let argmax = self.head_argmax(head, &normed, &batch.argmax_rows)?;
+        let sampled = self.head_sample(head, &normed, &batch.sample_rows)?;
         Ok(ForwardOutput { hidden: CpuHidden { rows: n, data: x }, logits, argmax, sampled })
     }
 

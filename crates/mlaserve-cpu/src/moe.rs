@@ -5,6 +5,7 @@
 //! dimension; the router is replicated so all ranks pick the same experts, and the
 //! caller all-reduces the partial outputs once per layer.
 
+use crate::fp8::load_linear;
 use crate::ops::{silu_mul, Linear};
 use mlaserve_core::config::Arch;
 use mlaserve_core::{MoeConfig, Result, ScoringFunc, TopkMethod};
@@ -20,21 +21,26 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize, rank: usize, world: usize) -> Result<Self> {
-        let local = inter / world;
+        Self::load_with(w, prefix, hidden, inter, rank, world, true)
+    }
+
+    /// [`Mlp::load`]; `fp8_act` says whether fp8 weights quantise their activations.
+    pub fn load_with(
+        w: &Weights,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        rank: usize,
+        world: usize,
+        fp8_act: bool,
+    ) -> Result<Self> {
         let col = Some(Shard::new(0, rank, world));
         let row = Some(Shard::new(1, rank, world));
+        let lin = |p: &str, full: [usize; 2], s| load_linear(w, &format!("{prefix}.{p}.weight"), full, s, fp8_act);
         Ok(Mlp {
-            gate: Linear::new(
-                w.f32_shard(&format!("{prefix}.gate_proj.weight"), &[inter, hidden], col)?,
-                local,
-                hidden,
-            ),
-            up: Linear::new(w.f32_shard(&format!("{prefix}.up_proj.weight"), &[inter, hidden], col)?, local, hidden),
-            down: Linear::new(
-                w.f32_shard(&format!("{prefix}.down_proj.weight"), &[hidden, inter], row)?,
-                hidden,
-                local,
-            ),
+            gate: lin("gate_proj", [inter, hidden], col)?,
+            up: lin("up_proj", [inter, hidden], col)?,
+            down: lin("down_proj", [hidden, inter], row)?,
         })
     }
 
@@ -131,6 +137,20 @@ impl Moe {
         rank: usize,
         world: usize,
     ) -> Result<Self> {
+        Self::load_with(w, cfg, arch, layer, hidden, rank, world, true)
+    }
+
+    /// [`Moe::load`]; `fp8_act` says whether fp8 weights quantise their activations.
+    pub fn load_with(
+        w: &Weights,
+        cfg: &MoeConfig,
+        arch: Arch,
+        layer: usize,
+        hidden: usize,
+        rank: usize,
+        world: usize,
+        fp8_act: bool,
+    ) -> Result<Self> {
         let e = cfg.n_routed_experts;
         let gate = Linear::new(w.f32(&names::layer(layer, "mlp.gate.weight"), &[e, hidden])?, e, hidden);
         let bias = if cfg.topk_method == TopkMethod::NoauxTc {
@@ -140,11 +160,21 @@ impl Moe {
         };
         let inter = cfg.moe_intermediate_size;
         let experts = (0..e)
-            .map(|i| Mlp::load(w, &names::layer(layer, &format!("mlp.experts.{i}")), hidden, inter, rank, world))
+            .map(|i| {
+                Mlp::load_with(
+                    w,
+                    &names::layer(layer, &format!("mlp.experts.{i}")),
+                    hidden,
+                    inter,
+                    rank,
+                    world,
+                    fp8_act,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         let shared = if cfg.n_shared_experts > 0 {
             let si = inter * cfg.n_shared_experts;
-            Some(Mlp::load(w, &names::layer(layer, "mlp.shared_experts"), hidden, si, rank, world)?)
+            Some(Mlp::load_with(w, &names::layer(layer, "mlp.shared_experts"), hidden, si, rank, world, fp8_act)?)
         } else {
             None
         };

@@ -4,20 +4,34 @@
 //! on how many rows share the call: a token's result is bit-identical whatever batch it
 //! is in. The engine's "speculation on equals speculation off" tests rely on that.
 
+use crate::fp8::Fp8Weight;
 use rayon::prelude::*;
 
-/// A dense layer `y = W x` with `W` row-major `[out, inp]`.
+/// A dense layer `y = W x` with `W` row-major `[out, inp]`: f32 weights, or an fp8
+/// weight whose product quantises the activations ([`crate::fp8`]).
 #[derive(Debug, Clone)]
 pub struct Linear {
+    /// f32 weights; empty for an fp8 linear.
     pub w: Vec<f32>,
     pub out: usize,
     pub inp: usize,
+    fp8: Option<Box<Fp8Weight>>,
 }
 
 impl Linear {
     pub fn new(w: Vec<f32>, out: usize, inp: usize) -> Self {
         debug_assert_eq!(w.len(), out * inp);
-        Linear { w, out, inp }
+        Linear { w, out, inp, fp8: None }
+    }
+
+    /// An fp8 linear (activations quantised per token per 128 channels).
+    pub fn fp8(w: Fp8Weight, out: usize, inp: usize) -> Self {
+        Linear { w: Vec::new(), out, inp, fp8: Some(Box::new(w)) }
+    }
+
+    /// Whether this linear computes in fp8.
+    pub fn is_fp8(&self) -> bool {
+        self.fp8.is_some()
     }
 
     /// `x` is `[n, inp]`; returns `[n, out]`.
@@ -25,6 +39,24 @@ impl Linear {
         let n = x.len() / self.inp;
         let mut y = vec![0f32; n * self.out];
         let work = n * self.out * self.inp;
+        if let Some(f) = &self.fp8 {
+            // Each row is quantised and multiplied on its own: the result never depends
+            // on the batch or on how the outputs are split between threads.
+            if work > 1 << 16 && n > 1 {
+                y.par_chunks_mut(self.out)
+                    .enumerate()
+                    .for_each(|(t, yr)| f.forward_row(&x[t * self.inp..(t + 1) * self.inp], yr, 0, self.inp));
+            } else if work > 1 << 16 {
+                y.par_chunks_mut(64)
+                    .enumerate()
+                    .for_each(|(c, ys)| f.forward_row(&x[..self.inp], ys, c * 64, self.inp));
+            } else {
+                for (t, yr) in y.chunks_mut(self.out).enumerate() {
+                    f.forward_row(&x[t * self.inp..(t + 1) * self.inp], yr, 0, self.inp);
+                }
+            }
+            return y;
+        }
         let row = |(t, yr): (usize, &mut [f32])| {
             let xr = &x[t * self.inp..(t + 1) * self.inp];
             for (o, yo) in yr.iter_mut().enumerate() {

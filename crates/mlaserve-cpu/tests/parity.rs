@@ -159,7 +159,7 @@ fn absorbed_and_expanded_agree_on_chunked_prefill() {
     for mode in [AttnMode::Absorbed, AttnMode::Expanded] {
         let mut b = CpuBackend::load_with(
             &dir,
-            CpuOptions { num_blocks: 8, attn_mode: mode },
+            CpuOptions { num_blocks: 8, attn_mode: mode, ..Default::default() },
             Box::new(mlaserve_core::SingleRank),
         )
         .unwrap();

@@ -8,13 +8,19 @@
 //! checkpoints (`mlaserve gen-model`) used by tests and benchmarks.
 
 pub mod expected;
+pub mod fp8;
+#[cfg(test)]
+mod fp8_load_tests;
 pub mod names;
 pub mod presets;
+pub mod progress;
 pub mod tokenizer;
 pub mod weights;
 
+pub use fp8::Fp8Tensor;
+pub use progress::{LoadProgress, ProgressSnapshot};
 pub use tokenizer::Tokenizer;
-pub use weights::{Shard, Weights};
+pub use weights::{RawView, Shard, Weights};
 
 use mlaserve_core::{ModelConfig, Result};
 use std::path::Path;

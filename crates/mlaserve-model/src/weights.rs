@@ -4,17 +4,24 @@
 //! Reads are typed and checked: a missing tensor, a wrong shape, an unsupported dtype, a
 //! corrupt header or a truncated file is an error naming the tensor and the file. A
 //! [`Shard`] hint makes a tensor-parallel rank read (and convert) only its slice. fp8 e4m3
-//! weights are dequantised with their block `weight_scale_inv` at load.
+//! weights are read raw (codes and block scales, borrowed from the map where contiguous:
+//! [`Weights::fp8_shard`]) for backends that compute in fp8, or dequantised with their
+//! block `weight_scale_inv` by [`Weights::f32_shard`]. [`Weights::same_tensor`] tells a
+//! backend when two names hold the same values, so it keeps one copy.
 
+pub use crate::fp8::{f32_to_fp8_e4m3, fp8_e4m3_to_f32, Fp8Tensor};
 use crate::names;
+use crate::progress::LoadProgress;
 use half::{bf16, f16};
 use memmap2::Mmap;
 use mlaserve_core::config::Fp8Config;
 use mlaserve_core::{Error, Result};
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// A tensor-parallel slice: split dimension `dim` into `world` equal parts, take part `rank`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,12 +44,30 @@ struct SafeFile {
     meta: Metadata,
 }
 
+impl SafeFile {
+    /// A tensor's stored bytes (offsets were checked against the file size at open).
+    fn data(&self, info: &TensorInfo) -> &[u8] {
+        &self.mmap[8 + self.header_len + info.data_offsets.0..8 + self.header_len + info.data_offsets.1]
+    }
+}
+
+/// A tensor as stored: dtype, shape and little-endian bytes borrowed from the memory map.
+#[derive(Debug, Clone, Copy)]
+pub struct RawView<'a> {
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
+}
+
 /// The weights of a checkpoint directory.
 pub struct Weights {
     files: Vec<SafeFile>,
     /// Tensor name → index into `files`.
     index: HashMap<String, usize>,
     fp8: Option<Fp8Config>,
+    /// Ticked once per tensor the first time it is read (see [`Weights::set_progress`]).
+    progress: Option<Arc<LoadProgress>>,
+    counted: Mutex<HashSet<String>>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -127,7 +152,7 @@ impl Weights {
             }
             files.push(SafeFile { path: path.clone(), mmap, header_len, meta });
         }
-        Ok(Weights { files, index, fp8 })
+        Ok(Weights { files, index, fp8, progress: None, counted: Mutex::new(HashSet::new()) })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -151,6 +176,11 @@ impl Weights {
     /// The tensor's dtype as stored.
     pub fn dtype(&self, name: &str) -> Result<Dtype> {
         Ok(self.info(name)?.1.dtype)
+    }
+
+    /// Whether tensor `name` is stored as fp8 e4m3 (false when it is missing).
+    pub fn is_fp8(&self, name: &str) -> bool {
+        self.dtype(name).is_ok_and(|d| d == Dtype::F8_E4M3)
     }
 
     /// The file that holds tensor `name`.
@@ -179,8 +209,8 @@ impl Weights {
             ));
         }
         let sel = Selection::new(name, shape, shard)?;
-        let start = 8 + file.header_len + info.data_offsets.0;
-        let bytes = &file.mmap[start..8 + file.header_len + info.data_offsets.1];
+        let bytes = file.data(info);
+        self.tick(name, bytes.len());
         match info.dtype {
             Dtype::F32 => Ok(sel.map(|i| f32::from_le_bytes(le4(bytes, i)))),
             Dtype::BF16 => Ok(sel.map(|i| bf16::from_le_bytes(le2(bytes, i)).to_f32())),
@@ -196,17 +226,152 @@ impl Weights {
         }
     }
 
+    /// The fp8 block shape: the config's, else DeepSeek's 128 × 128.
+    pub fn fp8_block(&self) -> [usize; 2] {
+        self.fp8.map(|q| q.block).unwrap_or([128, 128])
+    }
+
+    /// The full block-scale matrix of fp8 weight `name` (shape `[out, inp]`).
+    fn block_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let block = self.fp8_block();
+        let scale_name = names::scale_of(name);
+        let sshape = [shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
+        self.f32(&scale_name, &sshape).map_err(|e| match e {
+            Error::Tensor { name: n, msg } => Error::tensor(n, format!("{msg} (block scales of fp8 weight `{name}`)")),
+            other => other,
+        })
+    }
+
+    /// Tensor `name` as stored, borrowed from the memory map (no conversion, no copy).
+    pub fn raw(&self, name: &str) -> Result<RawView<'_>> {
+        let (file, info) = self.info(name)?;
+        Ok(RawView { dtype: info.dtype, shape: &info.shape, data: file.data(info) })
+    }
+
+    /// Sum of the stored sizes of all tensors, in bytes.
+    pub fn data_bytes(&self) -> u64 {
+        self.files
+            .iter()
+            .flat_map(|f| f.meta.tensors().into_values())
+            .map(|i| (i.data_offsets.1 - i.data_offsets.0) as u64)
+            .sum()
+    }
+
+    /// Ticks `progress` with each tensor's stored size the first time any part of it is
+    /// read ([`Weights::f32_shard`], [`Weights::fp8_shard`]): the progress then measures how
+    /// far the loader is through the checkpoint, and reaches [`Weights::data_bytes`] once
+    /// every tensor has been read, whatever the tensor-parallel slices.
+    pub fn set_progress(&mut self, progress: Arc<LoadProgress>) {
+        self.progress = Some(progress);
+    }
+
+    fn tick(&self, name: &str, bytes: usize) {
+        let Some(p) = &self.progress else { return };
+        let first = self.counted.lock().map(|mut c| c.insert(name.to_string())).unwrap_or(false);
+        if first {
+            p.add(bytes as u64);
+        }
+    }
+
+    /// Reads fp8 weight `name` (full shape `[out, inp]`) and its block scales without
+    /// dequantising, only the slice `shard` selects when given: rows (`dim` 0) or columns
+    /// (`dim` 1) with the scale rows or columns that cover them. A shard boundary must
+    /// fall on a block boundary (else the rank's scales would be shared with its
+    /// neighbour's rows): the error names the tensor. The whole tensor and row shards
+    /// borrow the memory map; a column shard copies its rows' slices.
+    pub fn fp8_shard(&self, name: &str, shape: [usize; 2], shard: Option<Shard>) -> Result<Fp8Tensor<'_>> {
+        let (file, info) = self.info(name)?;
+        if info.dtype != Dtype::F8_E4M3 {
+            return Err(Error::tensor(
+                name,
+                format!("dtype {:?} in {}, expected F8_E4M3 (an fp8 weight)", info.dtype, file.path.display()),
+            ));
+        }
+        if info.shape != shape {
+            return Err(Error::tensor(
+                name,
+                format!("shape {:?} in {}, expected {:?}", info.shape, file.path.display(), shape),
+            ));
+        }
+        let block = self.fp8_block();
+        let scales = self.block_scales(name, &shape)?;
+        let bytes = file.data(info);
+        self.tick(name, bytes.len());
+        let [out, inp] = shape;
+        let whole = Fp8Tensor { q: Cow::Borrowed(bytes), scales, out, inp, block };
+        let Some(s) = shard.filter(|s| s.world > 1) else { return Ok(whole) };
+        if s.dim > 1 {
+            return Err(Error::tensor(name, format!("shard dimension {} out of range for shape {shape:?}", s.dim)));
+        }
+        let len = shape[s.dim];
+        if s.rank >= s.world || !len.is_multiple_of(s.world) {
+            return Err(Error::tensor(
+                name,
+                format!("dimension {} of shape {shape:?} does not split into {} equal shards", s.dim, s.world),
+            ));
+        }
+        let part = len / s.world;
+        if !part.is_multiple_of(block[s.dim]) {
+            return Err(Error::tensor(
+                name,
+                format!(
+                    "a {}-way shard of dimension {} (shape {shape:?}) is {part} wide, not a multiple of the fp8 \
+                     block {}: shard boundaries must fall on block boundaries",
+                    s.world, s.dim, block[s.dim]
+                ),
+            ));
+        }
+        let (lo, hi) = (s.rank * part, (s.rank + 1) * part);
+        let (sr, sc) = (whole.scale_rows(), whole.scale_cols());
+        let (blo, bhi) = (lo / block[s.dim], hi.div_ceil(block[s.dim]));
+        Ok(if s.dim == 0 {
+            let scales = whole.scales[blo * sc..bhi * sc].to_vec();
+            Fp8Tensor { q: Cow::Borrowed(&bytes[lo * inp..hi * inp]), scales, out: part, inp, block }
+        } else {
+            let q: Vec<u8> = (0..out).flat_map(|r| bytes[r * inp + lo..r * inp + hi].iter().copied()).collect();
+            let scales = (0..sr).flat_map(|r| whole.scales[r * sc + blo..r * sc + bhi].iter().copied()).collect();
+            Fp8Tensor { q: Cow::Owned(q), scales, out, inp: part, block }
+        })
+    }
+
+    /// Whether tensors `a` and `b` hold the same values: same dtype, same shape and equal
+    /// stored bytes (an fp8 weight's block scales too). Both must exist. Two names for one
+    /// stored range answer at once; otherwise the bytes are compared in the memory maps
+    /// (no copy), after the cheap dtype and shape checks. A backend keeps one copy of
+    /// tensors that are the same (the MTP layer's embedding and head, for instance).
+    pub fn same_tensor(&self, a: &str, b: &str) -> Result<bool> {
+        let (fa, ia) = self.info(a)?;
+        let (fb, ib) = self.info(b)?;
+        if std::ptr::eq(fa, fb) && ia.data_offsets == ib.data_offsets && ia.dtype == ib.dtype && ia.shape == ib.shape {
+            return Ok(true);
+        }
+        if ia.dtype != ib.dtype || ia.shape != ib.shape {
+            return Ok(false);
+        }
+        // Comparing reads both: a backend that keeps one copy has still gone through both.
+        self.tick(a, fa.data(ia).len());
+        self.tick(b, fb.data(ib).len());
+        if fa.data(ia) != fb.data(ib) {
+            return Ok(false);
+        }
+        if ia.dtype == Dtype::F8_E4M3 {
+            let (sa, sb) = (names::scale_of(a), names::scale_of(b));
+            return match (self.contains(&sa), self.contains(&sb)) {
+                (true, true) => self.same_tensor(&sa, &sb),
+                (false, false) => Ok(true),
+                _ => Ok(false),
+            };
+        }
+        Ok(true)
+    }
+
     fn dequant_fp8(&self, name: &str, shape: &[usize], bytes: &[u8], sel: &Selection) -> Result<Vec<f32>> {
-        let block = self.fp8.map(|q| q.block).unwrap_or([128, 128]);
+        let block = self.fp8_block();
         if shape.len() != 2 {
             return Err(Error::tensor(name, format!("fp8 weight must be 2-D, got shape {shape:?}")));
         }
-        let scale_name = names::scale_of(name);
+        let scales = self.block_scales(name, shape)?;
         let sshape = [shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
-        let scales = self.f32(&scale_name, &sshape).map_err(|e| match e {
-            Error::Tensor { name: n, msg } => Error::tensor(n, format!("{msg} (block scales of fp8 weight `{name}`)")),
-            other => other,
-        })?;
         let cols = shape[1];
         Ok(sel.map(|i| {
             let (r, c) = (i / cols, i % cols);
@@ -266,39 +431,6 @@ fn le2(b: &[u8], i: usize) -> [u8; 2] {
 
 fn le4(b: &[u8], i: usize) -> [u8; 4] {
     [b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]
-}
-
-/// OCP fp8 e4m3 ("fn": no infinities, 0x7f/0xff are NaN) to f32.
-pub fn fp8_e4m3_to_f32(x: u8) -> f32 {
-    let sign = if x & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = ((x >> 3) & 0xf) as i32;
-    let man = (x & 0x7) as f32;
-    if exp == 0xf && (x & 0x7) == 0x7 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        sign * man / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
-    }
-}
-
-/// Nearest fp8 e4m3 encoding of `v` (saturating at ±448); used by tests and presets.
-pub fn f32_to_fp8_e4m3(v: f32) -> u8 {
-    let mut best = 0u8;
-    let mut best_err = f32::INFINITY;
-    for b in 0..=255u8 {
-        let f = fp8_e4m3_to_f32(b);
-        if f.is_nan() {
-            continue;
-        }
-        let e = (f - v).abs();
-        if e < best_err {
-            best_err = e;
-            best = b;
-        }
-    }
-    best
 }
 
 /// A tensor to write: name, shape, dtype and little-endian bytes.
@@ -426,13 +558,7 @@ mod tests {
 
     #[test]
     fn fp8_block_dequant() {
-        for b in 0..=255u8 {
-            let f = fp8_e4m3_to_f32(b);
-            if !f.is_nan() {
-                assert_eq!(f32_to_fp8_e4m3(f), if f == 0.0 { 0 } else { b }, "byte {b:#x} -> {f}");
-            }
-        }
-        assert_eq!(fp8_e4m3_to_f32(0x7e), 448.0);
+        // (The codec itself is tested exhaustively in `fp8`.)
         // A 200 x 300 weight in 128 x 128 blocks: scales are 2 x 3.
         let (rows, cols) = (200, 300);
         let scales = [0.5f32, 2.0, 0.25, 4.0, 1.0, 8.0];

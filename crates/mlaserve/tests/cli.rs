@@ -80,3 +80,30 @@ fn every_flag_says_what_it_does() {
         }
     }
 }
+
+#[test]
+fn gen_model_writes_fp8_shards_and_refuses_bad_flags() {
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gen-model-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let o = out.to_str().expect("utf-8 path");
+    let run =
+        mlaserve(&["gen-model", "--preset", "tiny-v3", "--fp8", "--layers", "2", "--shard-size-mb", "1", "--out", o]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).expect("config")).expect("json");
+    assert_eq!(cfg["quantization_config"]["quant_method"], "fp8");
+    assert_eq!(cfg["num_hidden_layers"], 2);
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).expect("index"))
+            .expect("json");
+    // The tiny model fits one 1 MiB shard.
+    let scale = "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv";
+    assert_eq!(index["weight_map"][scale], "model-00001-of-00001.safetensors");
+    assert!(index["metadata"]["total_size"].as_u64().is_some_and(|n| n > 0));
+    let e = error_line(&mlaserve(&["gen-model", "--preset", "tiny-v9", "--out", o]));
+    assert!(e.contains("--preset tiny-v9") && e.contains("deepseek-v3"), "{e}");
+    let zero = mlaserve(&["gen-model", "--preset", "tiny-v3", "--layers", "0", "--out", o]);
+    assert!(!zero.status.success());
+    assert!(String::from_utf8_lossy(&zero.stderr).contains("'--layers <LAYERS>': 0 is not in 1..=1000"));
+    std::fs::remove_dir_all(&out).expect("clean up");
+}
