@@ -343,3 +343,60 @@ fn helm_lint_passes_for_every_values_variant() {
         assert!(findings.is_empty(), "helm lint, variant `{}`: {findings:#?}", v.name);
     }
 }
+
+/// With `security` set, the router and the workers get the Secrets mounted, the flags
+/// that read them, an https advertise address, and probes on the plain-text health port.
+#[test]
+fn the_secured_variant_mounts_the_secrets_and_moves_the_probes() {
+    let Some(helm) = Tools::find() else { return };
+    let base = Chart::load(&chart_dir());
+    let c = VARIANTS.iter().find(|v| v.name == "secured").unwrap().apply(&base);
+    let docs = helm.manifests(&c, "r").unwrap_or_else(|e| panic!("{e}"));
+    let health = c.values["security"]["tls"]["healthPort"].as_u64().unwrap();
+    let args_of = |c: &Value| -> Vec<String> {
+        c["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
+    };
+    let after = |args: &[String], flag: &str| -> String {
+        args[args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("no {flag} in {args:?}")) + 1].clone()
+    };
+    let mounts = |spec: &Value, c: &Value| -> Vec<(String, String, String)> {
+        c["volumeMounts"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let name = m["name"].as_str().unwrap();
+                let vol = spec["volumes"].as_sequence().unwrap().iter().find(|v| v["name"] == name).unwrap();
+                let secret = vol["secret"]["secretName"].as_str().unwrap_or("").to_string();
+                (name.to_string(), m["mountPath"].as_str().unwrap().to_string(), secret)
+            })
+            .collect()
+    };
+
+    let router = &find(&docs, "Deployment", "r-router")["spec"]["template"]["spec"];
+    let rc = &router["containers"][0];
+    let args = args_of(rc);
+    assert_eq!(after(&args, "--api-key-file"), "/etc/mlaserve/api-keys/keys");
+    assert_eq!(after(&args, "--tls-cert"), "/etc/mlaserve/tls/tls.crt");
+    assert_eq!(after(&args, "--worker-tls-ca"), "/etc/mlaserve/tls/ca.crt");
+    assert_eq!(after(&args, "--worker-tls-server-name"), "mlaserve-worker");
+    assert_eq!(after(&args, "--health-listen"), format!("0.0.0.0:{health}"));
+    assert_eq!(rc["readinessProbe"]["grpc"]["port"].as_u64(), Some(health));
+    let m = mounts(router, rc);
+    assert!(m.contains(&("api-keys".into(), "/etc/mlaserve/api-keys".into(), "mlaserve-api-keys".into())), "{m:?}");
+    assert!(m.contains(&("tls".into(), "/etc/mlaserve/tls".into(), "mlaserve-tls".into())), "{m:?}");
+
+    let worker = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
+    let wc = worker["containers"].as_sequence().unwrap().iter().find(|c| c["name"] == "worker").unwrap();
+    let args = args_of(wc);
+    assert_eq!(after(&args, "--tls-client-ca"), "/etc/mlaserve/tls/ca.crt");
+    assert_eq!(after(&args, "--health-listen"), format!("0.0.0.0:{health}"));
+    assert!(after(&args, "--advertise").starts_with("https://"), "{args:?}");
+    assert!(!args.iter().any(|a| a == "--api-key-file"), "workers take no API keys");
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(wc[probe]["grpc"]["port"].as_u64(), Some(health), "{probe}");
+    }
+    let m = mounts(worker, wc);
+    assert!(m.contains(&("tls".into(), "/etc/mlaserve/tls".into(), "mlaserve-tls".into())), "{m:?}");
+    assert!(!m.iter().any(|(n, _, _)| n == "api-keys"), "{m:?}");
+}

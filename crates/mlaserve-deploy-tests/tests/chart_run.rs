@@ -239,6 +239,12 @@ fn every_flag_the_deployment_files_pass_exists() {
     let image_cmd = exec_form(run.all("CMD").last().expect("Dockerfile: CMD"));
     let router = process_of(container(&docs, "Deployment", &format!("{RELEASE}-router"), "router"), "p").0;
     let worker = process_of(container(&docs, "StatefulSet", &format!("{RELEASE}-worker"), "worker"), "p").0;
+    // The flags the secured variant adds (TLS, keys) exist too.
+    let secured =
+        common::chart::VARIANTS.iter().find(|v| v.name == "secured").expect("the secured variant").apply(&chart);
+    let sdocs = helm.manifests(&secured, RELEASE).unwrap_or_else(|e| panic!("{e}"));
+    let s_router = process_of(container(&sdocs, "Deployment", &format!("{RELEASE}-router"), "router"), "p").0;
+    let s_worker = process_of(container(&sdocs, "StatefulSet", &format!("{RELEASE}-worker"), "worker"), "p").0;
     let sub_args = |argv: &[String], sub: &str| -> Vec<String> {
         let i = argv.iter().position(|a| a == sub).unwrap_or_else(|| panic!("no `{sub}` in {argv:?}"));
         argv[i + 1..].to_vec()
@@ -250,6 +256,8 @@ fn every_flag_the_deployment_files_pass_exists() {
     for (origin, sub, args) in [
         ("chart router", "router", sub_args(&router, "router")),
         ("chart worker", "worker", [sub_args(&worker, "worker"), vec!["--rank".into()]].concat()),
+        ("secured chart router", "router", sub_args(&s_router, "router")),
+        ("secured chart worker", "worker", sub_args(&s_worker, "worker")),
         ("compose router", "router", sub_args(&compose_args("router"), "router")),
         ("compose worker", "worker", sub_args(&compose_args("worker"), "worker")),
         ("image CMD", "serve", sub_args(&image_cmd, "serve")),

@@ -34,3 +34,39 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* The Secrets of security.apiKeys and security.tls, as volumes. */}}
+{{- define "mlaserve.securityVolumes" -}}
+{{- if .Values.security.apiKeys.secretName }}
+- name: api-keys
+  secret:
+    secretName: {{ .Values.security.apiKeys.secretName }}
+{{- end }}
+{{- if .Values.security.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.security.tls.secretName }}
+{{- end }}
+{{- end }}
+
+{{/* Their mounts (the router mounts both, a worker only the TLS Secret). */}}
+{{- define "mlaserve.apiKeysMount" -}}
+{{- if .Values.security.apiKeys.secretName }}
+- name: api-keys
+  mountPath: /etc/mlaserve/api-keys
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "mlaserve.tlsMount" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tls
+  mountPath: /etc/mlaserve/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The port probes read gRPC health on: the plain-text health port while TLS is on. */}}
+{{- define "mlaserve.probePort" -}}
+{{- if .root.Values.security.tls.enabled }}{{ .root.Values.security.tls.healthPort }}{{ else }}{{ .port }}{{ end }}
+{{- end }}

@@ -95,6 +95,14 @@ pub const VARIANTS: &[Variant] = &[
     },
     Variant { name: "cpu-only", set: &[("worker.gpuResource", "\"\""), ("worker.tpSize", "1")] },
     Variant {
+        name: "secured",
+        set: &[
+            ("security.apiKeys.secretName", "mlaserve-api-keys"),
+            ("security.tls.enabled", "true"),
+            ("security.tls.secretName", "mlaserve-tls"),
+        ],
+    },
+    Variant {
         name: "service-monitor",
         set: &[("serviceMonitor.enabled", "true"), ("serviceMonitor.labels", "{release: prometheus}")],
     },
