@@ -112,6 +112,22 @@ pub fn describe() {
         "mlaserve_etcd_watch_restarts_total",
         "Times the router's etcd watch broke and was re-established (re-list and re-watch)"
     );
+    describe_gauge!(
+        "mlaserve_model_load_bytes_done",
+        Unit::Bytes,
+        "Checkpoint bytes read so far by the worker's model load"
+    );
+    describe_gauge!(
+        "mlaserve_model_load_bytes_expected",
+        Unit::Bytes,
+        "Checkpoint bytes the worker's model load reads"
+    );
+    describe_gauge!("mlaserve_model_load_bytes_per_second", "Mean read rate of the worker's model load so far");
+    describe_gauge!(
+        "mlaserve_model_load_remaining_seconds",
+        Unit::Seconds,
+        "Estimated time left of the worker's model load (0 when done)"
+    );
     describe_counter!("mlaserve_engine_steps_total", "Engine steps (worker)");
     describe_counter!(
         "mlaserve_engine_step_seconds_total",
@@ -132,7 +148,14 @@ fn register_unlabelled() {
     ] {
         metrics::counter!(name).increment(0);
     }
-    for name in ["mlaserve_router_in_flight", "mlaserve_ready_groups"] {
+    for name in [
+        "mlaserve_router_in_flight",
+        "mlaserve_ready_groups",
+        "mlaserve_model_load_bytes_done",
+        "mlaserve_model_load_bytes_expected",
+        "mlaserve_model_load_bytes_per_second",
+        "mlaserve_model_load_remaining_seconds",
+    ] {
         metrics::gauge!(name).increment(0.0);
     }
     for name in [

@@ -8,6 +8,7 @@
 //! [`EngineHandle`] it is given.
 
 pub mod args;
+pub mod load;
 pub mod nccl_id;
 pub mod service;
 

@@ -149,3 +149,36 @@ async fn a_long_prompt_does_not_stall_the_other_streams() {
     eprintln!("longest pause: {capped:?} by default, {uncapped:?} with the whole prompt in one step");
     assert!(capped * 3 < uncapped, "default {capped:?} vs uncapped {uncapped:?}");
 }
+
+/// A worker serves `/metrics` from the start and publishes its model load there; once
+/// loaded, every checkpoint byte is counted and nothing is left.
+#[test]
+fn the_model_load_is_on_the_workers_metrics() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = format!("127.0.0.1:{port}");
+    let w = worker(dir.path(), "w", &["--metrics-listen", &metrics]);
+    let mut body = String::new();
+    let mut s = std::net::TcpStream::connect(&metrics).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+    s.read_to_string(&mut body).unwrap();
+    let value = |name: &str| -> f64 {
+        body.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("no {name} in\n{body}"))
+    };
+    let done = value("mlaserve_model_load_bytes_done ");
+    let expected = value("mlaserve_model_load_bytes_expected ");
+    let size: u64 = std::fs::read_dir(common::model())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(expected > 0.5 * size as f64 && expected <= size as f64, "{expected} of {size} file bytes");
+    assert_eq!(done, expected);
+    assert_eq!(value("mlaserve_model_load_remaining_seconds "), 0.0);
+    assert!(value("mlaserve_model_load_bytes_per_second ") > 0.0);
+    assert!(w.log().contains("model loaded"), "{}", w.log());
+}

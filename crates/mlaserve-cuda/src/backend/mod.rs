@@ -35,9 +35,11 @@ mod synthetic;
 mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, SampleRow, BLOCK_SIZE};
+use mlaserve_model::progress::LoadProgress;
 use mlaserve_model::{names, Weights};
 
 use crate::comm::{DeviceComm, TpInit};
@@ -181,11 +183,29 @@ impl CudaBackend {
     /// Loads rank `tp.rank`'s shards of the checkpoint in `dir` and joins the group's
     /// communicator (a single rank without `tp`).
     pub fn load_tp(dir: &Path, opts: CudaOptions, tp: Option<&TpInit>) -> Result<Self> {
+        Self::load_tp_observed(dir, opts, tp, Arc::new(LoadProgress::new(format!("loading {}", dir.display()), 0)))
+    }
+
+    /// [`CudaBackend::load_with`], ticking `progress` (its total set to the checkpoint's
+    /// size once the files are open), which another thread may read while it loads.
+    pub fn load_observed(dir: &Path, opts: CudaOptions, progress: Arc<LoadProgress>) -> Result<Self> {
+        Self::load_tp_observed(dir, opts, None, progress)
+    }
+
+    /// [`CudaBackend::load_tp`], ticking `progress`.
+    pub fn load_tp_observed(
+        dir: &Path,
+        opts: CudaOptions,
+        tp: Option<&TpInit>,
+        progress: Arc<LoadProgress>,
+    ) -> Result<Self> {
         let bad = |e: Error| CudaError::Shape { kernel: "load", msg: e.to_string() };
         let cfg = mlaserve_model::load_config(dir).map_err(bad)?;
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
         cfg.check_tp(world).map_err(bad)?;
-        let w = Weights::open(dir, cfg.fp8).map_err(bad)?;
+        let mut w = Weights::open(dir, cfg.fp8).map_err(bad)?;
+        progress.set_total(w.data_bytes());
+        w.set_progress(progress);
         let gpu = Gpu::new(opts.ordinal)?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let l = Loader { w: &w, s: &gpu.stream, rank, world };

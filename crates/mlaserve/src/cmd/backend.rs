@@ -1,7 +1,10 @@
 //! Which backend a worker group runs on, and starting its engine.
 
+use mlaserve_core::SingleRank;
 use mlaserve_engine::{EngineConfig, EngineHandle};
+use mlaserve_model::progress::LoadProgress;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// The compute backend of a worker group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -174,6 +177,7 @@ pub async fn spawn_engine(
     model: PathBuf,
     kv_blocks: usize,
     cfg: EngineConfig,
+    progress: Arc<LoadProgress>,
 ) -> anyhow::Result<EngineHandle> {
     #[cfg(feature = "cuda")]
     {
@@ -187,7 +191,7 @@ pub async fn spawn_engine(
             tracing::info!(ordinal, graphs = !b.enforce_eager, "worker group on the CUDA backend");
             let opts = b.cuda_options(kv_blocks, ordinal);
             let make = move || {
-                mlaserve_cuda::CudaBackend::load_with(&model, opts)
+                mlaserve_cuda::CudaBackend::load_observed(&model, opts, progress)
                     .map_err(|e| mlaserve_core::Error::Backend(e.to_string()))
             };
             return Ok(EngineHandle::spawn(make, cfg).await?);
@@ -201,7 +205,9 @@ pub async fn spawn_engine(
     }
     tracing::info!("worker group on the CPU backend");
     let cfg = cpu_config(cfg);
-    Ok(EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&model, kv_blocks), cfg).await?)
+    let opts = mlaserve_cpu::CpuOptions { num_blocks: kv_blocks, ..Default::default() };
+    let make = move || mlaserve_cpu::CpuBackend::load_observed(&model, opts, Box::new(SingleRank), progress);
+    Ok(EngineHandle::spawn(make, cfg).await?)
 }
 
 /// Prompt tokens per step while others decode, on the CPU backend: about a third of a

@@ -21,7 +21,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     super::runtime()?.block_on(async move {
         let w = a.serve.worker_args();
-        let engine = spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, w.engine.engine_config()).await?;
+        let progress = std::sync::Arc::new(mlaserve_model::progress::LoadProgress::new(
+            format!("loading {}", w.model.display()),
+            0,
+        ));
+        let cfg = w.engine.engine_config();
+        let engine = spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, cfg, progress).await?;
         mlaserve::serve::run_with_engine(a.serve, engine).await?;
         anyhow::Ok(())
     })

@@ -44,6 +44,9 @@ pub struct Args {
     pub backend: super::backend::BackendArgs,
 }
 
+use mlaserve_model::progress::LoadProgress;
+use std::sync::Arc;
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.tp.world_size >= 1, "--world-size must be at least 1");
     anyhow::ensure!(
@@ -54,10 +57,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     if a.tp.world_size == 1 {
         return super::runtime()?.block_on(async move {
-            let w = a.worker;
+            let mut w = a.worker;
+            // /metrics from the start: a large checkpoint's load is watched there.
+            if let Some(m) = w.metrics_listen.take() {
+                let at = mlaserve_cluster::metrics::serve(m)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
+                println!("metrics on http://{at}/metrics");
+            }
+            let progress = Arc::new(LoadProgress::new(format!("loading {}", w.model.display()), 0));
+            let follow = mlaserve_worker::load::follow(progress.clone());
+            let cfg = w.engine.engine_config();
             let engine =
-                super::backend::spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, w.engine.engine_config())
+                super::backend::spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, cfg, progress.clone())
                     .await?;
+            mlaserve_worker::load::finish(follow, &progress);
             serve_group(w, engine, 1).await
         });
     }
