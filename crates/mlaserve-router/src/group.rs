@@ -135,12 +135,21 @@ fn chain(e: &dyn std::error::Error) -> String {
 /// certificate or group secret), not that the group is down.
 pub const REFUSED: &str = "refused: ";
 
-fn describe(context: &str, text: &str, code: Option<tonic::Code>) -> String {
+fn describe(context: &str, text: &str, code: Option<tonic::Code>, link: &Link) -> String {
     let refused = matches!(code, Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied))
         || text.contains("fatal alert")
         || text.contains("invalid peer certificate");
+    // With TLS 1.3 a server that rejects the client's certificate says so after the
+    // handshake completed on the client's side: the client may then see only the
+    // connection closing under its first request instead of the alert.
+    let closed_after_tls = link.tls.is_some()
+        && ["broken pipe", "connection closed", "connection reset", "operation was canceled"]
+            .iter()
+            .any(|t| text.contains(t));
     if refused {
         format!("{REFUSED}{context}: {text}")
+    } else if closed_after_tls {
+        format!("{REFUSED}{context}: the worker closed the TLS connection (does it trust this router's certificate?): {text}")
     } else {
         format!("{context}: {text}")
     }
@@ -176,19 +185,19 @@ impl Group {
             .map_err(|e| format!("bad address {addr}: {e}"))?
             .connect()
             .await
-            .map_err(|e| describe(&format!("connect {addr}"), &chain(&e), None))?;
+            .map_err(|e| describe(&format!("connect {addr}"), &chain(&e), None, link))?;
         let mut client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
         let info = client
             .get_info(link.request(wire::GetInfoRequest {}))
             .await
-            .map_err(|e| describe("GetInfo", &chain(&e), Some(e.code())))?
+            .map_err(|e| describe("GetInfo", &chain(&e), Some(e.code()), link))?
             .into_inner();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (out_tx, out_rx) = mpsc::channel::<RouterBatch>(64);
         let inbound = client
             .session(link.request(tokio_stream::wrappers::ReceiverStream::new(out_rx)))
             .await
-            .map_err(|e| describe("Session", &chain(&e), Some(e.code())))?
+            .map_err(|e| describe("Session", &chain(&e), Some(e.code()), link))?
             .into_inner();
         let state = Arc::new(Shared {
             inflight: Mutex::new(HashMap::new()),
