@@ -677,8 +677,13 @@ impl CudaBackend {
                 (x, normed)
             }
         };
-        let (logits, argmax, sampled) =
-            self.head_outputs(&self.mtp[layer].head, &normed, &rows, batch, "MTP forward")?;
+        let (logits, argmax, sampled) = self.head_outputs(
+            self.mtp[layer].head.as_ref().unwrap_or(&self.lm_head),
+            &normed,
+            &rows,
+            batch,
+            "MTP forward",
+        )?;
         Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax, sampled })
     }
 

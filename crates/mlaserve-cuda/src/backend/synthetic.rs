@@ -119,7 +119,8 @@ impl Synth<'_> {
                     eh_proj: self.lin(h, 2 * h)?,
                     block: self.block(c, c.num_hidden_layers + d)?,
                     head_norm: self.norm(h)?,
-                    head: self.lin(v, h)?,
+                    // V3's MTP layer carries copies of the main head and embedding: shared.
+                    head: None,
                     embed: None,
                 })
             })

@@ -10,7 +10,7 @@ use mlaserve_core::config::Arch;
 use mlaserve_core::{ModelConfig, MoeConfig, ScoringFunc, TopkMethod};
 use mlaserve_model::{names, Shard, Weights};
 
-use crate::error::Result;
+use crate::error::{CudaError, Result};
 use crate::linear::Linear;
 use crate::ops::{ExpertWeights, RouteParams};
 
@@ -251,7 +251,10 @@ pub(crate) struct Mtp {
     pub eh_proj: Linear,
     pub block: Block,
     pub head_norm: CudaSlice<f32>,
-    pub head: Linear,
+    /// The layer's own head; `None`: the main model's (absent, or the same tensor: V3
+    /// ships a copy, which is checked byte for byte and not uploaded twice).
+    pub head: Option<Linear>,
+    /// The layer's own embedding; `None`: the main model's (likewise).
     pub embed: Option<Embed>,
 }
 
@@ -260,17 +263,21 @@ impl Mtp {
         let (h, v) = (c.hidden_size, c.vocab_size);
         let layer = c.num_hidden_layers + d;
         let n = |s: &str| names::layer(layer, s);
-        let head_name =
-            if l.w.contains(&n("shared_head.head.weight")) { n("shared_head.head.weight") } else { main_head.into() };
-        let own_embed = n("embed_tokens.weight");
+        let bad = |e: mlaserve_core::Error| CudaError::Shape { kernel: "load", msg: e.to_string() };
+        // Its own tensor, unless absent or identical to the main model's.
+        let own = |name: String, main: &str| -> Result<Option<String>> {
+            Ok(if l.w.contains(&name) && !l.w.same_tensor(&name, main).map_err(bad)? { Some(name) } else { None })
+        };
+        let own_head = own(n("shared_head.head.weight"), main_head)?;
+        let own_embed = own(n("embed_tokens.weight"), names::EMBED)?;
         Ok(Mtp {
             enorm: l.vec(&n("enorm.weight"), h)?,
             hnorm: l.vec(&n("hnorm.weight"), h)?,
             eh_proj: l.lin(&n("eh_proj.weight"), h, 2 * h, None)?,
             block: Block::load(l, c, layer)?,
             head_norm: l.vec(&n("shared_head.norm.weight"), h)?,
-            head: l.lin(&head_name, v, h, Some(0))?,
-            embed: if l.w.contains(&own_embed) { Some(Embed::load(l, &own_embed, v, h)?) } else { None },
+            head: own_head.map(|name| l.lin(&name, v, h, Some(0))).transpose()?,
+            embed: own_embed.map(|name| Embed::load(l, &name, v, h)).transpose()?,
         })
     }
 }
