@@ -37,6 +37,8 @@ pub mod elementwise;
 #[cfg(feature = "cuda")]
 mod error;
 #[cfg(feature = "cuda")]
+pub mod fp8_dequant;
+#[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
 pub mod kernels;

@@ -174,11 +174,17 @@ fn compare(gpu: &Outputs, cpu: &Outputs, v: usize, hd: usize, ties: &Excluded) -
 }
 
 /// The CPU side: its outputs and its prefill hidden state.
+/// The CPU side. For an fp8 checkpoint: the dequantised model (no activation
+/// quantisation), which is what the GPU computes while its projections run in bf16.
 fn cpu_side(dir: &std::path::Path) -> (Outputs, Vec<f32>) {
-    let mut cpu = CpuBackend::load(dir, BLOCKS).expect("load cpu");
+    let load = || {
+        let opts = mlaserve_cpu::CpuOptions { num_blocks: BLOCKS, fp8_activations: false, ..Default::default() };
+        CpuBackend::load_with(dir, opts, Box::new(mlaserve_core::SingleRank)).expect("load cpu")
+    };
+    let mut cpu = load();
     let h = cpu.forward(&prefill_batch()).expect("cpu prefill").hidden.data;
     let hd = cpu.config().hidden_size;
-    let mut cpu = CpuBackend::load(dir, BLOCKS).expect("load cpu");
+    let mut cpu = load();
     let out = calls(&mut cpu, &h, |_, d| mlaserve_cpu::CpuHidden { rows: d.len() / hd, data: d.to_vec() });
     (out, h)
 }
@@ -214,8 +220,14 @@ fn gpu_side(dir: &std::path::Path, opts: CudaOptions, world: usize, prefill_hidd
 }
 
 fn run_with(opts: CudaOptions, world: usize, label: &str) {
+    run_on(opts, world, label, false)
+}
+
+/// `fp8`: the checkpoint in DeepSeek's fp8 layout (its projections widened on the GPU).
+fn run_on(opts: CudaOptions, world: usize, label: &str, fp8: bool) {
     let t = tempfile::tempdir().expect("tempdir");
-    mlaserve_model::presets::generate("tiny-v3", t.path()).expect("preset");
+    let gen = mlaserve_model::presets::GenOptions { fp8, ..Default::default() };
+    mlaserve_model::presets::generate_opts("tiny-v3", t.path(), &gen).expect("preset");
     let cfg = mlaserve_model::load_config(t.path()).expect("config");
     let (cpu, prefill_hidden) = cpu_side(t.path());
     let gpu = gpu_side(t.path(), opts, world, &prefill_hidden);
@@ -271,5 +283,52 @@ fn tiny_v3_tp2_tp4_tp8_match_cpu() {
         }
         run_with(CudaOptions::new(BLOCKS, 0), world, &format!("TP{world} nccl"));
         run_with(CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores(), world, &format!("TP{world} ordered"));
+    }
+}
+
+/// An fp8 checkpoint: its weights are uploaded as codes and block scales and widened on
+/// the device; the model matches the CPU's dequantised model like the bf16 one.
+#[test]
+fn tiny_v3_fp8_checkpoint_matches_cpu() {
+    if !require_gpu() {
+        return;
+    }
+    run_on(CudaOptions::new(BLOCKS, 0), 1, "fp8 checkpoint", true);
+}
+
+/// The device's widening gives the host's bits (`f32_shard`, then bf16 round to nearest
+/// even), at shapes with partial blocks, on fresh random codes and scales.
+#[test]
+fn fp8_weights_widen_on_the_device_bit_for_bit() {
+    if !require_gpu() {
+        return;
+    }
+    use mlaserve_cuda::fp8_dequant::{Fp8Dequant, Fp8Host};
+    let gpu = mlaserve_cuda::Gpu::new(0).expect("gpu");
+    let dq = Fp8Dequant::new(&gpu).expect("kernel");
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ std::process::id() as u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for (rows, cols, block) in
+        [(256usize, 512usize, [128usize, 128]), (200, 384, [128, 128]), (7, 33, [4, 16]), (1, 128, [128, 128])]
+    {
+        // Every code, NaN and subnormals included.
+        let q: Vec<u8> = (0..rows * cols).map(|_| next() as u8).collect();
+        let [sr, sc] = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+        let scales: Vec<f32> = (0..sr * sc).map(|_| (next() % 10_000) as f32 * 1e-4 + 1e-6).collect();
+        let lin = dq.linear(&gpu.stream, Fp8Host { q: &q, scales: &scales, rows, cols, block }).expect("dequant");
+        let got: Vec<half::bf16> = gpu.stream.clone_dtoh(&lin.w).expect("download");
+        for (i, g) in got.iter().enumerate() {
+            let (r, c) = (i / cols, i % cols);
+            let want = half::bf16::from_f32(
+                mlaserve_model::fp8::fp8_e4m3_to_f32(q[i]) * scales[(r / block[0]) * sc + c / block[1]],
+            );
+            let same = g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan());
+            assert!(same, "[{rows}, {cols}] at ({r}, {c}): code {:#04x}: {g} vs {want}", q[i]);
+        }
     }
 }

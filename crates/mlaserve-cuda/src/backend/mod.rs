@@ -208,7 +208,8 @@ impl CudaBackend {
         w.set_progress(progress);
         let gpu = Gpu::new(opts.ordinal)?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
-        let l = Loader { w: &w, s: &gpu.stream, rank, world };
+        let dq = crate::fp8_dequant::Fp8Dequant::new(&gpu)?;
+        let l = Loader { w: &w, s: &gpu.stream, rank, world, dq: &dq };
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = Embed::load(&l, names::EMBED, v, h)?;
         let blocks = (0..cfg.num_hidden_layers).map(|i| Block::load(&l, &cfg, i)).collect::<Result<Vec<_>>>()?;

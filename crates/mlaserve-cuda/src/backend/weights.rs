@@ -4,13 +4,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut};
 use half::bf16;
 use mlaserve_core::config::Arch;
 use mlaserve_core::{ModelConfig, MoeConfig, ScoringFunc, TopkMethod};
 use mlaserve_model::{names, Shard, Weights};
 
 use crate::error::{CudaError, Result};
+use crate::fp8_dequant::{Fp8Dequant, Fp8Host};
 use crate::linear::Linear;
 use crate::ops::{ExpertWeights, RouteParams};
 
@@ -18,17 +19,59 @@ fn mlerr(e: mlaserve_core::Error) -> crate::CudaError {
     crate::CudaError::Shape { kernel: "load", msg: e.to_string() }
 }
 
-/// Reads this rank's shards and uploads them.
+/// Reads this rank's shards and uploads them. An fp8 weight is uploaded as its codes and
+/// block scales and widened to bf16 on the device ([`Fp8Dequant`]): no f32 host copy.
 pub(crate) struct Loader<'a> {
     pub w: &'a Weights,
     pub s: &'a Arc<CudaStream>,
     pub rank: usize,
     pub world: usize,
+    pub dq: &'a Fp8Dequant,
 }
 
 impl Loader<'_> {
     fn host(&self, name: &str, shape: &[usize], shard: Option<usize>) -> Result<Vec<f32>> {
         self.w.f32_shard(name, shape, shard.map(|d| Shard::new(d, self.rank, self.world))).map_err(mlerr)
+    }
+
+    /// This rank's shard of `name` (`[out, inp]`) dequantised into `out` on the device,
+    /// when the tensor is fp8 and the shard falls on its scale blocks; `Ok(false)`
+    /// otherwise (the caller takes the host path, which gives the same bits).
+    fn fp8_into(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        shard: Option<usize>,
+        out: &mut CudaViewMut<'_, bf16>,
+    ) -> Result<bool> {
+        if !self.w.is_fp8(name) {
+            return Ok(false);
+        }
+        let block = self.w.fp8_block();
+        if let Some(d) = shard {
+            if !(shape[d] / self.world).is_multiple_of(block[d]) {
+                return Ok(false);
+            }
+        }
+        let t = self.w.fp8_shard(name, shape, shard.map(|d| Shard::new(d, self.rank, self.world))).map_err(mlerr)?;
+        let host = Fp8Host { q: &t.q, scales: &t.scales, rows: t.out, cols: t.inp, block: t.block };
+        self.dq.into(self.s, host, out)?;
+        Ok(true)
+    }
+
+    /// This rank's shard of `name` as bf16 on the device, `[rows][cols]` after sharding.
+    fn bf16_matrix(&self, name: &str, shape: [usize; 2], shard: Option<usize>) -> Result<CudaSlice<bf16>> {
+        let (o, i) = match shard {
+            Some(0) => (shape[0] / self.world, shape[1]),
+            Some(_) => (shape[0], shape[1] / self.world),
+            None => (shape[0], shape[1]),
+        };
+        let mut out = self.s.alloc_zeros::<bf16>(o * i)?;
+        if !self.fp8_into(name, shape, shard, &mut out.as_view_mut())? {
+            let v = self.host(name, &shape, shard)?;
+            self.s.memcpy_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &mut out)?;
+        }
+        Ok(out)
     }
     /// A norm weight or bias, replicated, f32.
     pub fn vec(&self, name: &str, len: usize) -> Result<CudaSlice<f32>> {
@@ -36,13 +79,12 @@ impl Loader<'_> {
     }
     /// `[out, inp]` split along `shard` (0: output rows, 1: input columns) or replicated.
     pub fn lin(&self, name: &str, out: usize, inp: usize, shard: Option<usize>) -> Result<Linear> {
-        let v = self.host(name, &[out, inp], shard)?;
         let (o, i) = match shard {
             Some(0) => (out / self.world, inp),
             Some(_) => (out, inp / self.world),
             None => (out, inp),
         };
-        Linear::from_f32(self.s, &v, o, i)
+        Ok(Linear { w: self.bf16_matrix(name, [out, inp], shard)?, out: o, inp: i })
     }
     fn bf16(&self, v: &[f32]) -> Result<CudaSlice<bf16>> {
         Ok(self.s.clone_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())?)
@@ -58,12 +100,18 @@ pub(crate) struct Mlp {
 
 impl Mlp {
     fn load(l: &Loader, prefix: &str, h: usize, inter: usize) -> Result<Self> {
-        let g = l.host(&format!("{prefix}.gate_proj.weight"), &[inter, h], Some(0))?;
-        let u = l.host(&format!("{prefix}.up_proj.weight"), &[inter, h], Some(0))?;
         let local = inter / l.world;
-        let cat: Vec<f32> = g.into_iter().chain(u).collect();
+        let mut gate_up = l.s.alloc_zeros::<bf16>(2 * local * h)?;
+        for (i, part) in ["gate_proj", "up_proj"].iter().enumerate() {
+            let name = format!("{prefix}.{part}.weight");
+            let mut half = gate_up.slice_mut(i * local * h..(i + 1) * local * h);
+            if !l.fp8_into(&name, [inter, h], Some(0), &mut half)? {
+                let v = l.host(&name, &[inter, h], Some(0))?;
+                l.s.memcpy_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &mut half)?;
+            }
+        }
         Ok(Mlp {
-            gate_up: Linear::from_f32(l.s, &cat, 2 * local, h)?,
+            gate_up: Linear { w: gate_up, out: 2 * local, inp: h },
             down: l.lin(&format!("{prefix}.down_proj.weight"), h, inter, Some(1))?,
         })
     }
@@ -183,20 +231,28 @@ impl Attn {
         let kv_a = l.lin(&n("self_attn.kv_a_proj_with_mqa.weight"), c.latent_dim(), h, None)?;
         let kv_a_norm = l.vec(&n("self_attn.kv_a_layernorm.weight"), c.kv_lora_rank)?;
         let (nope, vdim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
-        let kv_b = l.host(&n("self_attn.kv_b_proj.weight"), &[nh * (nope + vdim), lora], Some(0))?;
-        let (mut uk, mut uv) = (Vec::with_capacity(lh * nope * lora), Vec::with_capacity(lh * vdim * lora));
+        // kv_b_proj stays bf16 (the absorbed form multiplies by its halves): widened on
+        // the device, then split per head into W_UK and W_UV.
+        let kv_b = l.bf16_matrix(&n("self_attn.kv_b_proj.weight"), [nh * (nope + vdim), lora], Some(0))?;
+        let (mut uk, mut uv) = (l.s.alloc_zeros::<bf16>(lh * nope * lora)?, l.s.alloc_zeros::<bf16>(lh * vdim * lora)?);
         for hd in 0..lh {
             let base = hd * (nope + vdim) * lora;
-            uk.extend_from_slice(&kv_b[base..base + nope * lora]);
-            uv.extend_from_slice(&kv_b[base + nope * lora..base + (nope + vdim) * lora]);
+            l.s.memcpy_dtod(
+                &kv_b.slice(base..base + nope * lora),
+                &mut uk.slice_mut(hd * nope * lora..(hd + 1) * nope * lora),
+            )?;
+            l.s.memcpy_dtod(
+                &kv_b.slice(base + nope * lora..base + (nope + vdim) * lora),
+                &mut uv.slice_mut(hd * vdim * lora..(hd + 1) * vdim * lora),
+            )?;
         }
         Ok(Attn {
             q_a,
             q_b,
             kv_a,
             kv_a_norm,
-            w_uk: Linear { w: l.bf16(&uk)?, out: lh * nope, inp: lora },
-            w_uv: Linear { w: l.bf16(&uv)?, out: lh * vdim, inp: lora },
+            w_uk: Linear { w: uk, out: lh * nope, inp: lora },
+            w_uv: Linear { w: uv, out: lh * vdim, inp: lora },
             o_proj: l.lin(&n("self_attn.o_proj.weight"), h, nh * vdim, Some(1))?,
             heads: lh,
         })
