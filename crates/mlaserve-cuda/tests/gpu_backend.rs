@@ -174,17 +174,11 @@ fn compare(gpu: &Outputs, cpu: &Outputs, v: usize, hd: usize, ties: &Excluded) -
 }
 
 /// The CPU side: its outputs and its prefill hidden state.
-/// The CPU side. For an fp8 checkpoint: the dequantised model (no activation
-/// quantisation), which is what the GPU computes while its projections run in bf16.
 fn cpu_side(dir: &std::path::Path) -> (Outputs, Vec<f32>) {
-    let load = || {
-        let opts = mlaserve_cpu::CpuOptions { num_blocks: BLOCKS, fp8_activations: false, ..Default::default() };
-        CpuBackend::load_with(dir, opts, Box::new(mlaserve_core::SingleRank)).expect("load cpu")
-    };
-    let mut cpu = load();
+    let mut cpu = CpuBackend::load(dir, BLOCKS).expect("load cpu");
     let h = cpu.forward(&prefill_batch()).expect("cpu prefill").hidden.data;
     let hd = cpu.config().hidden_size;
-    let mut cpu = load();
+    let mut cpu = CpuBackend::load(dir, BLOCKS).expect("load cpu");
     let out = calls(&mut cpu, &h, |_, d| mlaserve_cpu::CpuHidden { rows: d.len() / hd, data: d.to_vec() });
     (out, h)
 }
@@ -223,14 +217,47 @@ fn run_with(opts: CudaOptions, world: usize, label: &str) {
     run_on(opts, world, label, false)
 }
 
-/// `fp8`: the checkpoint in DeepSeek's fp8 layout (its projections widened on the GPU).
+/// The bf16 checkpoint holding exactly the weights the GPU makes of the fp8 one in
+/// `fp8_dir`: every fp8 projection as bf16(q · s), every other tensor as stored.
+fn widened_copy(fp8_dir: &std::path::Path, out: &std::path::Path) {
+    use mlaserve_model::weights::{write_safetensors, RawTensor};
+    use mlaserve_model::Weights;
+    let cfg = mlaserve_model::load_config(fp8_dir).expect("config");
+    let w = Weights::open(fp8_dir, cfg.fp8).expect("weights");
+    let mut all = std::collections::BTreeMap::new();
+    for name in w.names().into_iter().filter(|n| !n.ends_with("_scale_inv")) {
+        let shape = w.shape(name).expect("shape");
+        let v = w.f32(name, &shape).expect("values");
+        let dtype = w.dtype(name).expect("dtype");
+        let t = if dtype == safetensors::Dtype::F32 { RawTensor::f32(&shape, &v) } else { RawTensor::bf16(&shape, &v) };
+        all.insert(name.to_string(), t);
+    }
+    write_safetensors(&out.join("model.safetensors"), &all).expect("write");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fp8_dir.join("config.json")).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::fs::copy(fp8_dir.join(f), out.join(f)).unwrap();
+    }
+}
+
+/// `fp8`: the GPU loads the checkpoint in DeepSeek's fp8 layout (its projections widened
+/// on the device); the CPU loads the bf16 checkpoint of the same widened weights, so
+/// the two compute the same model, as with a bf16 checkpoint.
 fn run_on(opts: CudaOptions, world: usize, label: &str, fp8: bool) {
     let t = tempfile::tempdir().expect("tempdir");
     let gen = mlaserve_model::presets::GenOptions { fp8, ..Default::default() };
     mlaserve_model::presets::generate_opts("tiny-v3", t.path(), &gen).expect("preset");
+    let gpu_dir = t.path();
+    let widened = tempfile::tempdir().expect("tempdir");
+    if fp8 {
+        widened_copy(gpu_dir, widened.path());
+    }
+    let t = if fp8 { &widened } else { &t };
     let cfg = mlaserve_model::load_config(t.path()).expect("config");
     let (cpu, prefill_hidden) = cpu_side(t.path());
-    let gpu = gpu_side(t.path(), opts, world, &prefill_hidden);
+    let gpu = gpu_side(gpu_dir, opts, world, &prefill_hidden);
     let seqs = vec![(toks(1, 70), vec![3, 7]), (toks(2, 20), vec![1, 9])];
     let ties: Excluded =
         common::near_ties(t.path(), &seqs, 5e-3).into_iter().flat_map(|(_, v)| v).map(|x| x.0).collect();
