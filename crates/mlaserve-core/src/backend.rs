@@ -182,6 +182,12 @@ pub trait Backend {
     /// Number of physical cache blocks (shared by the target layers and the MTP layers).
     fn num_blocks(&self) -> usize;
 
+    /// How the device's memory was split at load, for a backend that planned it (the
+    /// CUDA backend under `--gpu-memory-utilization`).
+    fn memory_plan(&self) -> Option<crate::memory::MemoryPlan> {
+        None
+    }
+
     /// Target model forward over `batch`: writes the latent cache of the main layers.
     fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>>;
 
@@ -214,6 +220,9 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn num_blocks(&self) -> usize {
         (**self).num_blocks()
+    }
+    fn memory_plan(&self) -> Option<crate::memory::MemoryPlan> {
+        (**self).memory_plan()
     }
     fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>> {
         (**self).forward(batch)

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod collective;
 pub mod config;
 pub mod error;
+pub mod memory;
 pub mod request;
 pub mod sampling;
 

@@ -95,3 +95,23 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
     }
     Ok(())
 }
+
+impl Gpu {
+    /// Free device memory and the total, after handing back to the device whatever the
+    /// default pool keeps unused (what an earlier backend of this process freed), so
+    /// that "free" means free to this load.
+    pub fn free_memory(&self) -> Result<(usize, usize)> {
+        use cudarc::driver::sys;
+        self.sync()?;
+        if self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? > 0 {
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            // SAFETY: the device handle is the live context's; the pool handle is written
+            // by the driver before it is used; trimming releases only unused memory.
+            unsafe {
+                sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()).result()?;
+                sys::cuMemPoolTrimTo(pool, 0).result()?;
+            }
+        }
+        Ok(self.ctx.mem_get_info()?)
+    }
+}

@@ -359,3 +359,49 @@ fn fp8_weights_widen_on_the_device_bit_for_bit() {
         }
     }
 }
+
+/// `gpu_memory_utilization`: the cache takes what the fraction leaves after the weights
+/// and a profiled step; the process then holds no more than the fraction; a fraction the
+/// model cannot fit in is refused, naming what is short.
+#[test]
+fn the_cache_is_sized_from_the_device_memory() {
+    if !require_gpu() {
+        return;
+    }
+    let t = tempfile::tempdir().expect("tempdir");
+    mlaserve_model::presets::generate("tiny-v3", t.path()).expect("preset");
+    let gpu = mlaserve_cuda::Gpu::new(0).expect("gpu");
+    let (free0, total) = gpu.free_memory().expect("mem info");
+    println!(
+        "device: {:.1} GiB of {:.1} GiB free before the test",
+        free0 as f64 / 1e9 * 0.931,
+        total as f64 / 1e9 * 0.931
+    );
+    for u in [0.3, 0.6] {
+        let opts = CudaOptions { gpu_memory_utilization: Some(u), profile_tokens: 512, ..CudaOptions::new(1, 0) };
+        let mut b = CudaBackend::load_with(t.path(), opts).expect("load");
+        let p = b.memory_plan().expect("a plan");
+        println!("utilization {u}: {p}");
+        assert_eq!(p.kv_blocks as usize, b.num_blocks());
+        assert!(p.kv_blocks > 100, "{p}");
+        assert!(p.weights_bytes > 0 && p.activation_bytes > 0, "{p}");
+        let (free, _) = gpu.free_memory().expect("mem info");
+        let used = (total - free) as f64;
+        // Everything this process holds (the test's own context included) stays within
+        // the fraction, up to the pool's rounding.
+        assert!(used <= u * total as f64 + 256.0 * 1024.0 * 1024.0, "{used} > {u} × {total}");
+        assert!(used >= 0.9 * u * total as f64, "the cache should take most of what is left: {used}");
+        // The planned cache is usable: a prefill on its last block.
+        let last = b.num_blocks() as u32 - 1;
+        let mut batch = Batch {
+            seqs: vec![SeqChunk { tokens: toks(5, 40), start_pos: 0, block_table: vec![last], prefill: true }],
+            ..Default::default()
+        };
+        all_rows(&mut batch);
+        let out = b.forward(&batch).expect("forward on the planned cache");
+        assert!(out.logits.iter().all(|x| x.is_finite()));
+    }
+    let opts = CudaOptions { gpu_memory_utilization: Some(0.0001), ..CudaOptions::new(1, 0) };
+    let e = CudaBackend::load_with(t.path(), opts).expect_err("cannot fit").to_string();
+    assert!(e.contains("does not fit") && e.contains("--gpu-memory-utilization 0.0001"), "{e}");
+}

@@ -19,7 +19,7 @@ fn worker() -> Background<WorkerHandle> {
     let mut a = WorkerArgs::new(model_path());
     a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     a.engine.max_num_seqs = 8;
-    a.engine.kv_blocks = 128;
+    a.engine.kv_blocks = Some(128);
     Background::start(move || async move { start_cpu_worker(a).await })
 }
 

@@ -18,7 +18,7 @@ fn worker(max_num_seqs: usize) -> Background<WorkerHandle> {
     let mut a = WorkerArgs::new(model_path());
     a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     a.engine.max_num_seqs = max_num_seqs;
-    a.engine.kv_blocks = 128;
+    a.engine.kv_blocks = Some(128);
     Background::start(move || async move { start_cpu_worker(a).await })
 }
 
@@ -121,7 +121,7 @@ async fn model_info_keeps_the_groups_limits_while_none_is_ready() {
     let mut a = {
         let mut w = WorkerArgs::new(model_path());
         w.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-        w.engine.kv_blocks = 128;
+        w.engine.kv_blocks = Some(128);
         w.engine.max_model_len = Some(100);
         Background::start(move || async move { start_cpu_worker(w).await })
     };

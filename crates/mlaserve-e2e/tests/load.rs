@@ -21,7 +21,7 @@ const NEW: u32 = 16;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousand_concurrent_streams() {
     let s = serve(|a| {
-        a.engine.kv_blocks = 1024;
+        a.engine.kv_blocks = Some(1024);
         a.queue_size = 2048;
         a.metrics_listen = None;
         // The embedded group takes only its router: this test talks to it too.

@@ -16,7 +16,7 @@ use tonic::Code;
 fn worker(model: std::path::PathBuf) -> Background<WorkerHandle> {
     let mut a = WorkerArgs::new(model);
     a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.engine.kv_blocks = 128;
+    a.engine.kv_blocks = Some(128);
     Background::start(move || async move { start_cpu_worker(a).await })
 }
 

@@ -31,7 +31,7 @@ fn router(workers: Vec<String>) -> Background<RouterHandle> {
 fn worker() -> Background<WorkerHandle> {
     let mut a = WorkerArgs::new(model_path());
     a.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    a.engine.kv_blocks = 256;
+    a.engine.kv_blocks = Some(256);
     Background::start(move || async move { start_cpu_worker(a).await })
 }
 

@@ -79,7 +79,7 @@ async fn a_killed_rank_mid_stream_reaches_the_client_as_unavailable() {
 
     let mut wargs = WorkerArgs::new(model.clone());
     wargs.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    wargs.engine.kv_blocks = 128;
+    wargs.engine.kv_blocks = Some(128);
     let cfg = wargs.engine.engine_config();
     let worker: Background<WorkerHandle> = Background::start(move || async move {
         let make = move || TpLeader::new(CpuBackend::load_with(&model, opts, Box::new(comm0))?, plans0);

@@ -283,7 +283,7 @@ async fn overload_gets_resource_exhausted_at_once() {
 #[tokio::test]
 async fn cancelled_streams_free_the_kv_pool() {
     let s = serve(|a| {
-        a.engine.kv_blocks = 128;
+        a.engine.kv_blocks = Some(128);
         a.engine.max_num_seqs = 64;
     });
     let h = s.get();

@@ -92,6 +92,9 @@ impl<B: Backend> Backend for Timed<B> {
     fn num_blocks(&self) -> usize {
         self.inner.num_blocks()
     }
+    fn memory_plan(&self) -> Option<mlaserve_core::memory::MemoryPlan> {
+        self.inner.memory_plan()
+    }
     fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<B::Hidden>> {
         let t = Instant::now();
         let r = self.inner.forward(batch);

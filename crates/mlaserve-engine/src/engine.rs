@@ -188,6 +188,11 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Longest sequence (prompt + output) the engine lets a request reach.
+    /// How the backend split its device's memory, when it planned it.
+    pub fn memory_plan(&self) -> Option<mlaserve_core::memory::MemoryPlan> {
+        self.backend.memory_plan()
+    }
+
     pub fn max_model_len(&self) -> usize {
         self.max_model_len
     }

@@ -28,11 +28,13 @@ enum Command {
 }
 
 /// Facts about a running engine that do not change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EngineInfo {
     pub num_speculative_tokens: usize,
     pub max_model_len: usize,
     pub kv_blocks_total: usize,
+    /// The backend's memory plan (the CUDA backend under `--gpu-memory-utilization`).
+    pub memory: Option<mlaserve_core::memory::MemoryPlan>,
 }
 
 /// Cloneable async handle to an engine running on its own thread.
@@ -65,6 +67,7 @@ impl EngineHandle {
                             num_speculative_tokens: engine.num_speculative_tokens(),
                             max_model_len: engine.max_model_len(),
                             kv_blocks_total: engine.load().kv_blocks_total,
+                            memory: engine.memory_plan(),
                         };
                         if init_tx.send(Ok(info)).is_ok() {
                             run_loop(engine, rx, &load2);

@@ -80,6 +80,9 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
     fn num_blocks(&self) -> usize {
         self.inner.num_blocks()
     }
+    fn memory_plan(&self) -> Option<mlaserve_core::memory::MemoryPlan> {
+        self.inner.memory_plan()
+    }
 
     fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>> {
         let id = self.next_id;

@@ -5,17 +5,26 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-const DEFAULT_KV_BLOCKS: usize = 512;
+/// KV blocks on the CPU backend when `--kv-blocks` is not given.
+pub const DEFAULT_KV_BLOCKS: usize = 512;
+const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 const DEFAULT_MAX_BATCH_TOKENS: usize = 2048;
 const DEFAULT_MAX_NUM_SEQS: usize = 256;
 const DEFAULT_MAX_QUEUED: usize = 4096;
 
 /// The engine of a worker group: its KV cache, batching and speculation.
-#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct EngineArgs {
-    /// KV cache blocks (64 tokens each).
-    #[arg(long, default_value_t = DEFAULT_KV_BLOCKS)]
-    pub kv_blocks: usize,
+    /// KV cache blocks (64 tokens each). Default: on the GPU, what
+    /// --gpu-memory-utilization leaves after the weights and a profiled step; on the CPU,
+    /// 512.
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// GPU: the fraction of the device's memory the worker may fill (weights, the largest
+    /// step's activations, the decode graphs, and the KV cache, which takes the rest).
+    /// Ignored when --kv-blocks is given.
+    #[arg(long, default_value_t = DEFAULT_GPU_MEMORY_UTILIZATION)]
+    pub gpu_memory_utilization: f64,
     /// Longest sequence (prompt + generated tokens) a request may reach. Default: the
     /// model's `max_position_embeddings` less the drafter's headroom, clipped to what the
     /// KV cache holds for one request. Given explicitly, the worker refuses to start if
@@ -44,7 +53,8 @@ pub struct EngineArgs {
 impl Default for EngineArgs {
     fn default() -> Self {
         EngineArgs {
-            kv_blocks: DEFAULT_KV_BLOCKS,
+            kv_blocks: None,
+            gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             max_model_len: None,
             speculative_tokens: None,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
@@ -56,6 +66,11 @@ impl Default for EngineArgs {
 }
 
 impl EngineArgs {
+    /// The KV blocks of a backend that does not plan its memory (the CPU).
+    pub fn kv_blocks_or_default(&self) -> usize {
+        self.kv_blocks.unwrap_or(DEFAULT_KV_BLOCKS)
+    }
+
     /// The engine configuration these settings describe.
     pub fn engine_config(&self) -> mlaserve_engine::EngineConfig {
         mlaserve_engine::EngineConfig {
@@ -170,7 +185,8 @@ mod tests {
         let parsed = Cli::try_parse_from(["mlaserve"]).expect("parses").e;
         assert_eq!(parsed, EngineArgs::default());
         let set = Cli::try_parse_from(["mlaserve", "--max-model-len", "1000", "--kv-blocks", "7"]).expect("parses").e;
-        assert_eq!((set.max_model_len, set.kv_blocks), (Some(1000), 7));
+        assert_eq!((set.max_model_len, set.kv_blocks), (Some(1000), Some(7)));
+        assert_eq!(parsed.kv_blocks_or_default(), DEFAULT_KV_BLOCKS);
         assert_eq!(set.engine_config().max_model_len, Some(1000));
     }
 }

@@ -108,7 +108,22 @@ pub async fn start(args: WorkerArgs, engine: EngineHandle, tp_size: usize) -> Re
         block_size: mlaserve_core::BLOCK_SIZE as u32,
         config_fingerprint: fingerprints.config,
         tokenizer_fingerprint: fingerprints.tokenizer,
+        memory: ei.memory.map(|m| mlaserve_proto::worker::MemoryPlan {
+            total_bytes: m.total_bytes,
+            utilization: m.utilization,
+            other_bytes: m.other_bytes,
+            weights_bytes: m.weights_bytes,
+            activation_bytes: m.activation_bytes,
+            graph_bytes: m.graph_bytes,
+            kv_bytes: m.kv_bytes,
+            kv_blocks: m.kv_blocks,
+            kv_block_bytes: m.kv_block_bytes,
+            kv_tokens: m.kv_tokens,
+        }),
     };
+    if let Some(m) = &ei.memory {
+        tracing::info!("memory plan: {m}");
+    }
     if let Some(m) = args.metrics_listen {
         mlaserve_cluster::metrics::serve(m).await.map_err(|e| WorkerError::Bind(m, e))?;
     }

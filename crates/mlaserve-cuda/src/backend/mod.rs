@@ -29,6 +29,7 @@
 
 mod graphs;
 mod layer;
+mod memory;
 mod options;
 mod route;
 mod synthetic;
@@ -122,6 +123,8 @@ pub struct CudaBackend {
     prof: Option<std::cell::RefCell<Profile>>,
     /// The decode steps' CUDA graphs and their persistent buffers.
     graphs: graphs::Graphs,
+    /// How the device's memory was split, when the cache was sized from it.
+    memory: Option<mlaserve_core::memory::MemoryPlan>,
 }
 
 /// Wall time per phase of the forward passes since profiling was switched on; each mark
@@ -207,6 +210,7 @@ impl CudaBackend {
         progress.set_total(w.data_bytes());
         w.set_progress(progress);
         let gpu = Gpu::new(opts.ordinal)?;
+        let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let dq = crate::fp8_dequant::Fp8Dequant::new(&gpu)?;
         let l = Loader { w: &w, s: &gpu.stream, rank, world, dq: &dq };
@@ -218,7 +222,7 @@ impl CudaBackend {
         let lm_head = l.lin(head_name, v, h, Some(0))?;
         let mtp =
             (0..cfg.num_nextn_predict_layers).map(|d| Mtp::load(&l, &cfg, d, head_name)).collect::<Result<Vec<_>>>()?;
-        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts, comm)
+        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts, comm, free_at_start)
     }
 
     /// A model of configuration `cfg` with synthetic weights whose values `fill` writes on
@@ -229,9 +233,10 @@ impl CudaBackend {
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
         cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "synthetic", msg: e.to_string() })?;
         let gpu = Gpu::new(opts.ordinal)?;
+        let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let parts = synthetic::Synth { gpu: &gpu, fill, rank, world }.model(&cfg)?;
-        Self::assemble(cfg, gpu, parts, opts, comm)
+        Self::assemble(cfg, gpu, parts, opts, comm, free_at_start)
     }
 
     #[allow(clippy::type_complexity)]
@@ -241,9 +246,19 @@ impl CudaBackend {
         parts: (Embed, Vec<Block>, CudaSlice<f32>, Linear, Vec<Mtp>),
         opts: CudaOptions,
         comm: Option<DeviceComm>,
+        free_at_start: usize,
     ) -> Result<Self> {
         let (embed, blocks, final_norm, lm_head, mtp) = parts;
         let lat = cfg.latent_dim();
+        let (free_after_weights, total) = gpu.free_memory()?;
+        let mem = memory::LoadMemory { total, free_at_start, free_after_weights };
+        // Planning: a temporary cache just large enough for the profiling step.
+        let longest = cfg.max_position_embeddings.max(1);
+        let profile = opts.gpu_memory_utilization.map(|_| memory::profile_batch(opts.profile_tokens, longest));
+        let mut opts = opts;
+        if let Some((_, blocks)) = &profile {
+            opts.num_blocks = *blocks;
+        }
         let caches = (0..blocks.len() + mtp.len())
             .map(|_| gpu.stream.alloc_zeros::<half::bf16>(opts.num_blocks * BLOCK_SIZE * lat))
             .collect::<std::result::Result<Vec<_>, _>>()?;
@@ -260,7 +275,6 @@ impl CudaBackend {
         let sampler = Sampler::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
-        let mut opts = opts;
         if opts.decode_kernel {
             if let Err(e) = mla.set_fixed_splits(opts.decode_split_blocks) {
                 // Fixed splits need the seesaw kernel: without it, the varlen kernel keeps
@@ -271,7 +285,8 @@ impl CudaBackend {
         }
         let prefill = MlaPrefill::new(&gpu, opts.prefill_kernel)?;
         gpu.sync()?;
-        Ok(CudaBackend {
+        let utilization = opts.gpu_memory_utilization;
+        let mut backend = CudaBackend {
             cfg,
             gpu,
             ops,
@@ -292,7 +307,12 @@ impl CudaBackend {
             comm,
             prof: None,
             graphs: graphs::Graphs::default(),
-        })
+            memory: None,
+        };
+        if let (Some(u), Some((batch, _))) = (utilization, profile) {
+            backend.plan_memory(u, mem, batch)?;
+        }
+        Ok(backend)
     }
 
     /// Fills every layer's latent cache with `fill`'s values in [-1, 1) (benchmarks: a
@@ -730,6 +750,10 @@ impl Backend for CudaBackend {
 
     fn num_blocks(&self) -> usize {
         self.opts.num_blocks
+    }
+
+    fn memory_plan(&self) -> Option<mlaserve_core::memory::MemoryPlan> {
+        self.memory
     }
 
     fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<CudaHidden>> {

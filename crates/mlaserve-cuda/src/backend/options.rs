@@ -43,6 +43,13 @@ pub struct CudaOptions {
     /// ([`crate::MlaDecode::set_fixed_splits`]: batch-invariant decode attention); None:
     /// the planner's, which depend on the batch.
     pub decode_split_blocks: Option<usize>,
+    /// Size the KV cache from the device's memory instead of `num_blocks`: after the
+    /// weights and a profiling forward of `profile_tokens` prompt tokens, the cache takes
+    /// what is left of this fraction of the device's memory, less a reserve for the
+    /// decode graphs (`CudaBackend::memory_plan`). `None`: `num_blocks` blocks.
+    pub gpu_memory_utilization: Option<f64>,
+    /// The largest step's tokens (the engine's `max_batch_tokens`), for that profile.
+    pub profile_tokens: usize,
 }
 
 /// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
@@ -74,6 +81,8 @@ impl CudaOptions {
             linear_tc: TcKernels::Auto,
             prefill_kernel: PrefillKernel::WgmmaTma,
             decode_split_blocks: None,
+            gpu_memory_utilization: None,
+            profile_tokens: 2048,
         }
     }
     /// Every token's result independent of its batch, on the fast kernels: the

@@ -89,7 +89,7 @@ impl<H> Drop for Background<H> {
 pub fn serve(customize: impl FnOnce(&mut ServeArgs)) -> Background<ServeHandle> {
     let mut args = ServeArgs::new(model_path());
     args.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    args.engine.kv_blocks = 256;
+    args.engine.kv_blocks = Some(256);
     customize(&mut args);
     Background::start(move || async move {
         let engine = cpu_engine(&args.worker_args()).await;
@@ -101,7 +101,7 @@ pub fn serve(customize: impl FnOnce(&mut ServeArgs)) -> Background<ServeHandle> 
 
 /// The engine of a worker group on the CPU reference backend.
 pub async fn cpu_engine(args: &WorkerArgs) -> EngineHandle {
-    let (dir, blocks) = (args.model.clone(), args.engine.kv_blocks);
+    let (dir, blocks) = (args.model.clone(), args.engine.kv_blocks_or_default());
     EngineHandle::spawn(move || mlaserve_cpu::CpuBackend::load(&dir, blocks), args.engine.engine_config())
         .await
         .unwrap()
@@ -122,7 +122,7 @@ pub fn etcd_worker(etcd: &str, cluster: &str, group: &str, lease_ttl_s: u64) -> 
     a.cluster = cluster.into();
     a.group = Some(group.into());
     a.lease_ttl_s = lease_ttl_s;
-    a.engine.kv_blocks = 256;
+    a.engine.kv_blocks = Some(256);
     Background::start(move || async move { start_cpu_worker(a).await })
 }
 

@@ -151,13 +151,16 @@ impl CudaFlags {
 }
 
 impl BackendArgs {
-    /// The CUDA backend's options for a cache of `kv_blocks` on GPU `ordinal`.
+    /// The CUDA backend's options on GPU `ordinal`: `--kv-blocks` blocks, or the cache
+    /// sized from the device's memory (`--gpu-memory-utilization`).
     #[cfg(feature = "cuda")]
-    pub fn cuda_options(&self, kv_blocks: usize, ordinal: usize) -> mlaserve_cuda::CudaOptions {
-        let o = mlaserve_cuda::CudaOptions {
-            graphs: !self.enforce_eager,
-            ..self.cuda.apply(mlaserve_cuda::CudaOptions::new(kv_blocks, ordinal))
+    pub fn cuda_options(&self, engine: &mlaserve_worker::EngineArgs, ordinal: usize) -> mlaserve_cuda::CudaOptions {
+        let base = mlaserve_cuda::CudaOptions {
+            gpu_memory_utilization: engine.kv_blocks.is_none().then_some(engine.gpu_memory_utilization),
+            profile_tokens: engine.max_batch_tokens,
+            ..mlaserve_cuda::CudaOptions::new(engine.kv_blocks.unwrap_or(1), ordinal)
         };
+        let o = mlaserve_cuda::CudaOptions { graphs: !self.enforce_eager, ..self.cuda.apply(base) };
         if self.batch_invariant {
             o.batch_invariant()
         } else {
@@ -175,10 +178,10 @@ fn gpu_present(ordinal: usize) -> bool {
 pub async fn spawn_engine(
     b: &BackendArgs,
     model: PathBuf,
-    kv_blocks: usize,
-    cfg: EngineConfig,
+    engine: &mlaserve_worker::EngineArgs,
     progress: Arc<LoadProgress>,
 ) -> anyhow::Result<EngineHandle> {
+    let cfg = engine.engine_config();
     #[cfg(feature = "cuda")]
     {
         let use_gpu = match b.backend {
@@ -189,7 +192,7 @@ pub async fn spawn_engine(
         if use_gpu {
             let ordinal = b.cuda_device;
             tracing::info!(ordinal, graphs = !b.enforce_eager, "worker group on the CUDA backend");
-            let opts = b.cuda_options(kv_blocks, ordinal);
+            let opts = b.cuda_options(engine, ordinal);
             let make = move || {
                 mlaserve_cuda::CudaBackend::load_observed(&model, opts, progress)
                     .map_err(|e| mlaserve_core::Error::Backend(e.to_string()))
@@ -205,7 +208,7 @@ pub async fn spawn_engine(
     }
     tracing::info!("worker group on the CPU backend");
     let cfg = cpu_config(cfg);
-    let opts = mlaserve_cpu::CpuOptions { num_blocks: kv_blocks, ..Default::default() };
+    let opts = mlaserve_cpu::CpuOptions { num_blocks: engine.kv_blocks_or_default(), ..Default::default() };
     let make = move || mlaserve_cpu::CpuBackend::load_observed(&model, opts, Box::new(SingleRank), progress);
     Ok(EngineHandle::spawn(make, cfg).await?)
 }

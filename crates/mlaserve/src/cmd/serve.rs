@@ -25,8 +25,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("loading {}", w.model.display()),
             0,
         ));
-        let cfg = w.engine.engine_config();
-        let engine = spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, cfg, progress).await?;
+        let engine = spawn_engine(&a.backend, w.model.clone(), &w.engine, progress).await?;
         mlaserve::serve::run_with_engine(a.serve, engine).await?;
         anyhow::Ok(())
     })

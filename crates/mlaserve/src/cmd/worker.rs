@@ -67,10 +67,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             let progress = Arc::new(LoadProgress::new(format!("loading {}", w.model.display()), 0));
             let follow = mlaserve_worker::load::follow(progress.clone());
-            let cfg = w.engine.engine_config();
-            let engine =
-                super::backend::spawn_engine(&a.backend, w.model.clone(), w.engine.kv_blocks, cfg, progress.clone())
-                    .await?;
+            let engine = super::backend::spawn_engine(&a.backend, w.model.clone(), &w.engine, progress.clone()).await?;
             mlaserve_worker::load::finish(follow, &progress);
             serve_group(w, engine, 1).await
         });
@@ -160,7 +157,7 @@ mod tp {
         tp: &TpArgs,
         ids: &[u8],
         model: &Path,
-        kv_blocks: usize,
+        engine: &mlaserve_worker::EngineArgs,
     ) -> mlaserve_core::Result<mlaserve_cuda::CudaBackend> {
         let init = mlaserve_cuda::TpInit {
             rank: tp.rank,
@@ -168,7 +165,7 @@ mod tp {
             id: ids[..ID_BYTES].to_vec(),
             timeout: Duration::from_secs(tp.collective_timeout_s),
         };
-        let opts = b.cuda_options(kv_blocks, ordinal(tp)?);
+        let opts = b.cuda_options(engine, ordinal(tp)?);
         Ok(mlaserve_cuda::CudaBackend::load_tp(model, opts, Some(&init))?)
     }
 
@@ -178,7 +175,7 @@ mod tp {
         _: &TpArgs,
         _: &[u8],
         _: &Path,
-        _: usize,
+        _: &mlaserve_worker::EngineArgs,
     ) -> mlaserve_core::Result<CpuBackend> {
         Err(mlaserve_core::Error::Backend("this build has no CUDA".into()))
     }
@@ -195,7 +192,8 @@ mod tp {
         let timeout = Duration::from_secs(a.tp.collective_timeout_s.max(30));
         let via_etcd = !a.worker.etcd.is_empty();
         let gpu = on_gpu(&a.backend, &a.tp)?;
-        let (model, kv_blocks) = (a.worker.model.clone(), a.worker.engine.kv_blocks);
+        let (model, engine_args) = (a.worker.model.clone(), a.worker.engine.clone());
+        let kv_blocks = engine_args.kv_blocks_or_default();
         if a.tp.rank > 0 {
             let ids = if via_etcd {
                 let (eps, cluster) = (a.worker.etcd.clone(), a.worker.cluster.clone());
@@ -211,7 +209,7 @@ mod tp {
             // The backend first: its communicator's init waits for every rank's, in the
             // same order on every rank (backend, then plans).
             return if gpu {
-                follow(&a, cuda_backend(&a.backend, &a.tp, &ids, &model, kv_blocks), &ids)
+                follow(&a, cuda_backend(&a.backend, &a.tp, &ids, &model, &engine_args), &ids)
             } else {
                 follow(&a, cpu_backend(&a.tp, &ids, &model, kv_blocks), &ids)
             };
@@ -244,7 +242,7 @@ mod tp {
             let engine = if gpu {
                 let make = move || {
                     join()?;
-                    let b = cuda_backend(&backend, &tp, &ids, &model, kv_blocks)?;
+                    let b = cuda_backend(&backend, &tp, &ids, &model, &engine_args)?;
                     TpLeader::new(b, plans(&tp, &ids)?)
                 };
                 mlaserve_engine::EngineHandle::spawn(make, cfg).await?
