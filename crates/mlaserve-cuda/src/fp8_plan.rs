@@ -1,0 +1,237 @@
+//! Host-side planning of the fp8 (e4m3, 128 × 128 block-scaled) projections of
+//! `kernels/fp8_gemm.cu`: shape validation, which kernel runs a call, the weight-streaming
+//! kernel's split-K and row tiles. Built without CUDA, so CI unit-tests it; the launch
+//! wrappers are [`crate::fp8`].
+//!
+//! Batch invariance: the streaming kernel's k split ([`stream_split`]) depends on the
+//! weight's shape and the GPU's SM count only, never on the rows of a call, and a row's
+//! sum is the same mma/promotion sequence whatever tile it sits in; so
+//! [`Fp8Path::Stream`] gives a row the same bits at any row count.
+
+/// Scale block edge (rows and columns of the weight, channels of an activation group).
+pub const FP8_BLOCK: usize = 128;
+/// Weight rows (output columns) per streaming block: one scale row.
+pub const STREAM_COLS: usize = 128;
+/// Activation rows per streaming block (more rows run as more blocks along grid.z).
+pub const STREAM_ROWS: usize = 64;
+/// [`Fp8Path::Auto`] runs the streaming kernel up to this many rows, wgmma above (Hopper).
+pub const STREAM_MAX_ROWS: usize = 64;
+/// Rows and columns per block of the wgmma kernel.
+pub const WG_TILE: usize = 128;
+/// The wgmma kernel's dynamic shared memory: 1024 bytes of alignment slack, 6 stages of
+/// two 128 × 128-byte tiles, 12 barriers of 8 bytes.
+pub const WG_SMEM: usize = 1024 + 6 * 2 * WG_TILE * FP8_BLOCK + 16 * 6;
+/// Bytes of f32 split-K partials one streaming launch may write; more rows run in slabs.
+pub const STREAM_PARTIAL_BYTES: usize = 64 << 20;
+
+/// Which kernel runs an fp8 projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8Path {
+    /// The streaming kernel up to [`STREAM_MAX_ROWS`] rows, the wgmma kernel above on
+    /// Hopper (streaming elsewhere). Not batch-invariant across that threshold.
+    #[default]
+    Auto,
+    /// The weight-streaming kernel at every row count (every GPU with fp8 mma.sync):
+    /// batch-invariant.
+    Stream,
+    /// The wgmma kernel at every row count (Hopper only).
+    Wgmma,
+}
+
+impl Fp8Path {
+    pub const ALL: [Fp8Path; 3] = [Fp8Path::Auto, Fp8Path::Stream, Fp8Path::Wgmma];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Path::Auto => "auto",
+            Fp8Path::Stream => "stream",
+            Fp8Path::Wgmma => "wgmma",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Fp8Path> {
+        Self::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Whether a row's result is independent of the other rows of the call.
+    pub fn batch_invariant(self) -> bool {
+        self == Fp8Path::Stream
+    }
+
+    /// The kernel that runs `rows` rows on a GPU with (`wgmma`) or without the Hopper
+    /// kernel; an error for [`Fp8Path::Wgmma`] without it.
+    pub fn kernel(self, rows: usize, wgmma: bool) -> Result<Fp8Kernel, String> {
+        match self {
+            Fp8Path::Stream => Ok(Fp8Kernel::Stream),
+            Fp8Path::Wgmma if wgmma => Ok(Fp8Kernel::Wgmma),
+            Fp8Path::Wgmma => Err("the wgmma fp8 kernel needs a Hopper (sm_90) GPU".into()),
+            Fp8Path::Auto if wgmma && rows > STREAM_MAX_ROWS => Ok(Fp8Kernel::Wgmma),
+            Fp8Path::Auto => Ok(Fp8Kernel::Stream),
+        }
+    }
+}
+
+/// A kernel of `fp8_gemm.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Kernel {
+    Stream,
+    Wgmma,
+}
+
+/// Scale grid of a weight `[out][inp]`: `[ceil(out / 128)][ceil(inp / 128)]`.
+pub fn scale_shape(out: usize, inp: usize) -> (usize, usize) {
+    (out.div_ceil(FP8_BLOCK), inp.div_ceil(FP8_BLOCK))
+}
+
+/// Checks a weight's byte and scale counts; the kernels also need `inp % 128 == 0`
+/// (whole activation groups) and `out > 0`.
+pub fn check_weight(out: usize, inp: usize, q_len: usize, scale_len: usize) -> Result<(), String> {
+    if out == 0 || inp == 0 {
+        return Err(format!("empty weight [{out}, {inp}]"));
+    }
+    if !inp.is_multiple_of(FP8_BLOCK) {
+        return Err(format!(
+            "in = {inp} is not a multiple of {FP8_BLOCK} (activations are quantised per 128 channels)"
+        ));
+    }
+    if out > i32::MAX as usize || inp > i32::MAX as usize {
+        return Err(format!("[{out}, {inp}] overflows i32"));
+    }
+    let want = out.checked_mul(inp).ok_or_else(|| format!("[{out}, {inp}] overflows usize"))?;
+    if q_len != want {
+        return Err(format!("{q_len} weight bytes for [{out}, {inp}] (want {want})"));
+    }
+    let (so, si) = scale_shape(out, inp);
+    if scale_len != so * si {
+        return Err(format!("{scale_len} scales for [{out}, {inp}] (want [{so}, {si}] = {})", so * si));
+    }
+    Ok(())
+}
+
+/// Checks an activation `[m][k]` for [`act_quant`](crate::fp8): `k` a positive multiple of 128.
+pub fn check_act(m: usize, k: usize) -> Result<(), String> {
+    if k == 0 || !k.is_multiple_of(FP8_BLOCK) {
+        return Err(format!("k = {k} is not a positive multiple of {FP8_BLOCK}"));
+    }
+    if m > i32::MAX as usize || k > i32::MAX as usize {
+        return Err(format!("[{m}, {k}] overflows i32"));
+    }
+    Ok(())
+}
+
+/// The streaming kernel's k split of a weight `[out][inp]` on `num_sms` SMs: `(ksplit,
+/// kchunk)` with kchunk a multiple of 128 and `ksplit = ceil(inp / kchunk)`. Enough
+/// blocks for two per SM from the column blocks alone when possible; else the k blocks
+/// are shared out evenly. Depends on the weight's shape and the GPU only (never on the
+/// rows of a call).
+pub fn stream_split(out: usize, inp: usize, num_sms: usize) -> (usize, usize) {
+    let cols = out.div_ceil(STREAM_COLS).max(1);
+    let kbs = inp.div_ceil(FP8_BLOCK).max(1);
+    let want = (2 * num_sms.max(1)).div_ceil(cols).clamp(1, kbs);
+    let per = kbs.div_ceil(want);
+    (kbs.div_ceil(per), per * FP8_BLOCK)
+}
+
+/// m-tiles of 16 rows the streaming kernel stages for a launch of `rows` rows: 1, 2 or 4.
+pub fn stream_mtiles(rows: usize) -> usize {
+    match rows {
+        0..=16 => 1,
+        17..=32 => 2,
+        _ => 4,
+    }
+}
+
+/// Rows per streaming launch: all `m` without split-K, else as many 64-row tiles as
+/// keep the partials within [`STREAM_PARTIAL_BYTES`].
+pub fn stream_slab(m: usize, out: usize, ksplit: usize) -> usize {
+    if ksplit <= 1 {
+        return m.max(1);
+    }
+    let rows = (STREAM_PARTIAL_BYTES / (ksplit * out * 4)).max(STREAM_ROWS) / STREAM_ROWS * STREAM_ROWS;
+    rows.min(m.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DeepSeek-V3's projections (TP 1 and 8 widths).
+    const SHAPES: &[(usize, usize)] = &[
+        (1536, 7168),
+        (24576, 1536),
+        (3072, 1536),
+        (576, 7168),
+        (7168, 16384),
+        (7168, 2048),
+        (18432, 7168),
+        (7168, 18432),
+        (2048, 7168),
+        (256, 7168),
+    ];
+
+    #[test]
+    fn split_covers_k_in_whole_blocks_and_fills_the_gpu() {
+        for &(out, inp) in SHAPES {
+            for sms in [1, 78, 132, 148] {
+                let (ks, kc) = stream_split(out, inp, sms);
+                assert!(kc.is_multiple_of(FP8_BLOCK), "{out}x{inp}: kchunk {kc}");
+                assert!(ks >= 1 && (ks - 1) * kc < inp && ks * kc >= inp, "{out}x{inp}: {ks} x {kc}");
+                let blocks = out.div_ceil(STREAM_COLS) * ks;
+                // At least one block per SM, unless every k block is already its own split.
+                assert!(blocks >= sms || kc == FP8_BLOCK, "{out}x{inp} on {sms}: {blocks}");
+            }
+        }
+        // kv_a on an H100: 5 column blocks, 56 k blocks -> 2 k blocks a split.
+        assert_eq!(stream_split(576, 7168, 132), (28, 256));
+        // q_b unsharded: 192 column blocks, two k halves for 2 blocks per SM; 96 SMs: none.
+        assert_eq!(stream_split(24576, 1536, 132), (2, 768));
+        assert_eq!(stream_split(24576, 1536, 96), (1, 1536));
+    }
+
+    #[test]
+    fn split_ignores_rows() {
+        // The plan takes no row count at all; the slab only cuts rows, never k.
+        let (ks, _) = stream_split(7168, 2048, 132);
+        for m in [1, 7, 64, 65, 4096, 100_000] {
+            let slab = stream_slab(m, 7168, ks);
+            assert!(slab >= 1 && slab <= m.max(1));
+            assert!(slab == m || slab.is_multiple_of(STREAM_ROWS), "m {m}: slab {slab}");
+            assert!(ks <= 1 || slab * ks * 7168 * 4 <= STREAM_PARTIAL_BYTES || slab == STREAM_ROWS);
+        }
+    }
+
+    #[test]
+    fn mtiles_cover_rows() {
+        for rows in 1..=200 {
+            let mt = stream_mtiles(rows);
+            assert!(mt * 16 >= rows.min(STREAM_ROWS), "{rows}");
+            assert!([1, 2, 4].contains(&mt));
+        }
+    }
+
+    #[test]
+    fn weight_and_activation_validation() {
+        assert!(check_weight(576, 7168, 576 * 7168, 5 * 56).is_ok());
+        assert!(check_weight(576, 7168, 576 * 7168, 4 * 56).unwrap_err().contains("scales"));
+        assert!(check_weight(576, 7168, 576 * 7167, 5 * 56).unwrap_err().contains("weight bytes"));
+        assert!(check_weight(576, 7000, 576 * 7000, 5 * 55).unwrap_err().contains("multiple of 128"));
+        assert!(check_weight(0, 128, 0, 0).is_err());
+        assert!(check_act(4, 7168).is_ok());
+        assert!(check_act(4, 100).unwrap_err().contains("multiple of 128"));
+        assert!(check_act(4, 0).is_err());
+    }
+
+    #[test]
+    fn path_choice() {
+        assert_eq!(Fp8Path::Auto.kernel(64, true), Ok(Fp8Kernel::Stream));
+        assert_eq!(Fp8Path::Auto.kernel(65, true), Ok(Fp8Kernel::Wgmma));
+        assert_eq!(Fp8Path::Auto.kernel(4096, false), Ok(Fp8Kernel::Stream));
+        assert_eq!(Fp8Path::Stream.kernel(4096, true), Ok(Fp8Kernel::Stream));
+        assert!(Fp8Path::Wgmma.kernel(1, false).is_err());
+        assert!(Fp8Path::Stream.batch_invariant() && !Fp8Path::Auto.batch_invariant());
+        for p in Fp8Path::ALL {
+            assert_eq!(Fp8Path::from_name(p.name()), Some(p));
+        }
+        assert!(WG_SMEM <= 227 * 1024);
+    }
+}

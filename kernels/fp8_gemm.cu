@@ -1,0 +1,424 @@
+// FP8 (e4m3) projections with DeepSeek's 128 × 128 block scales: y = x Wᵀ where the
+// weight W [n][k] is e4m3 with f32 scales ws [ceil(n / 128)][k / 128] (w = q · s per
+// 128 × 128 block) and the activation x [m][k] is quantised per row and 128 channels
+// (act_quant_*: s = amax / 448, q = e4m3(x / s) round-to-nearest-even, saturating).
+//
+//   y[r][c] = Σ_kb ( Σ_{k in kb} qx[r][k] · qw[c][k] ) · (sx[r][kb] · sw[c / 128][kb])
+//
+// Every kernel sums each 128-wide k block in a fresh f32 accumulator on the tensor cores
+// and then promotes it: tot = fma(acc, sx · sw, tot), kb ascending (Hopper's fp8
+// accumulator alone keeps too few bits for a whole row). k must be a multiple of 128.
+//
+// - act_quant_{bf16,f32}: one warp per (row, 128-group), 4 channels per lane.
+// - fp8_stream_*: the weight-streaming GEMM (decode, m ≤ 64 per block; every GPU with
+//   fp8 mma.sync, so also the generic path at any m). grid = (ceil(n / 128), ksplit,
+//   ceil(m / 64)), 256 threads: warp w owns weight rows n0 + 16w .. + 16 of the block's
+//   128 (one scale row) and streams them from HBM straight into registers, one 128-k
+//   block ahead; the block's activation rows (MT m-tiles of 16) and their scales come
+//   through a 4-stage cp.async ring in shared memory. mma.sync m16n8k32 e4m3 with a
+//   permuted k: lane (g = lane / 4, t = lane % 4) holds bytes 16t .. 16t + 15 of a
+//   64-byte half-block (one 16-byte load of W row g, and of x rows g, g + 8), its first
+//   8 bytes feed one mma (as k 4t..4t+3 and 16+4t..) and its last 8 the next; the same
+//   permutation on both operands leaves the dot product unchanged. The k range of block
+//   (.., ks, ..) is [ks · kchunk, (ks + 1) · kchunk); with ksplit > 1 it writes f32
+//   partials that fp8_reduce_* sums in ks order. ksplit and kchunk come from the
+//   weight's shape (fp8_plan.rs), and a row's mma/promotion sequence is the same
+//   wherever it sits in the tile and whatever MT is, so a row's bits do not depend on
+//   the other rows of the call (batch invariance).
+// - fp8_gemm_wg_*: Hopper (sm_90a) for many rows: a producer warpgroup's one thread
+//   fills a 6-stage ring of 128 × 128-byte tiles of x and W by TMA (the maps' 128-byte
+//   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128
+//   columns as 4 wgmma m64n128k32 e4m3 per k block, wait for them, hand the stage back
+//   and promote. Not bit-identical to fp8_stream (a different accumulator).
+#include <cuda.h>  // CUtensorMap
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+#include "wgmma.cuh"
+
+namespace f8 {
+constexpr int QB = 128;           // scale block (k and n)
+constexpr float E4M3_MAX = 448.f;  // largest finite e4m3
+}  // namespace f8
+
+// ---------------------------------------------------------------- activation quantisation
+
+__device__ __forceinline__ void load4(const bf16* p, float (&v)[4]) {
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&r.x);
+    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&r.y);
+    v[0] = __low2float(a), v[1] = __high2float(a), v[2] = __low2float(b), v[3] = __high2float(b);
+}
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+    const float4 r = *reinterpret_cast<const float4*>(p);
+    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+}
+
+// q [m][k] e4m3, s [m][k / 128]; 8 warps per block, warp = (row, group) in row-major order.
+template <typename Tin>
+__device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int m, int k) {
+    const int groups = k / f8::QB;
+    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (wid >= static_cast<size_t>(m) * groups) return;
+    const int lane = threadIdx.x & 31;
+    const size_t row = wid / groups;
+    const int g = static_cast<int>(wid % groups);
+    const size_t at = row * k + static_cast<size_t>(g) * f8::QB + 4 * lane;
+    float v[4];
+    load4(x + at, v);
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = warp_max(amax);
+    // An all-zero group keeps scale 1 (its bytes are then ±0).
+    const float sc = amax > 0.f ? __fdiv_rn(amax, f8::E4M3_MAX) : 1.f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], sc), __NV_SATFINITE, __NV_E4M3);
+        packed |= static_cast<uint32_t>(b) << (8 * i);
+    }
+    *reinterpret_cast<uint32_t*>(q + at) = packed;
+    if (lane == 0) s[row * groups + g] = sc;
+}
+extern "C" __global__ void __launch_bounds__(256)
+    act_quant_bf16(const bf16* x, uint8_t* q, float* s, int m, int k) {
+    act_quant(x, q, s, m, k);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    act_quant_f32(const float* x, uint8_t* q, float* s, int m, int k) {
+    act_quant(x, q, s, m, k);
+}
+
+// ---------------------------------------------------------------- shared pieces
+
+// D += A(16x32 e4m3, row) * B(32x8 e4m3, col), f32 accumulate (sm_89+).
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes of a streamed weight: read once, kept out of L1.
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+
+// Two adjacent outputs (col, col + 1) of row `row`, columns ≥ n dropped.
+template <typename T>
+__device__ __forceinline__ void f8_store(T* __restrict__ y, size_t row, int col, int n, float a, float b) {
+    T* p = y + row * n + col;
+    if (col + 1 < n && (n & 1) == 0) {  // even n: the pair is aligned
+        store2(p, a, b);
+    } else {
+        if (col < n) p[0] = from_f32<T>(a);
+        if (col + 1 < n) p[1] = from_f32<T>(b);
+    }
+}
+
+// ---------------------------------------------------------------- weight-streaming GEMM
+
+namespace f8s {
+constexpr int WARPS = 8, THREADS = WARPS * 32, NW = 16, BN = WARPS * NW, ROWS = 64, STAGES = 4;
+static_assert(BN == f8::QB, "a block's columns are one scale row");
+}  // namespace f8s
+
+struct F8sSmem {
+    uint8_t x[f8s::STAGES][f8s::ROWS * f8::QB];  // [row][128] bytes, chunk c of row r at c ^ 4(r & 1)
+    float sx[f8s::STAGES][f8s::ROWS];
+};
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a stage tile.
+__device__ __forceinline__ uint32_t f8s_at(int r, int c) { return r * f8::QB + ((c ^ ((r & 1) << 2)) << 4); }
+
+template <typename T, int MT>
+__device__ void fp8_stream(T* __restrict__ y, float* __restrict__ part, const uint8_t* __restrict__ xq,
+                           const float* __restrict__ xs, const uint8_t* __restrict__ wq,
+                           const float* __restrict__ wsc, int m, int n, int k, int kchunk) {
+    using namespace f8s;
+    __shared__ __align__(128) F8sSmem sm;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int kbs_all = k / f8::QB;
+    const int nb = blockIdx.x, n0 = nb * BN + warp * NW;
+    const int kb0 = blockIdx.y * (kchunk / f8::QB);
+    const int nkb = min(kchunk / f8::QB, kbs_all - kb0);
+    const int r0 = blockIdx.z * ROWS, nr = min(ROWS, m - r0);
+    constexpr int R = MT * 16;  // staged rows (past nr: zeros)
+    const uint8_t* xr = xq + static_cast<size_t>(r0) * k;
+    const float* sr = xs + static_cast<size_t>(r0) * kbs_all;
+
+    auto stage = [&](int i, int st) {  // k block kb0 + i of the rows into ring slot st
+        const int kb = kb0 + i;
+        const uint32_t dst = smem_u32(sm.x[st]);
+        for (int j = tid; j < R * 8; j += THREADS) {
+            const int r = j >> 3, c = j & 7;
+            const bool ok = r < nr;
+            const uint8_t* src = ok ? xr + static_cast<size_t>(r) * k + kb * f8::QB + 16 * c : xr;
+            cp_async_16(dst + f8s_at(r, c), src, ok ? 16 : 0);
+        }
+        for (int r = tid; r < R; r += THREADS) {
+            const bool ok = r < nr;
+            cp_async_4(smem_u32(&sm.sx[st][r]), ok ? sr + static_cast<size_t>(r) * kbs_all + kb : sr, ok ? 4 : 0);
+        }
+    };
+    // This lane's weight bytes of k block kb: n-tile j (rows n0 + 8j + g), half h.
+    uint4 wc[2][2], wn[2][2];
+    auto wload = [&](int kb, uint4 (&w)[2][2]) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int row = n0 + 8 * j + g;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                w[j][h] = row < n ? ldg_stream16(wq + static_cast<size_t>(row) * k + kb * f8::QB + 64 * h + 16 * t)
+                                  : make_uint4(0, 0, 0, 0);
+        }
+    };
+
+    float tot[MT][2][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) tot[a][j][q] = 0.f;
+
+    if (nkb > 0) wload(kb0, wc);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nkb) stage(s, s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < nkb; ++i) {
+        const int kb = kb0 + i;
+        if (i + 1 < nkb) wload(kb + 1, wn);
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage i landed for all; slot (i - 1) % STAGES is free
+        if (i + STAGES - 1 < nkb) stage(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const int st = i % STAGES;
+        const uint32_t xb = smem_u32(sm.x[st]);
+        float acc[MT][2][4];
+#pragma unroll
+        for (int a = 0; a < MT; ++a)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[a][j][q] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int a = 0; a < MT; ++a) {
+                const uint4 lo = lds128(xb + f8s_at(16 * a + g, 4 * h + t));
+                const uint4 hi = lds128(xb + f8s_at(16 * a + g + 8, 4 * h + t));
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    mma_e4m3_16832(acc[a][j], lo.x, hi.x, lo.y, hi.y, wc[j][h].x, wc[j][h].y);
+                    mma_e4m3_16832(acc[a][j], lo.z, hi.z, lo.w, hi.w, wc[j][h].z, wc[j][h].w);
+                }
+            }
+        }
+        const float swv = wsc[static_cast<size_t>(nb) * kbs_all + kb];
+#pragma unroll
+        for (int a = 0; a < MT; ++a) {
+            const float s_lo = sm.sx[st][16 * a + g] * swv, s_hi = sm.sx[st][16 * a + g + 8] * swv;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                tot[a][j][0] = fmaf(acc[a][j][0], s_lo, tot[a][j][0]);
+                tot[a][j][1] = fmaf(acc[a][j][1], s_lo, tot[a][j][1]);
+                tot[a][j][2] = fmaf(acc[a][j][2], s_hi, tot[a][j][2]);
+                tot[a][j][3] = fmaf(acc[a][j][3], s_hi, tot[a][j][3]);
+            }
+        }
+        if (i + 1 < nkb) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) wc[j][h] = wn[j][h];
+        }
+    }
+    cp_async_wait<0>();
+    // Rows r0 + 16a + g (+8), columns n0 + 8j + 2t (+1).
+    const bool split = gridDim.y > 1;
+#pragma unroll
+    for (int a = 0; a < MT; ++a) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int col = n0 + 8 * j + 2 * t;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int r = 16 * a + g + 8 * hf;
+                if (r >= nr) continue;
+                const size_t row = static_cast<size_t>(r0) + r;
+                if (split)
+                    f8_store(part + static_cast<size_t>(blockIdx.y) * m * n, row, col, n, tot[a][j][2 * hf],
+                             tot[a][j][2 * hf + 1]);
+                else
+                    f8_store(y, row, col, n, tot[a][j][2 * hf], tot[a][j][2 * hf + 1]);
+            }
+        }
+    }
+}
+
+// Two blocks per SM for one m-tile (without a bound sm_100a caps it at 80 registers and
+// spills), one for more (a bound of two spills the 2-tile kernel there).
+#define FP8_STREAM(NAME, T, MT)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(f8s::THREADS, MT == 1 ? 2 : 1)                                    \
+        NAME(T* y, float* part, const uint8_t* xq, const float* xs, const uint8_t* wq, const float* ws, int m, int n, \
+             int k, int kchunk) {                                                                                  \
+        fp8_stream<T, MT>(y, part, xq, xs, wq, ws, m, n, k, kchunk);                                               \
+    }
+FP8_STREAM(fp8_stream1_obf16, bf16, 1)
+FP8_STREAM(fp8_stream2_obf16, bf16, 2)
+FP8_STREAM(fp8_stream4_obf16, bf16, 4)
+FP8_STREAM(fp8_stream1_of32, float, 1)
+FP8_STREAM(fp8_stream2_of32, float, 2)
+FP8_STREAM(fp8_stream4_of32, float, 4)
+
+// y[i] = part[0][i] + part[1][i] + ... in ks order, i < len.
+template <typename T>
+__device__ void fp8_reduce(T* __restrict__ y, const float* __restrict__ part, size_t len, int ksplit) {
+    const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float s = part[i];
+    for (int ks = 1; ks < ksplit; ++ks) s += part[ks * len + i];
+    y[i] = from_f32<T>(s);
+}
+extern "C" __global__ void fp8_reduce_obf16(bf16* y, const float* part, size_t len, int ksplit) {
+    fp8_reduce(y, part, len, ksplit);
+}
+extern "C" __global__ void fp8_reduce_of32(float* y, const float* part, size_t len, int ksplit) {
+    fp8_reduce(y, part, len, ksplit);
+}
+
+// ---------------------------------------------------------------- Hopper wgmma GEMM
+
+namespace f8w {
+constexpr int BM = 128, BN = 128, BK = 128, STAGES = 6, CONSUMERS = 2;
+constexpr int TILE = BM * BK;  // bytes of one x (or W) tile
+constexpr int STAGE = 2 * TILE;
+}  // namespace f8w
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// D[64 x 128] (scale_d ? D : 0) + A[64 x 32] · B[32 x 128], e4m3 from shared memory (both
+// K-major), f32 accumulate.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+#endif
+
+// Tensor maps: x [m][k] and w [n][k], u8, boxes of 128 × 128 bytes, 128-byte swizzle.
+// grid = (ceil(m / 128), ceil(n / 128)), 384 threads, dynamic shared memory 1024 +
+// STAGES · STAGE + 16 · STAGES bytes (the host's FP8_WG_SMEM).
+template <typename T>
+__device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y,
+                            const float* __restrict__ xs, const float* __restrict__ wsc, int m, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace f8w;
+    extern __shared__ __align__(1024) unsigned char f8w_smem[];
+    const uint32_t sbase = (smem_u32(f8w_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + STAGES * STAGE, empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int base = blockIdx.x * BM, nb = blockIdx.y, n0 = nb * BN;
+    const int kbs = k / BK;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, CONSUMERS * 128);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        if (tid == 0) {
+            for (int g = 0; g < kbs; ++g) {
+                const int st = g % STAGES;
+                if (g >= STAGES) mbar_wait(empty + 8 * st, ((g / STAGES) - 1) & 1);
+                mbar_arrive_expect_tx(full + 8 * st, STAGE);
+                tma_load_2d(sbase + st * STAGE, tx, g * BK, base, full + 8 * st);
+                tma_load_2d(sbase + st * STAGE + TILE, tw, g * BK, n0, full + 8 * st);
+            }
+        }
+        return;
+    }
+    const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int row_lo = base + 64 * cw + 16 * warp + (lane >> 2), row_hi = row_lo + 8;
+    float acc[64], tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = tot[i] = 0.f;
+    for (int g = 0; g < kbs; ++g) {
+        const int st = g % STAGES;
+        const float sw = wsc[static_cast<size_t>(nb) * kbs + g];
+        const float sa_lo = row_lo < m ? xs[static_cast<size_t>(row_lo) * kbs + g] : 0.f;
+        const float sa_hi = row_hi < m ? xs[static_cast<size_t>(row_hi) * kbs + g] : 0.f;
+        mbar_wait(full + 8 * st, (g / STAGES) & 1);
+        const uint32_t xt = sbase + st * STAGE;
+        const uint64_t da = gmma_desc_sw128(xt + cw * 64 * BK, 16, 1024), db = gmma_desc_sw128(xt + TILE, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int k32 = 0; k32 < BK / 32; ++k32)
+            wgmma_m64n128k32_e4m3(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc);
+        mbar_arrive(empty + 8 * st);
+        const float s_lo = sa_lo * sw, s_hi = sa_hi * sw;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            tot[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, tot[4 * j + 0]);
+            tot[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, tot[4 * j + 1]);
+            tot[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, tot[4 * j + 2]);
+            tot[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, tot[4 * j + 3]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int col = n0 + 8 * j + 2 * (lane & 3);
+        if (row_lo < m) f8_store(y, row_lo, col, n, tot[4 * j + 0], tot[4 * j + 1]);
+        if (row_hi < m) f8_store(y, row_hi, col, n, tot[4 * j + 2], tot[4 * j + 3]);
+    }
+#else
+    __trap();
+#endif
+}
+
+#define FP8_GEMM_WG(NAME, T)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128 + f8w::CONSUMERS * 128, 1)                                  \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
+             const float* ws, int m, int n, int k) {                                                              \
+        fp8_gemm_wg<T>(&tx, &tw, y, xs, ws, m, n, k);                                                             \
+    }
+FP8_GEMM_WG(fp8_gemm_wg_obf16, bf16)
+FP8_GEMM_WG(fp8_gemm_wg_of32, float)
