@@ -11,20 +11,19 @@
 //
 // - act_quant_{bf16,f32}: one warp per (row, 128-group), 4 channels per lane.
 // - fp8_stream_*: the weight-streaming GEMM (decode, m ≤ 64 per block; every GPU with
-//   fp8 mma.sync, so also the generic path at any m). grid = (ceil(n / 128), ksplit,
-//   ceil(m / 64)), 256 threads: warp w owns weight rows n0 + 16w .. + 16 of the block's
-//   128 (one scale row) and streams them from HBM straight into registers, one 128-k
-//   block ahead; the block's activation rows (MT m-tiles of 16) and their scales come
-//   through a 4-stage cp.async ring in shared memory. mma.sync m16n8k32 e4m3 with a
-//   permuted k: lane (g = lane / 4, t = lane % 4) holds bytes 16t .. 16t + 15 of a
-//   64-byte half-block (one 16-byte load of W row g, and of x rows g, g + 8), its first
-//   8 bytes feed one mma (as k 4t..4t+3 and 16+4t..) and its last 8 the next; the same
-//   permutation on both operands leaves the dot product unchanged. The k range of block
-//   (.., ks, ..) is [ks · kchunk, (ks + 1) · kchunk); with ksplit > 1 it writes f32
-//   partials that fp8_reduce_* sums in ks order. ksplit and kchunk come from the
-//   weight's shape (fp8_plan.rs), and a row's mma/promotion sequence is the same
-//   wherever it sits in the tile and whatever MT is, so a row's bits do not depend on
-//   the other rows of the call (batch invariance).
+//   fp8 mma.sync and TMA, so also the generic path at any m). grid = (ceil(n / 128),
+//   ksplit, ceil(m / 64)), 256 threads: thread 0 keeps a ring of stages in flight by
+//   TMA (two k blocks of the block's 128 weight rows, one scale row, and of its 16·MT
+//   activation rows), one block barrier per stage frees a slot; warp w multiplies
+//   weight rows 16w .. 16w + 15 with mma.sync m16n8k32 e4m3 over a permuted k: lane (g =
+//   lane / 4, t = lane % 4) takes one 16-byte chunk of each half of each of its rows, its
+//   first 8 bytes as one mma's k 4t..4t+3 and 16+4t.., its last 8 as the next mma's; the
+//   same permutation on both operands leaves the dot product unchanged. The k range of
+//   block (.., ks, ..) is [ks · kchunk, (ks + 1) · kchunk); ksplit and kchunk come from
+//   the weight's shape (fp8_plan.rs), and a row's mma/promotion sequence and the
+//   partials' sum order are the same wherever it sits and whatever MT is, so a row's
+//   bits do not depend on the other rows of the call (batch invariance). The fp8
+//   mma.sync accumulates in full f32 (the checks measure ~1e-7 relative error).
 // - fp8_gemm_wg_*: Hopper (sm_90a) for many rows: a producer warpgroup's one thread
 //   fills a 6-stage ring of 128 × 128-byte tiles of x and W by TMA (the maps' 128-byte
 //   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128
@@ -134,60 +133,73 @@ __device__ __forceinline__ void f8_store(T* __restrict__ y, size_t row, int col,
 // ---------------------------------------------------------------- weight-streaming GEMM
 
 namespace f8s {
-constexpr int WARPS = 8, THREADS = WARPS * 32, NW = 16, BN = WARPS * NW, ROWS = 64, STAGES = 4;
+constexpr int WARPS = 8, THREADS = WARPS * 32, NW = 16, BN = WARPS * NW, ROWS = 64;
+constexpr int KS = 2;                 // k blocks per stage: 256-byte runs of each weight row
+constexpr int TW = BN * KS * f8::QB;  // bytes of a stage's weight tile
 static_assert(BN == f8::QB, "a block's columns are one scale row");
+// Ring depth and blocks per SM by m-tiles (the host's `fp8_plan::stream_smem`): one
+// tile runs two blocks per SM of 3 stages; two and four tiles need more than 128
+// registers (ptxas spills at that bound) and run one block of 5 or 4 stages.
+template <int MT>
+struct Cfg {
+    static constexpr int STAGES = MT == 1 ? 3 : MT == 2 ? 5 : 4;
+    static constexpr int BLOCKS_PER_SM = MT == 1 ? 2 : 1;
+    static constexpr int TX = MT * 16 * KS * f8::QB;  // bytes of a stage's activation tile
+    static constexpr int STAGE = TW + TX;
+    static constexpr int SMEM = 1024 + STAGES * STAGE + 8 * STAGES;
+};
 }  // namespace f8s
 
-struct F8sSmem {
-    uint8_t x[f8s::STAGES][f8s::ROWS * f8::QB];  // [row][128] bytes, chunk c of row r at c ^ 4(r & 1)
-    float sx[f8s::STAGES][f8s::ROWS];
-};
+// 16 bytes of logical chunk c (0..7) of k block kbl (0, 1) of row r of a stage tile:
+// [row][KS][128 bytes], as the TMA writes a 3-D box (128 bytes, KS blocks, rows) with
+// the 128-byte swizzle (chunk c of 128-byte line L = KS·r + kbl at c ^ (L & 7)).
+__device__ __forceinline__ uint4 f8s_ld(uint32_t tile, int r, int kbl, int c) {
+    const int line = f8s::KS * r + kbl;
+    return lds128(tile + line * f8::QB + ((c ^ (line & 7)) << 4));
+}
 
-// Byte offset of 16-byte chunk c (0..7) of row r in a stage tile.
-__device__ __forceinline__ uint32_t f8s_at(int r, int c) { return r * f8::QB + ((c ^ ((r & 1) << 2)) << 4); }
-
+// The TMA tensor maps: x [m][k] and w [n][k] as 3-D (128 bytes, k / 128, rows) u8
+// with the 128-byte swizzle; boxes of (128, KS, 16·MT) and (128, KS, 128). In half h of
+// a k block, lane (g, t) reads logical chunk (t & 1) + 4(t >> 1) + 2h of its rows: rows
+// g and g ^ 1 are swizzled apart by 2, and the four lanes of a row hit chunks {0, 1, 4,
+// 5} (or {2, 3, 6, 7}), so no shared-memory bank conflicts.
+// With ksplit > 1 each block writes its f32 partial, and the last block of a column
+// tile to finish (a counter per tile, `counters`, reset by that block) sums the
+// partials in ks order into y, every thread of the block on its own outputs: the same
+// order whatever the arrival order.
 template <typename T, int MT>
-__device__ void fp8_stream(T* __restrict__ y, float* __restrict__ part, const uint8_t* __restrict__ xq,
-                           const float* __restrict__ xs, const uint8_t* __restrict__ wq,
+__device__ void fp8_stream(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y, float* __restrict__ part,
+                           unsigned* __restrict__ counters, const float* __restrict__ xs,
                            const float* __restrict__ wsc, int m, int n, int k, int kchunk) {
     using namespace f8s;
-    __shared__ __align__(128) F8sSmem sm;
+    using C = Cfg<MT>;
+    extern __shared__ __align__(1024) unsigned char f8s_smem[];
+    __shared__ int last;
+    const uint32_t sbase = (smem_u32(f8s_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + C::STAGES * C::STAGE;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int kbs_all = k / f8::QB;
     const int nb = blockIdx.x, n0 = nb * BN + warp * NW;
     const int kb0 = blockIdx.y * (kchunk / f8::QB);
     const int nkb = min(kchunk / f8::QB, kbs_all - kb0);
+    const int nst = (nkb + KS - 1) / KS;
     const int r0 = blockIdx.z * ROWS, nr = min(ROWS, m - r0);
-    constexpr int R = MT * 16;  // staged rows (past nr: zeros)
-    const uint8_t* xr = xq + static_cast<size_t>(r0) * k;
-    const float* sr = xs + static_cast<size_t>(r0) * kbs_all;
+    const int cbase = (t & 1) + 4 * (t >> 1);
 
-    auto stage = [&](int i, int st) {  // k block kb0 + i of the rows into ring slot st
-        const int kb = kb0 + i;
-        const uint32_t dst = smem_u32(sm.x[st]);
-        for (int j = tid; j < R * 8; j += THREADS) {
-            const int r = j >> 3, c = j & 7;
-            const bool ok = r < nr;
-            const uint8_t* src = ok ? xr + static_cast<size_t>(r) * k + kb * f8::QB + 16 * c : xr;
-            cp_async_16(dst + f8s_at(r, c), src, ok ? 16 : 0);
-        }
-        for (int r = tid; r < R; r += THREADS) {
-            const bool ok = r < nr;
-            cp_async_4(smem_u32(&sm.sx[st][r]), ok ? sr + static_cast<size_t>(r) * kbs_all + kb : sr, ok ? 4 : 0);
-        }
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) mbar_init(full + 8 * s, 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    auto issue = [&](int i) {  // k blocks kb0 + KS·i .. into slot i % STAGES
+        const int st = i % C::STAGES;
+        const uint32_t dst = sbase + st * C::STAGE;
+        mbar_arrive_expect_tx(full + 8 * st, C::STAGE);
+        tma_load_3d(dst, tw, 0, kb0 + KS * i, nb * BN, full + 8 * st);
+        tma_load_3d(dst + TW, tx, 0, kb0 + KS * i, r0, full + 8 * st);
     };
-    // This lane's weight bytes of k block kb: n-tile j (rows n0 + 8j + g), half h.
-    uint4 wc[2][2], wn[2][2];
-    auto wload = [&](int kb, uint4 (&w)[2][2]) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int row = n0 + 8 * j + g;
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                w[j][h] = row < n ? ldg_stream16(wq + static_cast<size_t>(row) * k + kb * f8::QB + 64 * h + 16 * t)
-                                  : make_uint4(0, 0, 0, 0);
-        }
-    };
+    if (tid == 0)
+        for (int i = 0; i < min(C::STAGES - 1, nst); ++i) issue(i);
 
     float tot[MT][2][4];
 #pragma unroll
@@ -197,90 +209,117 @@ __device__ void fp8_stream(T* __restrict__ y, float* __restrict__ part, const ui
 #pragma unroll
             for (int q = 0; q < 4; ++q) tot[a][j][q] = 0.f;
 
-    if (nkb > 0) wload(kb0, wc);
+    for (int i = 0; i < nst; ++i) {
+        if (i > 0) __syncthreads();  // every warp is done with slot (i - 1) % STAGES
+        if (tid == 0 && i + C::STAGES - 1 < nst) issue(i + C::STAGES - 1);
+        const int st = i % C::STAGES;
+        const uint32_t wt = sbase + st * C::STAGE, xt = wt + TW;
+        bool waited = false;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nkb) stage(s, s);
-        cp_async_commit();
-    }
-    for (int i = 0; i < nkb; ++i) {
-        const int kb = kb0 + i;
-        if (i + 1 < nkb) wload(kb + 1, wn);
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // stage i landed for all; slot (i - 1) % STAGES is free
-        if (i + STAGES - 1 < nkb) stage(i + STAGES - 1, (i + STAGES - 1) % STAGES);
-        cp_async_commit();
-        const int st = i % STAGES;
-        const uint32_t xb = smem_u32(sm.x[st]);
-        float acc[MT][2][4];
-#pragma unroll
-        for (int a = 0; a < MT; ++a)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[a][j][q] = 0.f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int kbl = 0; kbl < KS; ++kbl) {
+            const int kb = kb0 + KS * i + kbl;
+            if (kb >= kb0 + nkb) break;  // the split's last stage may hold one block
+            const float swv = wsc[static_cast<size_t>(nb) * kbs_all + kb];
+            float sl[MT], sh[MT];
 #pragma unroll
             for (int a = 0; a < MT; ++a) {
-                const uint4 lo = lds128(xb + f8s_at(16 * a + g, 4 * h + t));
-                const uint4 hi = lds128(xb + f8s_at(16 * a + g + 8, 4 * h + t));
+                const int rl = 16 * a + g, rh = rl + 8;
+                sl[a] = rl < nr ? xs[static_cast<size_t>(r0 + rl) * kbs_all + kb] : 0.f;
+                sh[a] = rh < nr ? xs[static_cast<size_t>(r0 + rh) * kbs_all + kb] : 0.f;
+            }
+            if (!waited) {
+                mbar_wait(full + 8 * st, (i / C::STAGES) & 1);
+                waited = true;
+            }
+            float acc[MT][2][4];
+#pragma unroll
+            for (int a = 0; a < MT; ++a)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) acc[a][j][q] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = cbase + 2 * h;
+                uint4 b[2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) b[j] = f8s_ld(wt, warp * NW + 8 * j + g, kbl, c);
+#pragma unroll
+                for (int a = 0; a < MT; ++a) {
+                    const uint4 lo = f8s_ld(xt, 16 * a + g, kbl, c), hi = f8s_ld(xt, 16 * a + g + 8, kbl, c);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        mma_e4m3_16832(acc[a][j], lo.x, hi.x, lo.y, hi.y, b[j].x, b[j].y);
+                        mma_e4m3_16832(acc[a][j], lo.z, hi.z, lo.w, hi.w, b[j].z, b[j].w);
+                    }
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < MT; ++a) {
+                const float s_lo = sl[a] * swv, s_hi = sh[a] * swv;
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    mma_e4m3_16832(acc[a][j], lo.x, hi.x, lo.y, hi.y, wc[j][h].x, wc[j][h].y);
-                    mma_e4m3_16832(acc[a][j], lo.z, hi.z, lo.w, hi.w, wc[j][h].z, wc[j][h].w);
+                    tot[a][j][0] = fmaf(acc[a][j][0], s_lo, tot[a][j][0]);
+                    tot[a][j][1] = fmaf(acc[a][j][1], s_lo, tot[a][j][1]);
+                    tot[a][j][2] = fmaf(acc[a][j][2], s_hi, tot[a][j][2]);
+                    tot[a][j][3] = fmaf(acc[a][j][3], s_hi, tot[a][j][3]);
                 }
             }
         }
-        const float swv = wsc[static_cast<size_t>(nb) * kbs_all + kb];
-#pragma unroll
-        for (int a = 0; a < MT; ++a) {
-            const float s_lo = sm.sx[st][16 * a + g] * swv, s_hi = sm.sx[st][16 * a + g + 8] * swv;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                tot[a][j][0] = fmaf(acc[a][j][0], s_lo, tot[a][j][0]);
-                tot[a][j][1] = fmaf(acc[a][j][1], s_lo, tot[a][j][1]);
-                tot[a][j][2] = fmaf(acc[a][j][2], s_hi, tot[a][j][2]);
-                tot[a][j][3] = fmaf(acc[a][j][3], s_hi, tot[a][j][3]);
-            }
-        }
-        if (i + 1 < nkb) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) wc[j][h] = wn[j][h];
-        }
     }
-    cp_async_wait<0>();
     // Rows r0 + 16a + g (+8), columns n0 + 8j + 2t (+1).
-    const bool split = gridDim.y > 1;
+    const int ks = gridDim.y;
+    T* const yo = ks == 1 ? y : nullptr;
+    float* const po = ks == 1 ? nullptr : part + static_cast<size_t>(blockIdx.y) * m * n;
 #pragma unroll
-    for (int a = 0; a < MT; ++a) {
+    for (int a = 0; a < MT; ++a)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int col = n0 + 8 * j + 2 * t;
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = 16 * a + g + 8 * hf;
                 if (r >= nr) continue;
                 const size_t row = static_cast<size_t>(r0) + r;
-                if (split)
-                    f8_store(part + static_cast<size_t>(blockIdx.y) * m * n, row, col, n, tot[a][j][2 * hf],
-                             tot[a][j][2 * hf + 1]);
+                if (ks == 1)
+                    f8_store(yo, row, n0 + 8 * j + 2 * t, n, tot[a][j][2 * hf], tot[a][j][2 * hf + 1]);
                 else
-                    f8_store(y, row, col, n, tot[a][j][2 * hf], tot[a][j][2 * hf + 1]);
+                    f8_store(po, row, n0 + 8 * j + 2 * t, n, tot[a][j][2 * hf], tot[a][j][2 * hf + 1]);
             }
+    if (ks == 1) return;
+    __threadfence();  // this block's partial is visible device-wide before it counts itself
+    __syncthreads();
+    unsigned* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
+    if (tid == 0) last = atomicAdd(counter, 1u) == static_cast<unsigned>(ks - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // acquire: the other blocks' partials
+    // The tile's nr × 128 outputs over all 256 threads; per output the partials are
+    // loaded 8 at a time (independent loads in flight) and added in ks order.
+    const size_t plane = static_cast<size_t>(m) * n;
+    const int cols = min(BN, n - nb * BN);
+    for (int e = tid; e < nr * cols; e += THREADS) {
+        const int r = e / cols, col = nb * BN + e % cols;
+        const float* p = part + (static_cast<size_t>(r0) + r) * n + col;
+        float s = __ldcg(p);
+        int q = 1;
+        for (; q + 8 <= ks; q += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = __ldcg(p + (q + u) * plane);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) s += v[u];
         }
+        for (; q < ks; ++q) s += __ldcg(p + q * plane);
+        y[(static_cast<size_t>(r0) + r) * n + col] = from_f32<T>(s);
     }
+    if (tid == 0) *counter = 0;  // ready for the next launch on this stream
 }
 
-// Two blocks per SM for one m-tile (without a bound sm_100a caps it at 80 registers and
-// spills), one for more (a bound of two spills the 2-tile kernel there).
 #define FP8_STREAM(NAME, T, MT)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(f8s::THREADS, MT == 1 ? 2 : 1)                                    \
-        NAME(T* y, float* part, const uint8_t* xq, const float* xs, const uint8_t* wq, const float* ws, int m, int n, \
-             int k, int kchunk) {                                                                                  \
-        fp8_stream<T, MT>(y, part, xq, xs, wq, ws, m, n, k, kchunk);                                               \
+    extern "C" __global__ void __launch_bounds__(f8s::THREADS, f8s::Cfg<MT>::BLOCKS_PER_SM)                        \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, float* part,    \
+             unsigned* counters, const float* xs, const float* ws, int m, int n, int k, int kchunk) {            \
+        fp8_stream<T, MT>(&tx, &tw, y, part, counters, xs, ws, m, n, k, kchunk);                                   \
     }
 FP8_STREAM(fp8_stream1_obf16, bf16, 1)
 FP8_STREAM(fp8_stream2_obf16, bf16, 2)
@@ -289,31 +328,15 @@ FP8_STREAM(fp8_stream1_of32, float, 1)
 FP8_STREAM(fp8_stream2_of32, float, 2)
 FP8_STREAM(fp8_stream4_of32, float, 4)
 
-// y[i] = part[0][i] + part[1][i] + ... in ks order, i < len.
-template <typename T>
-__device__ void fp8_reduce(T* __restrict__ y, const float* __restrict__ part, size_t len, int ksplit) {
-    const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i >= len) return;
-    float s = part[i];
-    for (int ks = 1; ks < ksplit; ++ks) s += part[ks * len + i];
-    y[i] = from_f32<T>(s);
-}
-extern "C" __global__ void fp8_reduce_obf16(bf16* y, const float* part, size_t len, int ksplit) {
-    fp8_reduce(y, part, len, ksplit);
-}
-extern "C" __global__ void fp8_reduce_of32(float* y, const float* part, size_t len, int ksplit) {
-    fp8_reduce(y, part, len, ksplit);
-}
-
 // ---------------------------------------------------------------- Hopper wgmma GEMM
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace f8w {
-constexpr int BM = 128, BN = 128, BK = 128, STAGES = 6, CONSUMERS = 2;
+constexpr int BM = 128, BN = 128, BK = 128, STAGES = 6;
 constexpr int TILE = BM * BK;  // bytes of one x (or W) tile
 constexpr int STAGE = 2 * TILE;
 }  // namespace f8w
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // D[64 x 128] (scale_d ? D : 0) + A[64 x 32] · B[32 x 128], e4m3 from shared memory (both
 // K-major), f32 accumulate.
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
@@ -356,7 +379,7 @@ __device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __r
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, CONSUMERS * 128);
+            mbar_init(empty + 8 * s, 2 * 128);  // the two consumer warpgroups
         }
         fence_mbar_init();
     }
@@ -415,7 +438,7 @@ __device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __r
 }
 
 #define FP8_GEMM_WG(NAME, T)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128 + f8w::CONSUMERS * 128, 1)                                  \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                  \
         NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
              const float* ws, int m, int n, int k) {                                                              \
         fp8_gemm_wg<T>(&tx, &tw, y, xs, ws, m, n, k);                                                             \

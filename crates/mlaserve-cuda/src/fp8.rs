@@ -19,7 +19,7 @@ use crate::gpu::Gpu;
 use crate::kernels;
 use crate::launch::{i32_of, need, with_smem};
 use crate::linear::GemmOut;
-use crate::tensor_map::u8_matrix_map;
+use crate::tensor_map::{u8_kblock_map, u8_matrix_map};
 
 /// An fp8 e4m3 weight `[out][inp]` (row-major bytes) with f32 scales `[ceil(out / 128)]
 /// [ceil(inp / 128)]`, as a checkpoint's `weight` and `weight_scale_inv` hold them.
@@ -62,7 +62,10 @@ pub struct Fp8Gemm {
     quant_f32: CudaFunction,
     /// `fp8_stream{1,2,4}_*`: [bf16 out, f32 out] per m-tile count 1, 2, 4.
     stream: [[CudaFunction; 2]; 3],
-    reduce: [CudaFunction; 2],
+    /// The streaming kernel's split-K arrival counters ([`fp8_plan::STREAM_COUNTERS`]),
+    /// zero between launches (the last block of a tile resets its counter), so calls
+    /// on one stream only: like [`crate::linear::Gemm`], a `Fp8Gemm` belongs to a stream.
+    counters: CudaSlice<u32>,
     /// `fp8_gemm_wg_*` [bf16, f32] (Hopper with enough shared memory only).
     wg: Option<[CudaFunction; 2]>,
     num_sms: usize,
@@ -77,15 +80,18 @@ impl Fp8Gemm {
         let wgmma = gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= WG_SMEM;
         path.kernel(usize::MAX, wgmma).map_err(|e| CudaError::shape("Fp8Gemm", e))?;
         let f = |name: &str| m.load_function(name);
+        let st = |mt: usize| -> Result<[CudaFunction; 2]> {
+            let smem = fp8_plan::stream_smem(mt);
+            Ok([
+                with_smem(&m, &format!("fp8_stream{mt}_obf16"), smem)?,
+                with_smem(&m, &format!("fp8_stream{mt}_of32"), smem)?,
+            ])
+        };
         Ok(Fp8Gemm {
             quant_bf16: f("act_quant_bf16")?,
             quant_f32: f("act_quant_f32")?,
-            stream: [
-                [f("fp8_stream1_obf16")?, f("fp8_stream1_of32")?],
-                [f("fp8_stream2_obf16")?, f("fp8_stream2_of32")?],
-                [f("fp8_stream4_obf16")?, f("fp8_stream4_of32")?],
-            ],
-            reduce: [f("fp8_reduce_obf16")?, f("fp8_reduce_of32")?],
+            stream: [st(1)?, st(2)?, st(4)?],
+            counters: gpu.stream.alloc_zeros::<u32>(fp8_plan::STREAM_COUNTERS)?,
             wg: if wgmma {
                 Some([with_smem(&m, "fp8_gemm_wg_obf16", WG_SMEM)?, with_smem(&m, "fp8_gemm_wg_of32", WG_SMEM)?])
             } else {
@@ -195,15 +201,16 @@ impl Fp8Gemm {
         const K: &str = "fp8_stream";
         let (ksplit, kchunk) = fp8_plan::stream_split(lin.out, lin.inp, self.num_sms);
         let slab = fp8_plan::stream_slab(m, lin.out, ksplit);
-        let f = &self.stream[fp8_plan::stream_mtiles(slab).trailing_zeros() as usize][usize::from(!T::BF16)];
-        let red = &self.reduce[usize::from(!T::BF16)];
+        let mt = fp8_plan::stream_mtiles(slab);
+        let f = &self.stream[mt.trailing_zeros() as usize][usize::from(!T::BF16)];
         let cols = u32::try_from(lin.out.div_ceil(STREAM_COLS)).map_err(|_| CudaError::shape(K, "too many columns"))?;
         if ksplit > 65_535 {
             return Err(CudaError::shape(K, "too many k splits"));
         }
         let mut part = if ksplit > 1 {
-            // SAFETY: each launch's blocks write every (ks, row, col) of its rows before
-            // the reduce reads them (a block stores all of its rows < rows and columns < out).
+            // SAFETY: every block of a launch writes its (ks, row, col) partials before it
+            // counts itself, and the last block of a tile reads them only after every
+            // block of the tile has counted (a block stores all its rows < rows, cols < out).
             Some(unsafe { s.alloc::<f32>(ksplit * slab * lin.out) }?)
         } else {
             None
@@ -220,36 +227,47 @@ impl Fp8Gemm {
         let (wp, _g3) = lin.q.device_ptr(s);
         let (wsp, _g4) = lin.scale.device_ptr(s);
         let (yp, _g5) = y.device_ptr_mut(s);
+        let (cp, _g6) = self.counters.device_ptr(s);
         let (ni, ki, kc) = (i32_of(K, lin.out)?, i32_of(K, lin.inp)?, i32_of(K, kchunk)?);
+        let sb = fp8_plan::STREAM_STAGE_BLOCKS as u32;
+        let tw = u8_kblock_map(wp, lin.inp, lin.out, sb, STREAM_COLS as u32)?;
         let kbs = (lin.inp / FP8_BLOCK) as u64;
         let out_bytes = std::mem::size_of::<T>() as u64;
         let mut r0 = 0;
         while r0 < m {
             let rows = slab.min(m - r0);
             let ri = rows as i32;
-            let tiles = u32::try_from(rows.div_ceil(STREAM_ROWS)).map_err(|_| CudaError::shape(K, "too many rows"))?;
-            if tiles > 65_535 {
+            let tiles = rows.div_ceil(STREAM_ROWS);
+            if tiles > 65_535 || (ksplit > 1 && tiles * cols as usize > fp8_plan::STREAM_COUNTERS) {
                 return Err(CudaError::shape(K, "too many rows per launch"));
             }
             let xr = xp + (r0 * lin.inp) as u64;
             let sr = sp + r0 as u64 * kbs * 4;
             let yr = yp + (r0 * lin.out) as u64 * out_bytes;
-            let cfg =
-                LaunchConfig { grid_dim: (cols, ksplit as u32, tiles), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: fp8_stream*(y, part, xq, xs, wq, ws, m, n, k, kchunk) reads rows
-            // r0 .. r0 + rows of xq (bytes) and xs (k/128 scales a row), all of wq
-            // (out × inp bytes) and ws (its scale grid, checked by check_weight), and
-            // writes y rows r0.. (within m × out, checked) when grid.y = 1, else
-            // part[ks][row][col] for ks < ksplit, row < rows, col < out (within the
-            // ksplit × slab × out allocation) and never y. 16-byte loads stay aligned:
-            // inp % 128 == 0 and cudarc buffers are 256-byte aligned.
+            // The activation rows of this slab, in boxes of the kernel's staged rows.
+            let tx = u8_kblock_map(xr, lin.inp, rows, sb, (16 * mt) as u32)?;
+            let cfg = LaunchConfig {
+                grid_dim: (cols, ksplit as u32, tiles as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: fp8_plan::stream_smem(mt) as u32,
+            };
+            // SAFETY: fp8_stream*(tx, tw, y, part, counters, xs, ws, m, n, k, kchunk): the
+            // tensor maps cover exactly this slab's rows × inp bytes of xq and W's
+            // out × inp bytes (made from live buffers; 16-byte rows: inp % 128 == 0); the
+            // kernel reads xs rows r0 .. r0 + rows (k/128 scales a row; lengths checked in
+            // forward_quantized), ws's scale grid (check_weight), and writes y rows r0..
+            // (within m × out) and, with ksplit > 1, part[ks][row][col] for ks < ksplit,
+            // row < rows, col < out (within the ksplit × slab × out allocation) and
+            // counters[tile · cols + col tile] (< STREAM_COUNTERS, checked above), which
+            // the tile's last block sets back to zero. Dynamic shared memory allowed at load.
             unsafe {
                 s.launch_builder(f)
+                    .arg(&tx)
+                    .arg(&tw)
                     .arg(&yr)
                     .arg(&pp)
-                    .arg(&xr)
+                    .arg(&cp)
                     .arg(&sr)
-                    .arg(&wp)
                     .arg(&wsp)
                     .arg(&ri)
                     .arg(&ni)
@@ -257,16 +275,6 @@ impl Fp8Gemm {
                     .arg(&kc)
                     .launch(cfg)
             }?;
-            if ksplit > 1 {
-                let len = (rows * lin.out) as u64;
-                let blocks = u32::try_from((rows * lin.out).div_ceil(256))
-                    .map_err(|_| CudaError::shape(K, "too many outputs"))?;
-                let rcfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-                let ksi = ksplit as i32;
-                // SAFETY: fp8_reduce_*(y, part, len, ksplit) reads part[ks][i], i < len =
-                // rows × out (written just above on this stream), writes y[i] (rows r0..).
-                unsafe { s.launch_builder(red).arg(&yr).arg(&pp).arg(&len).arg(&ksi).launch(rcfg) }?;
-            }
             r0 += rows;
         }
         Ok(())

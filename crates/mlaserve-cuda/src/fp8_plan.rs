@@ -120,16 +120,65 @@ pub fn check_act(m: usize, k: usize) -> Result<(), String> {
 }
 
 /// The streaming kernel's k split of a weight `[out][inp]` on `num_sms` SMs: `(ksplit,
-/// kchunk)` with kchunk a multiple of 128 and `ksplit = ceil(inp / kchunk)`. Enough
-/// blocks for two per SM from the column blocks alone when possible; else the k blocks
-/// are shared out evenly. Depends on the weight's shape and the GPU only (never on the
-/// rows of a call).
+/// kchunk)` with kchunk a multiple of 128 and `ksplit = ceil(inp / kchunk)`. The fewest
+/// splits whose `ceil(out / 128) · ksplit` blocks fill at least one wave of `num_sms` and
+/// waste at most 15% of the last wave; else the split with the least waste. Depends on
+/// the weight's shape and the GPU only (never on the rows of a call).
 pub fn stream_split(out: usize, inp: usize, num_sms: usize) -> (usize, usize) {
     let cols = out.div_ceil(STREAM_COLS).max(1);
     let kbs = inp.div_ceil(FP8_BLOCK).max(1);
-    let want = (2 * num_sms.max(1)).div_ceil(cols).clamp(1, kbs);
-    let per = kbs.div_ceil(want);
-    (kbs.div_ceil(per), per * FP8_BLOCK)
+    let sms = num_sms.max(1);
+    // (efficiency, fills a wave, ksplit, k blocks per split) of the best split so far.
+    let mut best: Option<(f64, bool, usize, usize)> = None;
+    for want in 1..=kbs.min(STREAM_MAX_SPLIT) {
+        let per = kbs.div_ceil(want);
+        if kbs.div_ceil(per) != want {
+            continue; // not reachable with even chunks
+        }
+        let units = cols * want;
+        let eff = units as f64 / (units.div_ceil(sms) * sms) as f64;
+        let fills = units >= sms;
+        if fills && eff >= 0.85 {
+            return (want, per * FP8_BLOCK);
+        }
+        let better = match best {
+            None => true,
+            Some((e, f, _, _)) => (fills && !f) || (fills == f && eff > e + 1e-9),
+        };
+        if better {
+            best = Some((eff, fills, want, per));
+        }
+    }
+    let (_, _, ks, per) = best.unwrap_or((1.0, true, 1, kbs));
+    (ks, per * FP8_BLOCK)
+}
+
+/// Most k splits of the streaming kernel: the last block of a column tile sums its
+/// partials, so more splits cost more at 64 rows than they win in waves.
+pub const STREAM_MAX_SPLIT: usize = 8;
+
+/// Counters of the streaming kernel's split-K (one per column tile and row tile of a
+/// launch); launches of more tiles run in slabs.
+pub const STREAM_COUNTERS: usize = 1 << 16;
+
+/// k blocks per stage of the streaming kernel's ring (`f8s::KS`).
+pub const STREAM_STAGE_BLOCKS: usize = 2;
+
+/// Ring stages of the streaming kernel with `mt` m-tiles (`Cfg<MT>` in fp8_gemm.cu).
+pub fn stream_stages(mt: usize) -> usize {
+    match mt {
+        1 => 3,
+        2 => 5,
+        _ => 4,
+    }
+}
+
+/// Dynamic shared memory of the streaming kernel with `mt` m-tiles: 1024 bytes of
+/// alignment slack, the ring (per stage two k blocks of 128 weight rows and of 16·mt
+/// activation rows) and its barriers.
+pub fn stream_smem(mt: usize) -> usize {
+    let st = stream_stages(mt);
+    1024 + st * (STREAM_COLS + 16 * mt) * STREAM_STAGE_BLOCKS * FP8_BLOCK + 8 * st
 }
 
 /// m-tiles of 16 rows the streaming kernel stages for a launch of `rows` rows: 1, 2 or 4.
@@ -142,12 +191,15 @@ pub fn stream_mtiles(rows: usize) -> usize {
 }
 
 /// Rows per streaming launch: all `m` without split-K, else as many 64-row tiles as
-/// keep the partials within [`STREAM_PARTIAL_BYTES`].
+/// keep the partials within [`STREAM_PARTIAL_BYTES`] and the tiles within
+/// [`STREAM_COUNTERS`].
 pub fn stream_slab(m: usize, out: usize, ksplit: usize) -> usize {
     if ksplit <= 1 {
         return m.max(1);
     }
-    let rows = (STREAM_PARTIAL_BYTES / (ksplit * out * 4)).max(STREAM_ROWS) / STREAM_ROWS * STREAM_ROWS;
+    let by_bytes = (STREAM_PARTIAL_BYTES / (ksplit * out * 4)).max(STREAM_ROWS);
+    let by_counters = (STREAM_COUNTERS / out.div_ceil(STREAM_COLS)).max(1) * STREAM_ROWS;
+    let rows = by_bytes.min(by_counters) / STREAM_ROWS * STREAM_ROWS;
     rows.min(m.max(1))
 }
 
@@ -177,13 +229,16 @@ mod tests {
                 assert!(kc.is_multiple_of(FP8_BLOCK), "{out}x{inp}: kchunk {kc}");
                 assert!(ks >= 1 && (ks - 1) * kc < inp && ks * kc >= inp, "{out}x{inp}: {ks} x {kc}");
                 let blocks = out.div_ceil(STREAM_COLS) * ks;
-                // At least one block per SM, unless every k block is already its own split.
-                assert!(blocks >= sms || kc == FP8_BLOCK, "{out}x{inp} on {sms}: {blocks}");
+                // At least one wave, unless the splits are at their cap or one k block each.
+                assert!(blocks >= sms || kc == FP8_BLOCK || ks == STREAM_MAX_SPLIT, "{out}x{inp} on {sms}: {blocks}");
+                assert!(ks <= STREAM_MAX_SPLIT);
             }
         }
-        // kv_a on an H100: 5 column blocks, 56 k blocks -> 2 k blocks a split.
-        assert_eq!(stream_split(576, 7168, 132), (28, 256));
-        // q_b unsharded: 192 column blocks, two k halves for 2 blocks per SM; 96 SMs: none.
+        // kv_a: 5 column tiles, 56 k blocks; no split fills a wave: the cap, 8 of 7 blocks.
+        assert_eq!(stream_split(576, 7168, 132), (8, 896));
+        // dense MLP up: 144 column tiles; 4 splits of 14 k blocks = 576 blocks, 87% of 5 waves.
+        assert_eq!(stream_split(18432, 7168, 132), (4, 1792));
+        // q_b unsharded: 192 column tiles; 2 splits = 384 blocks, 97% of 3 waves.
         assert_eq!(stream_split(24576, 1536, 132), (2, 768));
         assert_eq!(stream_split(24576, 1536, 96), (1, 1536));
     }
@@ -197,6 +252,7 @@ mod tests {
             assert!(slab >= 1 && slab <= m.max(1));
             assert!(slab == m || slab.is_multiple_of(STREAM_ROWS), "m {m}: slab {slab}");
             assert!(ks <= 1 || slab * ks * 7168 * 4 <= STREAM_PARTIAL_BYTES || slab == STREAM_ROWS);
+            assert!(ks <= 1 || slab.div_ceil(STREAM_ROWS) * 7168usize.div_ceil(STREAM_COLS) <= STREAM_COUNTERS);
         }
     }
 
@@ -233,5 +289,9 @@ mod tests {
             assert_eq!(Fp8Path::from_name(p.name()), Some(p));
         }
         assert!(WG_SMEM <= 227 * 1024);
+        // One block per SM of the 2- and 4-tile kernels, two of the 1-tile kernel (plus
+        // 1 KB of static shared memory each) within an H100's 228 KB.
+        assert!(stream_smem(4) + 1024 <= 227 * 1024 && stream_smem(2) + 1024 <= 227 * 1024);
+        assert!(2 * (stream_smem(1) + 1024 + 1024) <= 228 * 1024);
     }
 }

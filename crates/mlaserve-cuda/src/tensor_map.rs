@@ -86,3 +86,23 @@ pub(crate) fn u8_matrix_map(ptr: sys::CUdeviceptr, inner: usize, outer: usize, b
         &[128, box_outer],
     )
 }
+
+/// A byte (fp8) `[rows][k]` matrix at `ptr` as 3-D (128 bytes, k / 128 blocks, rows), boxes
+/// of 128 bytes × `box_blocks` × `box_rows`: a box lands as `[row][block][128 bytes]`, each
+/// 128-byte line swizzled; out-of-range elements read as zero. The caller guarantees a
+/// device allocation of at least `rows × k` bytes, 16-byte aligned, `k % 128 == 0`.
+pub(crate) fn u8_kblock_map(
+    ptr: sys::CUdeviceptr,
+    k: usize,
+    rows: usize,
+    box_blocks: u32,
+    box_rows: u32,
+) -> Result<TensorMapArg> {
+    tensor_map(
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        ptr,
+        &[128, (k / 128) as u64, rows as u64],
+        &[128, k as u64],
+        &[128, box_blocks, box_rows],
+    )
+}
