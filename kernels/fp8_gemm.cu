@@ -26,9 +26,10 @@
 //   mma.sync accumulates in full f32 (the checks measure ~1e-7 relative error).
 // - fp8_gemm_wg_*: Hopper (sm_90a) for many rows: a producer warpgroup's one thread
 //   fills a 6-stage ring of 128 × 128-byte tiles of x and W by TMA (the maps' 128-byte
-//   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128
-//   columns as 4 wgmma m64n128k32 e4m3 per k block, wait for them, hand the stage back
-//   and promote. Not bit-identical to fp8_stream (a different accumulator).
+//   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128 columns as 4 wgmma m64n128k32 e4m3
+//   per k block, wait for them, hand the stage back and promote. wgmma's fp8
+//   accumulator keeps fewer bits than f32 (~1e-4 relative error per k block, the checks
+//   measure it), so it is not bit-identical to fp8_stream.
 #include <cuda.h>  // CUtensorMap
 #include <cuda_fp8.h>
 
@@ -138,15 +139,21 @@ constexpr int KS = 2;                 // k blocks per stage: 256-byte runs of ea
 constexpr int TW = BN * KS * f8::QB;  // bytes of a stage's weight tile
 static_assert(BN == f8::QB, "a block's columns are one scale row");
 // Ring depth and blocks per SM by m-tiles (the host's `fp8_plan::stream_smem`): one
-// tile runs two blocks per SM of 3 stages; two and four tiles need more than 128
-// registers (ptxas spills at that bound) and run one block of 5 or 4 stages.
+// tile runs two blocks per SM of 3 stages (measured faster than one of 6); two and
+// four tiles need more than 128 registers (ptxas spills at that bound) and run one
+// block of 5 or 4 stages.
 template <int MT>
 struct Cfg {
     static constexpr int STAGES = MT == 1 ? 3 : MT == 2 ? 5 : 4;
     static constexpr int BLOCKS_PER_SM = MT == 1 ? 2 : 1;
     static constexpr int TX = MT * 16 * KS * f8::QB;  // bytes of a stage's activation tile
     static constexpr int STAGE = TW + TX;
-    static constexpr int SMEM = 1024 + STAGES * STAGE + 8 * STAGES;
+};
+// A stage's scales (cp.async beside the TMA): the activation rows' [KS][64] and the
+// weight's [KS].
+struct F8sScales {
+    float x[f8s::KS][f8s::ROWS];
+    float w[f8s::KS];
 };
 }  // namespace f8s
 
@@ -175,6 +182,7 @@ __device__ void fp8_stream(const CUtensorMap* tx, const CUtensorMap* tw, T* __re
     using C = Cfg<MT>;
     extern __shared__ __align__(1024) unsigned char f8s_smem[];
     __shared__ int last;
+    __shared__ F8sScales scl[C::STAGES];
     const uint32_t sbase = (smem_u32(f8s_smem) + 1023u) & ~1023u;
     const uint32_t full = sbase + C::STAGES * C::STAGE;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -193,13 +201,27 @@ __device__ void fp8_stream(const CUtensorMap* tx, const CUtensorMap* tw, T* __re
     __syncthreads();
     auto issue = [&](int i) {  // k blocks kb0 + KS·i .. into slot i % STAGES
         const int st = i % C::STAGES;
-        const uint32_t dst = sbase + st * C::STAGE;
-        mbar_arrive_expect_tx(full + 8 * st, C::STAGE);
-        tma_load_3d(dst, tw, 0, kb0 + KS * i, nb * BN, full + 8 * st);
-        tma_load_3d(dst + TW, tx, 0, kb0 + KS * i, r0, full + 8 * st);
+        if (tid == 0) {
+            const uint32_t dst = sbase + st * C::STAGE;
+            mbar_arrive_expect_tx(full + 8 * st, C::STAGE);
+            tma_load_3d(dst, tw, 0, kb0 + KS * i, nb * BN, full + 8 * st);
+            tma_load_3d(dst + TW, tx, 0, kb0 + KS * i, r0, full + 8 * st);
+        }
+        // The scales of rows < nr and k blocks < the split's end (the rest never read).
+        if (tid < KS * MT * 16) {
+            const int kbl = tid / (MT * 16), r = tid % (MT * 16), kb = kb0 + KS * i + kbl;
+            if (r < nr && kb < kb0 + nkb)
+                cp_async_4(smem_u32(&scl[st].x[kbl][r]), xs + static_cast<size_t>(r0 + r) * kbs_all + kb, 4);
+        } else if (tid >= THREADS - KS) {
+            const int kbl = tid - (THREADS - KS), kb = kb0 + KS * i + kbl;
+            if (kb < kb0 + nkb) cp_async_4(smem_u32(&scl[st].w[kbl]), wsc + static_cast<size_t>(nb) * kbs_all + kb, 4);
+        }
     };
-    if (tid == 0)
-        for (int i = 0; i < min(C::STAGES - 1, nst); ++i) issue(i);
+    // One cp.async group per stage, empty or not, keeps the wait counts uniform.
+    for (int i = 0; i < C::STAGES - 1; ++i) {
+        if (i < nst) issue(i);
+        cp_async_commit();
+    }
 
     float tot[MT][2][4];
 #pragma unroll
@@ -210,26 +232,23 @@ __device__ void fp8_stream(const CUtensorMap* tx, const CUtensorMap* tw, T* __re
             for (int q = 0; q < 4; ++q) tot[a][j][q] = 0.f;
 
     for (int i = 0; i < nst; ++i) {
-        if (i > 0) __syncthreads();  // every warp is done with slot (i - 1) % STAGES
-        if (tid == 0 && i + C::STAGES - 1 < nst) issue(i + C::STAGES - 1);
+        cp_async_wait<C::STAGES - 2>();  // this thread's scales of stage i have landed
+        __syncthreads();  // ... every thread's; every warp is done with slot (i - 1) % STAGES
+        if (i + C::STAGES - 1 < nst) issue(i + C::STAGES - 1);
+        cp_async_commit();
         const int st = i % C::STAGES;
         const uint32_t wt = sbase + st * C::STAGE, xt = wt + TW;
-        bool waited = false;
+        mbar_wait(full + 8 * st, (i / C::STAGES) & 1);
 #pragma unroll
         for (int kbl = 0; kbl < KS; ++kbl) {
-            const int kb = kb0 + KS * i + kbl;
-            if (kb >= kb0 + nkb) break;  // the split's last stage may hold one block
-            const float swv = wsc[static_cast<size_t>(nb) * kbs_all + kb];
+            if (KS * i + kbl >= nkb) break;  // the split's last stage may hold one block
+            const float swv = scl[st].w[kbl];
             float sl[MT], sh[MT];
 #pragma unroll
             for (int a = 0; a < MT; ++a) {
                 const int rl = 16 * a + g, rh = rl + 8;
-                sl[a] = rl < nr ? xs[static_cast<size_t>(r0 + rl) * kbs_all + kb] : 0.f;
-                sh[a] = rh < nr ? xs[static_cast<size_t>(r0 + rh) * kbs_all + kb] : 0.f;
-            }
-            if (!waited) {
-                mbar_wait(full + 8 * st, (i / C::STAGES) & 1);
-                waited = true;
+                sl[a] = rl < nr ? scl[st].x[kbl][rl] : 0.f;
+                sh[a] = rh < nr ? scl[st].x[kbl][rh] : 0.f;
             }
             float acc[MT][2][4];
 #pragma unroll
@@ -267,6 +286,7 @@ __device__ void fp8_stream(const CUtensorMap* tx, const CUtensorMap* tw, T* __re
             }
         }
     }
+    cp_async_wait<0>();
     // Rows r0 + 16a + g (+8), columns n0 + 8j + 2t (+1).
     const int ks = gridDim.y;
     T* const yo = ks == 1 ? y : nullptr;
@@ -445,3 +465,226 @@ __device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __r
     }
 FP8_GEMM_WG(fp8_gemm_wg_obf16, bf16)
 FP8_GEMM_WG(fp8_gemm_wg_of32, float)
+
+// ---------------------------------------------------------------- Hopper streaming GEMM
+
+// fp8_stream_wg*: the streaming GEMM on Hopper's wgmma with the operands swapped (a
+// decode batch is too short for wgmma's 64-row A): A = 64 weight rows, B = the block's
+// NT = 16, 32 or 64 activation rows, D = yᵀ. The same grid, split-K, TMA ring (per stage
+// two k blocks, each a [rows][128 bytes] tile in the K-major 128-byte-swizzle layout,
+// two 2-D boxes per operand), scale ring and last-block reduction as fp8_stream; each
+// of the two warpgroups runs 4 wgmma m64nNTk32 per k block into a fresh accumulator,
+// waits and promotes it. mma.sync's fp8 rate on Hopper caps fp8_stream near 150
+// TFLOP/s (measured), which a decode batch of 64 rows already reaches.
+namespace f8g {
+constexpr int THREADS = 256, BN = 128, KS = 2;
+constexpr int TW = BN * f8::QB;  // one k block of the weight tile
+// Ring depth and blocks per SM (the host's `fp8_plan::stream_wg_smem`): 16 rows run two
+// blocks per SM of 3 stages, 32 and 64 rows one of 5 or 4.
+template <int NT>
+struct Cfg {
+    static constexpr int STAGES = NT == 16 ? 3 : NT == 32 ? 5 : 4;
+    static constexpr int BLOCKS_PER_SM = NT == 16 ? 2 : 1;
+    static constexpr int TX = NT * f8::QB;  // one k block of the activation tile
+    static constexpr int STAGE = KS * (TW + TX);
+};
+}  // namespace f8g
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// D[64 x N] (scale_d ? D : 0) + A[64 x 32] · B[32 x N], e4m3 from shared memory (both
+// K-major), f32 accumulate: the swap-AB streaming kernel's N = 16, 32, 64 rows.
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+template <int N>
+struct WgE4m3;
+template <>
+struct WgE4m3<16> {
+    static __device__ __forceinline__ void mma(float (&d)[8], uint64_t a, uint64_t b, int s) { wgmma_m64n16k32_e4m3(d, a, b, s); }
+};
+template <>
+struct WgE4m3<32> {
+    static __device__ __forceinline__ void mma(float (&d)[16], uint64_t a, uint64_t b, int s) { wgmma_m64n32k32_e4m3(d, a, b, s); }
+};
+template <>
+struct WgE4m3<64> {
+    static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_m64n64k32_e4m3(d, a, b, s); }
+};
+#endif
+
+// Tensor maps: x [m][k] (box 128 bytes × NT rows) and w [n][k] (box 128 × 128), u8,
+// 128-byte swizzle. grid = (ceil(n / 128), ksplit, ceil(m / NT)), 256 threads, dynamic
+// shared memory 1024 + STAGES · STAGE + 8 · STAGES (the host's `stream_wg_smem`).
+template <typename T, int NT>
+__device__ void fp8_stream_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y,
+                              float* __restrict__ part, unsigned* __restrict__ counters,
+                              const float* __restrict__ xs, const float* __restrict__ wsc, int m, int n, int k,
+                              int kchunk) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace f8g;
+    using C = Cfg<NT>;
+    extern __shared__ __align__(1024) unsigned char f8g_smem[];
+    __shared__ int last;
+    __shared__ f8s::F8sScales scl[C::STAGES];
+    const uint32_t sbase = (smem_u32(f8g_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + C::STAGES * C::STAGE;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int kbs_all = k / f8::QB;
+    const int nb = blockIdx.x;
+    const int kb0 = blockIdx.y * (kchunk / f8::QB);
+    const int nkb = min(kchunk / f8::QB, kbs_all - kb0);
+    const int nst = (nkb + KS - 1) / KS;
+    const int r0 = blockIdx.z * NT, nr = min(NT, m - r0);
+
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) mbar_init(full + 8 * s, 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    auto issue = [&](int i) {  // k blocks kb0 + KS·i .. into slot i % STAGES
+        const int st = i % C::STAGES;
+        if (tid == 0) {
+            const uint32_t dst = sbase + st * C::STAGE;
+            mbar_arrive_expect_tx(full + 8 * st, C::STAGE);
+#pragma unroll
+            for (int kbl = 0; kbl < KS; ++kbl) {
+                const int kk = (kb0 + KS * i + kbl) * f8::QB;
+                tma_load_2d(dst + kbl * TW, tw, kk, nb * BN, full + 8 * st);
+                tma_load_2d(dst + KS * TW + kbl * C::TX, tx, kk, r0, full + 8 * st);
+            }
+        }
+        if (tid < KS * NT) {
+            const int kbl = tid / NT, r = tid % NT, kb = kb0 + KS * i + kbl;
+            if (r < nr && kb < kb0 + nkb)
+                cp_async_4(smem_u32(&scl[st].x[kbl][r]), xs + static_cast<size_t>(r0 + r) * kbs_all + kb, 4);
+        } else if (tid >= THREADS - KS) {
+            const int kbl = tid - (THREADS - KS), kb = kb0 + KS * i + kbl;
+            if (kb < kb0 + nkb) cp_async_4(smem_u32(&scl[st].w[kbl]), wsc + static_cast<size_t>(nb) * kbs_all + kb, 4);
+        }
+    };
+    for (int i = 0; i < C::STAGES - 1; ++i) {
+        if (i < nst) issue(i);
+        cp_async_commit();
+    }
+    // D fragment j of a thread: weight row 64·wg + 16·warp + lane / 4 (+8 for j % 4 ≥ 2),
+    // activation row 8·(j / 4) + 2·(lane % 4) + j % 2.
+    constexpr int NA = NT / 2;
+    float acc[NA], tot[NA];
+#pragma unroll
+    for (int j = 0; j < NA; ++j) acc[j] = tot[j] = 0.f;
+    for (int i = 0; i < nst; ++i) {
+        cp_async_wait<C::STAGES - 2>();
+        __syncthreads();  // scales of stage i landed; every warp is done with slot (i - 1)
+        if (i + C::STAGES - 1 < nst) issue(i + C::STAGES - 1);
+        cp_async_commit();
+        const int st = i % C::STAGES;
+        const uint32_t wt = sbase + st * C::STAGE, xt = wt + KS * TW;
+        mbar_wait(full + 8 * st, (i / C::STAGES) & 1);
+#pragma unroll
+        for (int kbl = 0; kbl < KS; ++kbl) {
+            if (KS * i + kbl >= nkb) break;
+            const uint64_t da = gmma_desc_sw128(wt + kbl * TW + wg * 64 * f8::QB, 16, 1024);
+            const uint64_t db = gmma_desc_sw128(xt + kbl * C::TX, 16, 1024);
+            wgmma_fence();
+#pragma unroll
+            for (int k32 = 0; k32 < f8::QB / 32; ++k32)
+                WgE4m3<NT>::mma(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(acc);
+            const float swv = scl[st].w[kbl];
+#pragma unroll
+            for (int j = 0; j < NA; ++j) {
+                const int col = 8 * (j / 4) + 2 * (lane & 3) + (j & 1);
+                tot[j] = fmaf(acc[j], (col < nr ? scl[st].x[kbl][col] : 0.f) * swv, tot[j]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    const int ks = gridDim.y;
+    const int wrow = nb * BN + 64 * wg + 16 * warp + (lane >> 2);
+    T* const yo = ks == 1 ? y : nullptr;
+    float* const po = ks == 1 ? nullptr : part + static_cast<size_t>(blockIdx.y) * m * n;
+#pragma unroll
+    for (int j = 0; j < NA; ++j) {
+        const int col = 8 * (j / 4) + 2 * (lane & 3) + (j & 1), row = wrow + 8 * ((j >> 1) & 1);
+        if (col >= nr || row >= n) continue;
+        const size_t at = (static_cast<size_t>(r0) + col) * n + row;
+        if (ks == 1)
+            yo[at] = from_f32<T>(tot[j]);
+        else
+            po[at] = tot[j];
+    }
+    if (ks == 1) return;
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
+    if (tid == 0) last = atomicAdd(counter, 1u) == static_cast<unsigned>(ks - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const size_t plane = static_cast<size_t>(m) * n;
+    const int cols = min(BN, n - nb * BN);
+    for (int e = tid; e < nr * cols; e += THREADS) {
+        const int r = e / cols, col = nb * BN + e % cols;
+        const float* p = part + (static_cast<size_t>(r0) + r) * n + col;
+        float s = __ldcg(p);
+        int q = 1;
+        for (; q + 8 <= ks; q += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = __ldcg(p + (q + u) * plane);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) s += v[u];
+        }
+        for (; q < ks; ++q) s += __ldcg(p + q * plane);
+        y[(static_cast<size_t>(r0) + r) * n + col] = from_f32<T>(s);
+    }
+    if (tid == 0) *counter = 0;
+#else
+    __trap();
+#endif
+}
+
+#define FP8_STREAM_WG(NAME, T, NT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(f8g::THREADS, f8g::Cfg<NT>::BLOCKS_PER_SM)                        \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, float* part,    \
+             unsigned* counters, const float* xs, const float* ws, int m, int n, int k, int kchunk) {            \
+        fp8_stream_wg<T, NT>(&tx, &tw, y, part, counters, xs, ws, m, n, k, kchunk);                                \
+    }
+FP8_STREAM_WG(fp8_stream_wg16_obf16, bf16, 16)
+FP8_STREAM_WG(fp8_stream_wg32_obf16, bf16, 32)
+FP8_STREAM_WG(fp8_stream_wg64_obf16, bf16, 64)
+FP8_STREAM_WG(fp8_stream_wg16_of32, float, 16)
+FP8_STREAM_WG(fp8_stream_wg32_of32, float, 32)
+FP8_STREAM_WG(fp8_stream_wg64_of32, float, 64)

@@ -1,6 +1,6 @@
 //! The fp8 GEMM benchmark (`mlaserve-cuda-check --fp8`): at each of DeepSeek-V3's
 //! projection shapes and row counts, the fp8 kernels (`mlaserve_cuda::fp8`: the path
-//! `Auto` picks, and the streaming and wgmma kernels each), the activation
+//! `Auto` picks, and each path: `stream`, `portable` (mma.sync), `wgmma`), the activation
 //! quantisation, cuBLAS bf16 on the same shape (`linear::Gemm`), and the copy-bandwidth
 //! floor of the weight bytes (`bench::measure_copy_bandwidth`, measured in the same run).
 //!
@@ -49,7 +49,10 @@ pub struct Fp8BenchRow {
     pub quant_us: f64,
     pub auto_us: f64,
     pub auto_kernel: &'static str,
+    /// [`Fp8Path::Stream`] (the wgmma streaming kernel on Hopper).
     pub stream_us: f64,
+    /// [`Fp8Path::Portable`] (the mma.sync streaming kernel), Hopper only.
+    pub portable_us: Option<f64>,
     pub wgmma_us: Option<f64>,
     pub cublas_us: f64,
     /// Weight bytes (fp8 codes + scales).
@@ -68,7 +71,7 @@ impl fmt::Display for Fp8BenchReport {
         writeln!(f, "device: {}; copy bandwidth {:.0} GB/s (read + write)", self.device, self.copy_gbps)?;
         writeln!(
             f,
-            "{:<26} {:>5} {:>8} {:>9} {:>7} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8} {:>7}",
+            "{:<26} {:>5} {:>8} {:>9} {:>10} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
             "shape",
             "m",
             "quant us",
@@ -78,6 +81,7 @@ impl fmt::Display for Fp8BenchReport {
             "%copy",
             "TFLOP/s",
             "stream us",
+            "mma us",
             "wgmma us",
             "cublas us",
             "cb TF/s",
@@ -88,7 +92,7 @@ impl fmt::Display for Fp8BenchReport {
             let gbps = r.weight_bytes as f64 / (r.auto_us * 1e-6) / 1e9;
             writeln!(
                 f,
-                "{:<26} {:>5} {:>8.1} {:>9.1} {:>7} {:>8.0} {:>5.0}% {:>8.1} {:>9.1} {:>9} {:>9.1} {:>8.1} {:>6.2}x",
+                "{:<26} {:>5} {:>8.1} {:>9.1} {:>10} {:>8.0} {:>5.0}% {:>8.1} {:>9.1} {:>9} {:>9} {:>9.1} {:>8.1} {:>6.2}x",
                 r.name,
                 r.m,
                 r.quant_us,
@@ -98,6 +102,7 @@ impl fmt::Display for Fp8BenchReport {
                 100.0 * gbps / self.copy_gbps,
                 flop / (r.auto_us * 1e-6) / 1e12,
                 r.stream_us,
+                r.portable_us.map_or("-".to_string(), |t| format!("{t:.1}")),
                 r.wgmma_us.map_or("-".to_string(), |t| format!("{t:.1}")),
                 r.cublas_us,
                 flop / (r.cublas_us * 1e-6) / 1e12,
@@ -154,12 +159,10 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
             };
             let auto_us = time_path(&mut fp8, Fp8Path::Auto)?;
             let stream_us = time_path(&mut fp8, Fp8Path::Stream)?;
+            let portable_us = if fp8.has_wgmma() { Some(time_path(&mut fp8, Fp8Path::Portable)?) } else { None };
             let wgmma_us = if fp8.has_wgmma() { Some(time_path(&mut fp8, Fp8Path::Wgmma)?) } else { None };
             fp8.path = Fp8Path::Auto;
-            let auto_kernel = match Fp8Path::Auto.kernel(m, fp8.has_wgmma()) {
-                Ok(mlaserve_cuda::fp8_plan::Fp8Kernel::Wgmma) => "wgmma",
-                _ => "stream",
-            };
+            let auto_kernel = Fp8Path::Auto.kernel(m, fp8.has_wgmma()).map_or("-", |k| k.name());
             let mut i = 0;
             let cb = time_calls(gpu, opts.warmup, iters, || {
                 i += 1;
@@ -174,6 +177,7 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
                 auto_us,
                 auto_kernel,
                 stream_us,
+                portable_us,
                 wgmma_us,
                 cublas_us: median_us(cb),
                 weight_bytes: ws[0].bytes(),

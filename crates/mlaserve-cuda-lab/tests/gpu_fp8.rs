@@ -53,10 +53,7 @@ fn fp8_gemm_odd_shapes() {
     let util = Util::new(&gpu).expect("util");
     let mut fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
     let mut rng = Rng::new(23);
-    let mut paths = vec![Fp8Path::Stream];
-    if fp8.has_wgmma() {
-        paths.push(Fp8Path::Wgmma);
-    }
+    let paths = check_fp8::fp8_paths(&fp8);
     let mut failures = Vec::new();
     for (n, k) in [(1, 128), (129, 256), (333, 384), (200, 1280)] {
         let w = Fp8Pair::random(&gpu, &mut rng, n, k).expect("weight");
@@ -75,18 +72,22 @@ fn fp8_gemm_odd_shapes() {
     assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
 }
 
-/// The streaming kernel is batch-invariant: a row alone, inside a batch of 64 or 300, or
-/// among 5 other rows gives the same bits.
+/// The streaming kernels are batch-invariant: a row alone, inside a batch of 64 or 300,
+/// or among 5 other rows gives the same bits (`stream`, and `portable` where it differs).
 #[test]
 fn fp8_stream_is_batch_invariant() {
     let Some(gpu) = gpu() else { return };
     let util = Util::new(&gpu).expect("util");
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
     let mut rng = Rng::new(24);
     let mut bad = Vec::new();
     for (n, k) in [(576, 7168), (7168, 2048), (3072, 1536), (200, 1280)] {
         let w = Fp8Pair::random(&gpu, &mut rng, n, k).expect("weight");
-        for m in [64, 300] {
-            bad.extend(check_fp8::run_fp8_invariance(&gpu, &util, Fp8Path::Stream, &w, m, 25).expect("ran"));
+        for path in check_fp8::fp8_paths(&fp8).into_iter().filter(|p| p.batch_invariant()) {
+            for m in [64, 300] {
+                let r = check_fp8::run_fp8_invariance(&gpu, &util, path, &w, m, 25).expect("ran");
+                bad.extend(r.into_iter().map(|e| format!("{} [{n}, {k}]: {e}", path.name())));
+            }
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));

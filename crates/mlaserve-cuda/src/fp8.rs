@@ -68,6 +68,8 @@ pub struct Fp8Gemm {
     counters: CudaSlice<u32>,
     /// `fp8_gemm_wg_*` [bf16, f32] (Hopper with enough shared memory only).
     wg: Option<[CudaFunction; 2]>,
+    /// `fp8_stream_wg{16,32,64}_*` [bf16, f32] (with `wg`).
+    stream_wg: Option<[[CudaFunction; 2]; 3]>,
     num_sms: usize,
     /// Which kernel runs a call (fixed per process for a batch-invariant engine).
     pub path: Fp8Path,
@@ -94,6 +96,18 @@ impl Fp8Gemm {
             counters: gpu.stream.alloc_zeros::<u32>(fp8_plan::STREAM_COUNTERS)?,
             wg: if wgmma {
                 Some([with_smem(&m, "fp8_gemm_wg_obf16", WG_SMEM)?, with_smem(&m, "fp8_gemm_wg_of32", WG_SMEM)?])
+            } else {
+                None
+            },
+            stream_wg: if wgmma {
+                let st = |nt: usize| -> Result<[CudaFunction; 2]> {
+                    let smem = fp8_plan::stream_wg_smem(nt);
+                    Ok([
+                        with_smem(&m, &format!("fp8_stream_wg{nt}_obf16"), smem)?,
+                        with_smem(&m, &format!("fp8_stream_wg{nt}_of32"), smem)?,
+                    ])
+                };
+                Some([st(16)?, st(32)?, st(64)?])
             } else {
                 None
             },
@@ -184,11 +198,13 @@ impl Fp8Gemm {
         i32_of(K, m)?;
         let kernel = self.path.kernel(m, self.wg.is_some()).map_err(|e| CudaError::shape(K, e))?;
         match kernel {
-            Fp8Kernel::Stream => self.stream(s, lin, xq, xs, m, y),
+            Fp8Kernel::StreamMma | Fp8Kernel::StreamWg => self.stream(s, lin, xq, xs, m, y, kernel),
             Fp8Kernel::Wgmma => self.wgmma(s, lin, xq, xs, m, y),
         }
     }
 
+    /// The streaming kernels: `fp8_stream*` (mma.sync) or `fp8_stream_wg*` (`kernel`).
+    #[allow(clippy::too_many_arguments)]
     fn stream<T: GemmOut>(
         &self,
         s: &Arc<CudaStream>,
@@ -197,12 +213,23 @@ impl Fp8Gemm {
         xs: &impl DevicePtr<f32>,
         m: usize,
         y: &mut impl DevicePtrMut<T>,
+        kernel: Fp8Kernel,
     ) -> Result<()> {
         const K: &str = "fp8_stream";
         let (ksplit, kchunk) = fp8_plan::stream_split(lin.out, lin.inp, self.num_sms);
         let slab = fp8_plan::stream_slab(m, lin.out, ksplit);
         let mt = fp8_plan::stream_mtiles(slab);
-        let f = &self.stream[mt.trailing_zeros() as usize][usize::from(!T::BF16)];
+        let wg = match kernel {
+            Fp8Kernel::StreamWg => {
+                Some(self.stream_wg.as_ref().ok_or_else(|| CudaError::shape(K, "no wgmma kernel on this GPU"))?)
+            }
+            _ => None,
+        };
+        let f = match wg {
+            Some(w) => &w[mt.trailing_zeros() as usize][usize::from(!T::BF16)],
+            None => &self.stream[mt.trailing_zeros() as usize][usize::from(!T::BF16)],
+        };
+        let smem = if wg.is_some() { fp8_plan::stream_wg_smem(16 * mt) } else { fp8_plan::stream_smem(mt) };
         let cols = u32::try_from(lin.out.div_ceil(STREAM_COLS)).map_err(|_| CudaError::shape(K, "too many columns"))?;
         if ksplit > 65_535 {
             return Err(CudaError::shape(K, "too many k splits"));
@@ -230,7 +257,12 @@ impl Fp8Gemm {
         let (cp, _g6) = self.counters.device_ptr(s);
         let (ni, ki, kc) = (i32_of(K, lin.out)?, i32_of(K, lin.inp)?, i32_of(K, kchunk)?);
         let sb = fp8_plan::STREAM_STAGE_BLOCKS as u32;
-        let tw = u8_kblock_map(wp, lin.inp, lin.out, sb, STREAM_COLS as u32)?;
+        // mma.sync form: 3-D boxes of two k blocks a row; wgmma form: 2-D [rows][128 bytes].
+        let tw = if wg.is_some() {
+            u8_matrix_map(wp, lin.inp, lin.out, STREAM_COLS as u32)?
+        } else {
+            u8_kblock_map(wp, lin.inp, lin.out, sb, STREAM_COLS as u32)?
+        };
         let kbs = (lin.inp / FP8_BLOCK) as u64;
         let out_bytes = std::mem::size_of::<T>() as u64;
         let mut r0 = 0;
@@ -245,13 +277,18 @@ impl Fp8Gemm {
             let sr = sp + r0 as u64 * kbs * 4;
             let yr = yp + (r0 * lin.out) as u64 * out_bytes;
             // The activation rows of this slab, in boxes of the kernel's staged rows.
-            let tx = u8_kblock_map(xr, lin.inp, rows, sb, (16 * mt) as u32)?;
+            let tx = if wg.is_some() {
+                u8_matrix_map(xr, lin.inp, rows, (16 * mt) as u32)?
+            } else {
+                u8_kblock_map(xr, lin.inp, rows, sb, (16 * mt) as u32)?
+            };
             let cfg = LaunchConfig {
                 grid_dim: (cols, ksplit as u32, tiles as u32),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: fp8_plan::stream_smem(mt) as u32,
+                shared_mem_bytes: smem as u32,
             };
-            // SAFETY: fp8_stream*(tx, tw, y, part, counters, xs, ws, m, n, k, kchunk): the
+            // SAFETY: fp8_stream*/fp8_stream_wg*(tx, tw, y, part, counters, xs, ws, m, n, k,
+            // kchunk) (one tile = 64 rows, or all rows ≤ 16·mt when fewer): the
             // tensor maps cover exactly this slab's rows × inp bytes of xq and W's
             // out × inp bytes (made from live buffers; 16-byte rows: inp % 128 == 0); the
             // kernel reads xs rows r0 .. r0 + rows (k/128 scales a row; lengths checked in

@@ -14,8 +14,11 @@ pub const FP8_BLOCK: usize = 128;
 pub const STREAM_COLS: usize = 128;
 /// Activation rows per streaming block (more rows run as more blocks along grid.z).
 pub const STREAM_ROWS: usize = 64;
-/// [`Fp8Path::Auto`] runs the streaming kernel up to this many rows, wgmma above (Hopper).
-pub const STREAM_MAX_ROWS: usize = 64;
+/// [`Fp8Path::Auto`] runs the streaming kernel up to this many rows, the wgmma tile
+/// kernel above (Hopper). H200, V3's projections: at 4 rows the streaming kernel took
+/// 16-49 µs where the tile kernel took 17-84; at 64 rows the tile kernel was faster at
+/// every shape (10-83 µs against 25-115).
+pub const STREAM_MAX_ROWS: usize = 16;
 /// Rows and columns per block of the wgmma kernel.
 pub const WG_TILE: usize = 128;
 /// The wgmma kernel's dynamic shared memory: 1024 bytes of alignment slack, 6 stages of
@@ -27,24 +30,28 @@ pub const STREAM_PARTIAL_BYTES: usize = 64 << 20;
 /// Which kernel runs an fp8 projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8Path {
-    /// The streaming kernel up to [`STREAM_MAX_ROWS`] rows, the wgmma kernel above on
+    /// The streaming kernel up to [`STREAM_MAX_ROWS`] rows, the wgmma tile kernel above on
     /// Hopper (streaming elsewhere). Not batch-invariant across that threshold.
     #[default]
     Auto,
-    /// The weight-streaming kernel at every row count (every GPU with fp8 mma.sync):
-    /// batch-invariant.
+    /// The weight-streaming kernel at every row count: on Hopper its wgmma form
+    /// (`fp8_stream_wg*`), elsewhere the mma.sync form. Batch-invariant.
     Stream,
-    /// The wgmma kernel at every row count (Hopper only).
+    /// The mma.sync streaming kernel (`fp8_stream*`) on every GPU, Hopper included (the
+    /// portable kernel; batch-invariant).
+    Portable,
+    /// The wgmma tile kernel at every row count (Hopper only).
     Wgmma,
 }
 
 impl Fp8Path {
-    pub const ALL: [Fp8Path; 3] = [Fp8Path::Auto, Fp8Path::Stream, Fp8Path::Wgmma];
+    pub const ALL: [Fp8Path; 4] = [Fp8Path::Auto, Fp8Path::Stream, Fp8Path::Portable, Fp8Path::Wgmma];
 
     pub fn name(self) -> &'static str {
         match self {
             Fp8Path::Auto => "auto",
             Fp8Path::Stream => "stream",
+            Fp8Path::Portable => "portable",
             Fp8Path::Wgmma => "wgmma",
         }
     }
@@ -55,18 +62,20 @@ impl Fp8Path {
 
     /// Whether a row's result is independent of the other rows of the call.
     pub fn batch_invariant(self) -> bool {
-        self == Fp8Path::Stream
+        matches!(self, Fp8Path::Stream | Fp8Path::Portable)
     }
 
-    /// The kernel that runs `rows` rows on a GPU with (`wgmma`) or without the Hopper
-    /// kernel; an error for [`Fp8Path::Wgmma`] without it.
+    /// The kernel that runs `rows` rows on a GPU with (`wgmma`: Hopper) or without the
+    /// wgmma kernels; an error for [`Fp8Path::Wgmma`] without them.
     pub fn kernel(self, rows: usize, wgmma: bool) -> Result<Fp8Kernel, String> {
+        let stream = if wgmma { Fp8Kernel::StreamWg } else { Fp8Kernel::StreamMma };
         match self {
-            Fp8Path::Stream => Ok(Fp8Kernel::Stream),
+            Fp8Path::Stream => Ok(stream),
+            Fp8Path::Portable => Ok(Fp8Kernel::StreamMma),
             Fp8Path::Wgmma if wgmma => Ok(Fp8Kernel::Wgmma),
             Fp8Path::Wgmma => Err("the wgmma fp8 kernel needs a Hopper (sm_90) GPU".into()),
             Fp8Path::Auto if wgmma && rows > STREAM_MAX_ROWS => Ok(Fp8Kernel::Wgmma),
-            Fp8Path::Auto => Ok(Fp8Kernel::Stream),
+            Fp8Path::Auto => Ok(stream),
         }
     }
 }
@@ -74,8 +83,22 @@ impl Fp8Path {
 /// A kernel of `fp8_gemm.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp8Kernel {
-    Stream,
+    /// `fp8_stream*`: weight streaming on mma.sync (every GPU).
+    StreamMma,
+    /// `fp8_stream_wg*`: weight streaming on wgmma, operands swapped (Hopper).
+    StreamWg,
+    /// `fp8_gemm_wg*`: 128 × 128 tiles on wgmma (Hopper).
     Wgmma,
+}
+
+impl Fp8Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Kernel::StreamMma => "stream-mma",
+            Fp8Kernel::StreamWg => "stream-wg",
+            Fp8Kernel::Wgmma => "wgmma",
+        }
+    }
 }
 
 /// Scale grid of a weight `[out][inp]`: `[ceil(out / 128)][ceil(inp / 128)]`.
@@ -181,6 +204,23 @@ pub fn stream_smem(mt: usize) -> usize {
     1024 + st * (STREAM_COLS + 16 * mt) * STREAM_STAGE_BLOCKS * FP8_BLOCK + 8 * st
 }
 
+/// Ring stages of the wgmma streaming kernel with `nt` rows a tile (`f8g::Cfg<NT>`).
+pub fn stream_wg_stages(nt: usize) -> usize {
+    match nt {
+        16 => 3,
+        32 => 5,
+        _ => 4,
+    }
+}
+
+/// Dynamic shared memory of the wgmma streaming kernel with `nt` rows a tile: 1024 bytes
+/// of slack, the ring (two k blocks of 128 weight rows and `nt` activation rows a stage)
+/// and its barriers.
+pub fn stream_wg_smem(nt: usize) -> usize {
+    let st = stream_wg_stages(nt);
+    1024 + st * STREAM_STAGE_BLOCKS * (STREAM_COLS + nt) * FP8_BLOCK + 8 * st
+}
+
 /// m-tiles of 16 rows the streaming kernel stages for a launch of `rows` rows: 1, 2 or 4.
 pub fn stream_mtiles(rows: usize) -> usize {
     match rows {
@@ -279,19 +319,29 @@ mod tests {
 
     #[test]
     fn path_choice() {
-        assert_eq!(Fp8Path::Auto.kernel(64, true), Ok(Fp8Kernel::Stream));
-        assert_eq!(Fp8Path::Auto.kernel(65, true), Ok(Fp8Kernel::Wgmma));
-        assert_eq!(Fp8Path::Auto.kernel(4096, false), Ok(Fp8Kernel::Stream));
-        assert_eq!(Fp8Path::Stream.kernel(4096, true), Ok(Fp8Kernel::Stream));
+        assert_eq!(Fp8Path::Auto.kernel(STREAM_MAX_ROWS, true), Ok(Fp8Kernel::StreamWg));
+        assert_eq!(Fp8Path::Auto.kernel(STREAM_MAX_ROWS + 1, true), Ok(Fp8Kernel::Wgmma));
+        assert_eq!(Fp8Path::Auto.kernel(4096, false), Ok(Fp8Kernel::StreamMma));
+        assert_eq!(Fp8Path::Stream.kernel(4096, true), Ok(Fp8Kernel::StreamWg));
+        assert_eq!(Fp8Path::Stream.kernel(4096, false), Ok(Fp8Kernel::StreamMma));
+        assert_eq!(Fp8Path::Portable.kernel(1, true), Ok(Fp8Kernel::StreamMma));
         assert!(Fp8Path::Wgmma.kernel(1, false).is_err());
-        assert!(Fp8Path::Stream.batch_invariant() && !Fp8Path::Auto.batch_invariant());
+        assert!(Fp8Path::Stream.batch_invariant() && Fp8Path::Portable.batch_invariant());
+        assert!(!Fp8Path::Auto.batch_invariant() && !Fp8Path::Wgmma.batch_invariant());
         for p in Fp8Path::ALL {
             assert_eq!(Fp8Path::from_name(p.name()), Some(p));
         }
         assert!(WG_SMEM <= 227 * 1024);
-        // One block per SM of the 2- and 4-tile kernels, two of the 1-tile kernel (plus
-        // 1 KB of static shared memory each) within an H100's 228 KB.
-        assert!(stream_smem(4) + 1024 <= 227 * 1024 && stream_smem(2) + 1024 <= 227 * 1024);
-        assert!(2 * (stream_smem(1) + 1024 + 1024) <= 228 * 1024);
+        // One block per SM (plus up to 4 KB of static shared memory: the scale ring)
+        // within the 227 KB a block may opt into on an H100; two of the 1-tile kernel
+        // (each with 1 KB reserved by the system) within its 228 KB.
+        for mt in [1, 2, 4] {
+            assert!(stream_smem(mt) + 4096 <= 227 * 1024, "{mt}: {}", stream_smem(mt));
+        }
+        assert!(2 * (stream_smem(1) + 2048 + 1024) <= 228 * 1024);
+        for nt in [32, 64] {
+            assert!(stream_wg_smem(nt) + 4096 <= 227 * 1024, "{nt}: {}", stream_wg_smem(nt));
+        }
+        assert!(2 * (stream_wg_smem(16) + 3072 + 1024) <= 228 * 1024);
     }
 }

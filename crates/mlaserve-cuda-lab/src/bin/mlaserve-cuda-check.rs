@@ -160,10 +160,7 @@ fn fp8(gpu: &Gpu, no_check: bool, no_bench: bool, quick: bool) -> Result<()> {
         failed += bad;
         println!("== fp8 batch invariance (a row alone / in another batch: bit-identical f32)");
         let mut rng = mlaserve_cuda_lab::rng::Rng::new(13);
-        let mut paths = vec![Fp8Path::Stream];
-        if fp8.has_wgmma() {
-            paths.push(Fp8Path::Wgmma);
-        }
+        let paths = check_fp8::fp8_paths(&fp8);
         for (n, k) in [(576, 7168), (7168, 2048), (3072, 1536)] {
             let w = Fp8Pair::random(gpu, &mut rng, n, k)?;
             for &path in &paths {
