@@ -331,7 +331,7 @@ mod tests {
         for p in Fp8Path::ALL {
             assert_eq!(Fp8Path::from_name(p.name()), Some(p));
         }
-        assert!(WG_SMEM <= 227 * 1024);
+        const { assert!(WG_SMEM <= 227 * 1024) };
         // One block per SM (plus up to 4 KB of static shared memory: the scale ring)
         // within the 227 KB a block may opt into on an H100; two of the 1-tile kernel
         // (each with 1 KB reserved by the system) within its 228 KB.
