@@ -9,9 +9,10 @@ For each (out=N, in=K) and M in 1, 4, 64, 256, 4096 it times
     (DeepSeek's 1x128 activation / 128x128 weight scaling);
   - per-tensor fp8: the same with scalar scales;
   - bf16 torch.mm on the same shape.
-Each is captured in a CUDA graph of 8 calls (weights cycled over copies spanning 256 MB
-so small weights still come from HBM), replayed after warm-up and timed with CUDA events;
-the median over replays, per call, is printed in µs with TFLOP/s and weight GB/s.
+Each is captured in a CUDA graph of one call per weight copy (at least 8; copies span
+256 MB, at most 64, so small weights still come from HBM), replayed after warm-up and
+timed with CUDA events; the median over replays, per call, is printed in µs with
+TFLOP/s and weight GB/s (the same method as `mlaserve-cuda-check --fp8`).
 
 Usage: python3 tools/gpu/fp8_gemm_baseline.py [--quick] [--iters N]
 """
@@ -39,11 +40,11 @@ SHAPES = [
 ]
 ROWS = [1, 4, 64, 256, 4096]
 SPAN = 256 << 20
-CALLS = 8
+CALLS = 8  # fewest calls in a timed graph
 
 
-def time_graph(fn, iters):
-    """Median µs per call of `fn` (CALLS calls per graph replay)."""
+def time_graph(fn, iters, calls):
+    """Median µs per call of `fn` (`calls` calls per graph replay)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -52,7 +53,7 @@ def time_graph(fn, iters):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(CALLS):
+        for i in range(calls):
             fn(i)
     for _ in range(3):
         g.replay()
@@ -64,7 +65,7 @@ def time_graph(fn, iters):
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -84,11 +85,11 @@ def main():
         w0 = (torch.rand(n, k, device=dev) * 2 - 1).mul_(448).to(f8)
         ws = [w0] + [w0.clone() for _ in range(copies - 1)]
         sb = [torch.rand(-(-n // 128), k // 128, device=dev, dtype=torch.float32).mul_(1e-4).t() for _ in range(copies)]
-        bcopies = max(1, min(32, -(-SPAN // (2 * n * k))))
+        bcopies = max(1, min(64, -(-SPAN // (2 * n * k))))
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05 for _ in range(bcopies)]
         one = torch.ones((), device=dev, dtype=torch.float32)
         for m in rows:
-            iters = min(args.iters, 10) if m >= 4096 else args.iters
+            iters = min(args.iters, 5) if m >= 4096 else args.iters
             x = (torch.rand(m, k, device=dev) * 2 - 1).mul_(448).to(f8)
             sa = torch.rand(k // 128, m, device=dev, dtype=torch.float32).t()
             xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -104,9 +105,9 @@ def main():
                 return torch.mm(xb, wb[i % bcopies].t())
 
             res = []
-            for fn in (block, tensor, bf):
+            for fn, c in ((block, copies), (tensor, copies), (bf, bcopies)):
                 try:
-                    res.append(time_graph(fn, iters))
+                    res.append(time_graph(fn, iters, max(CALLS, c)))
                 except Exception as e:  # noqa: BLE001 (report what torch refuses, keep going)
                     print(f"  {name} m={m} {fn.__name__}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
                     res.append(float("nan"))

@@ -4,15 +4,18 @@
 //! quantisation, cuBLAS bf16 on the same shape (`linear::Gemm`), and the copy-bandwidth
 //! floor of the weight bytes (`bench::measure_copy_bandwidth`, measured in the same run).
 //!
-//! Timing: CUDA events around each call after warm-up, median ([`time_calls`]). Each
-//! weight is replicated until the copies span 256 MB and the calls cycle through them,
-//! so a weight smaller than the L2 is still read from HBM, as in a decode step.
+//! Timing: the GEMMs as CUDA graphs of one call per weight copy ([`time_graph`]: replays
+//! after warm-up, each between two events, median, divided by the calls), as a decode
+//! step runs them and as `tools/gpu/fp8_gemm_baseline.py` times torch; the quantisation
+//! per call ([`time_calls`]). Each weight is replicated until the copies span 256 MB
+//! (at most 64) and a graph's calls cycle through them, so a weight smaller than the L2
+//! is still read from HBM, as in a decode step.
 
 use std::fmt;
 
 use half::bf16;
 
-use crate::bench::{measure_copy_bandwidth, time_calls};
+use crate::bench::{measure_copy_bandwidth, time_calls, time_graph};
 use crate::check_fp8::{ROWS, V3_SHAPES};
 use crate::fp8_ref::Fp8Weight;
 use crate::rng::Rng;
@@ -24,6 +27,8 @@ use mlaserve_cuda::{Gpu, Result};
 
 /// Bytes the copies of one weight span (several times the L2 of an H100/H200).
 const SPAN: usize = 256 << 20;
+/// Fewest calls in a timed graph.
+const GRAPH_MIN_CALLS: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct Fp8BenchOpts {
@@ -133,7 +138,7 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
         let copies = SPAN.div_ceil(n * k).clamp(1, 64);
         let ws: Vec<Fp8Linear> =
             (0..copies).map(|_| Fp8Linear::from_raw(s, &host.q, &host.s, n, k)).collect::<Result<_>>()?;
-        let bcopies = SPAN.div_ceil(2 * n * k).clamp(1, 32);
+        let bcopies = SPAN.div_ceil(2 * n * k).clamp(1, 64);
         let mut bw = Vec::with_capacity(bcopies);
         for c in 0..bcopies {
             let mut w = s.alloc_zeros::<bf16>(n * k)?;
@@ -141,17 +146,19 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
             bw.push(Linear { w, out: n, inp: k });
         }
         for &m in &opts.rows {
-            let iters = if m >= 4096 { opts.iters.min(10) } else { opts.iters };
+            // Fewer replays of the long graphs (4096 rows: milliseconds a call).
+            let iters = if m >= 4096 { opts.iters.min(5) } else { opts.iters };
             let mut x = s.alloc_zeros::<bf16>(m * k)?;
             util.fill_bf16(s, &mut x, 5, -2.0, 2.0)?;
             let mut xq = s.alloc_zeros::<u8>(m * k)?;
             let mut xs = s.alloc_zeros::<f32>(m * k / FP8_BLOCK)?;
             let mut y = s.alloc_zeros::<bf16>(m * n)?;
             let quant = time_calls(gpu, opts.warmup, iters, || fp8.act_quant(s, &x, m, k, &mut xq, &mut xs))?;
+            let calls = copies.max(GRAPH_MIN_CALLS);
             let mut time_path = |fp8: &mut Fp8Gemm, path: Fp8Path| -> Result<f64> {
                 fp8.path = path;
                 let mut i = 0;
-                let t = time_calls(gpu, opts.warmup, iters, || {
+                let t = time_graph(gpu, calls, opts.warmup, iters, || {
                     i += 1;
                     fp8.forward_quantized(s, &ws[i % copies], &xq, &xs, m, &mut y)
                 })?;
@@ -164,7 +171,7 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
             fp8.path = Fp8Path::Auto;
             let auto_kernel = Fp8Path::Auto.kernel(m, fp8.has_wgmma()).map_or("-", |k| k.name());
             let mut i = 0;
-            let cb = time_calls(gpu, opts.warmup, iters, || {
+            let cb = time_graph(gpu, bcopies.max(GRAPH_MIN_CALLS), opts.warmup, iters, || {
                 i += 1;
                 gemm.forward(s, &bw[i % bcopies], &x, m, &mut y)
             })?;

@@ -186,7 +186,11 @@ fn fp8(gpu: &Gpu, no_check: bool, no_bench: bool, quick: bool) -> Result<()> {
             opts.rows = vec![1, 64, 4096];
             opts.iters = 10;
         }
-        println!("== bench fp8 GEMM (CUDA events, median of {}; bf16 out; weights cycled over 256 MB)", opts.iters);
+        println!(
+            "== bench fp8 GEMM (CUDA graphs of one call per weight copy, copies over 256 MB; median of {} replays; \
+             bf16 out; quant per call)",
+            opts.iters
+        );
         print!("{}", mlaserve_cuda_lab::bench_fp8::bench_fp8(gpu, &opts)?);
     }
     if failed > 0 {
