@@ -131,6 +131,32 @@ __device__ __forceinline__ void f8_store(T* __restrict__ y, size_t row, int col,
     }
 }
 
+// Split-K epilogue of the streaming GEMMs: y[r][c] = Σ_ks part[ks][r][c] in ks order for
+// rows r0 .. r0 + nr and columns c0 .. c0 + cols of an [m][n] output, by `nthreads`
+// threads (`t` = this one's index); the partials of one output are loaded 8 at a time so
+// that independent loads are in flight. __ldcg: other blocks wrote them (L1 is not
+// coherent).
+template <typename T>
+__device__ __forceinline__ void f8_reduce_tile(T* __restrict__ y, const float* __restrict__ part, int m, int n, int r0,
+                                               int nr, int c0, int cols, int ks, int t, int nthreads) {
+    const size_t plane = static_cast<size_t>(m) * n;
+    for (int e = t; e < nr * cols; e += nthreads) {
+        const int r = e / cols, col = c0 + e % cols;
+        const float* p = part + (static_cast<size_t>(r0) + r) * n + col;
+        float s = __ldcg(p);
+        int q = 1;
+        for (; q + 8 <= ks; q += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = __ldcg(p + (q + u) * plane);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) s += v[u];
+        }
+        for (; q < ks; ++q) s += __ldcg(p + q * plane);
+        y[(static_cast<size_t>(r0) + r) * n + col] = from_f32<T>(s);
+    }
+}
+
 // ---------------------------------------------------------------- weight-streaming GEMM
 
 namespace f8s {
@@ -313,25 +339,7 @@ __device__ void fp8_stream(const CUtensorMap* tx, const CUtensorMap* tw, T* __re
     __syncthreads();
     if (!last) return;
     __threadfence();  // acquire: the other blocks' partials
-    // The tile's nr × 128 outputs over all 256 threads; per output the partials are
-    // loaded 8 at a time (independent loads in flight) and added in ks order.
-    const size_t plane = static_cast<size_t>(m) * n;
-    const int cols = min(BN, n - nb * BN);
-    for (int e = tid; e < nr * cols; e += THREADS) {
-        const int r = e / cols, col = nb * BN + e % cols;
-        const float* p = part + (static_cast<size_t>(r0) + r) * n + col;
-        float s = __ldcg(p);
-        int q = 1;
-        for (; q + 8 <= ks; q += 8) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = __ldcg(p + (q + u) * plane);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) s += v[u];
-        }
-        for (; q < ks; ++q) s += __ldcg(p + q * plane);
-        y[(static_cast<size_t>(r0) + r) * n + col] = from_f32<T>(s);
-    }
+    f8_reduce_tile(y, part, m, n, r0, nr, nb * BN, min(BN, n - nb * BN), ks, tid, THREADS);
     if (tid == 0) *counter = 0;  // ready for the next launch on this stream
 }
 
@@ -655,23 +663,7 @@ __device__ void fp8_stream_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* _
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const size_t plane = static_cast<size_t>(m) * n;
-    const int cols = min(BN, n - nb * BN);
-    for (int e = tid; e < nr * cols; e += THREADS) {
-        const int r = e / cols, col = nb * BN + e % cols;
-        const float* p = part + (static_cast<size_t>(r0) + r) * n + col;
-        float s = __ldcg(p);
-        int q = 1;
-        for (; q + 8 <= ks; q += 8) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = __ldcg(p + (q + u) * plane);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) s += v[u];
-        }
-        for (; q < ks; ++q) s += __ldcg(p + q * plane);
-        y[(static_cast<size_t>(r0) + r) * n + col] = from_f32<T>(s);
-    }
+    f8_reduce_tile(y, part, m, n, r0, nr, nb * BN, min(BN, n - nb * BN), ks, tid, THREADS);
     if (tid == 0) *counter = 0;
 #else
     __trap();
