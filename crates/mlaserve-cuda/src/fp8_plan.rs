@@ -1,7 +1,7 @@
 //! Host-side planning of the fp8 (e4m3, 128 × 128 block-scaled) projections of
 //! `kernels/fp8_gemm.cu`: shape validation, which kernel runs a call, the weight-streaming
 //! kernel's split-K and row tiles. Built without CUDA, so CI unit-tests it; the launch
-//! wrappers are [`crate::fp8`].
+//! wrappers are `crate::fp8` (with the `cuda` feature).
 //!
 //! Batch invariance: the streaming kernel's k split ([`stream_split`]) depends on the
 //! weight's shape and the GPU's SM count only, never on the rows of a call, and a row's
@@ -131,7 +131,7 @@ pub fn check_weight(out: usize, inp: usize, q_len: usize, scale_len: usize) -> R
     Ok(())
 }
 
-/// Checks an activation `[m][k]` for [`act_quant`](crate::fp8): `k` a positive multiple of 128.
+/// Checks an activation `[m][k]` for `Fp8Gemm::act_quant`: `k` a positive multiple of 128.
 pub fn check_act(m: usize, k: usize) -> Result<(), String> {
     if k == 0 || !k.is_multiple_of(FP8_BLOCK) {
         return Err(format!("k = {k} is not a positive multiple of {FP8_BLOCK}"));
