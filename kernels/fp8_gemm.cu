@@ -24,12 +24,16 @@
 //   partials' sum order are the same wherever it sits and whatever MT is, so a row's
 //   bits do not depend on the other rows of the call (batch invariance). The fp8
 //   mma.sync accumulates in full f32 (the checks measure ~1e-7 relative error).
+// - fp8_stream_wg*: the same streaming GEMM on Hopper's wgmma, operands swapped (64
+//   weight rows as A, the batch's 16/32/64 rows as B; described below); the fp8 path
+//   the engine can select as batch-invariant on Hopper.
 // - fp8_gemm_wg_*: Hopper (sm_90a) for many rows: a producer warpgroup's one thread
 //   fills a 6-stage ring of 128 × 128-byte tiles of x and W by TMA (the maps' 128-byte
-//   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128 columns as 4 wgmma m64n128k32 e4m3
-//   per k block, wait for them, hand the stage back and promote. wgmma's fp8
-//   accumulator keeps fewer bits than f32 (~1e-4 relative error per k block, the checks
-//   measure it), so it is not bit-identical to fp8_stream.
+//   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128
+//   columns as 4 wgmma m64n128k32 e4m3 per k block, wait for them, hand the stage back
+//   and promote. wgmma's fp8 accumulator keeps fewer bits than f32 (the checks measure
+//   up to ~2.5e-4 relative L2 against the f64 reference), so the wgmma kernels are not
+//   bit-identical to fp8_stream.
 #include <cuda.h>  // CUtensorMap
 #include <cuda_fp8.h>
 
