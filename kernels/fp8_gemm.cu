@@ -137,13 +137,51 @@ __device__ __forceinline__ void f8_store(T* __restrict__ y, size_t row, int col,
 
 // Split-K epilogue of the streaming GEMMs: y[r][c] = Σ_ks part[ks][r][c] in ks order for
 // rows r0 .. r0 + nr and columns c0 .. c0 + cols of an [m][n] output, by `nthreads`
-// threads (`t` = this one's index); the partials of one output are loaded 8 at a time so
-// that independent loads are in flight. __ldcg: other blocks wrote them (L1 is not
-// coherent).
+// threads (`t` = this one's index). Latency-bound (one block sums a whole tile), so a
+// thread takes two runs of 4 columns at a time and issues every load of a batch of 8
+// partials of both before adding (the same order per output as one at a time). __ldcg:
+// other blocks wrote the partials (L1 is not coherent).
+__device__ __forceinline__ float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ void add4(float4& s, const float4& v) { s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w; }
 template <typename T>
 __device__ __forceinline__ void f8_reduce_tile(T* __restrict__ y, const float* __restrict__ part, int m, int n, int r0,
                                                int nr, int c0, int cols, int ks, int t, int nthreads) {
     const size_t plane = static_cast<size_t>(m) * n;
+    if ((n & 3) == 0 && (cols & 3) == 0 && (c0 & 3) == 0) {
+        const int per_row = cols / 4, quads = nr * per_row;
+        for (int e = t; e < quads; e += 2 * nthreads) {
+            const bool two = e + nthreads < quads;
+            const float* p[2];
+            size_t at[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int ee = min(e + h * nthreads, quads - 1);
+                at[h] = (static_cast<size_t>(r0) + ee / per_row) * n + c0 + 4 * (ee % per_row);
+                p[h] = part + at[h];
+            }
+            float4 sum[2] = {ldcg4(p[0]), ldcg4(p[1])};
+            for (int q = 1; q < ks; q += 8) {
+                float4 v[2][8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        if (q + u < ks) v[h][u] = ldcg4(p[h] + (q + u) * plane);
+#pragma unroll
+                for (int u = 0; u < 8; ++u)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        if (q + u < ks) add4(sum[h], v[h][u]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (h == 1 && !two) break;
+                store2(y + at[h], sum[h].x, sum[h].y);
+                store2(y + at[h] + 2, sum[h].z, sum[h].w);
+            }
+        }
+        return;
+    }
     for (int e = t; e < nr * cols; e += nthreads) {
         const int r = e / cols, col = c0 + e % cols;
         const float* p = part + (static_cast<size_t>(r0) + r) * n + col;
