@@ -169,7 +169,8 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
             let portable_us = if fp8.has_wgmma() { Some(time_path(&mut fp8, Fp8Path::Portable)?) } else { None };
             let wgmma_us = if fp8.has_wgmma() { Some(time_path(&mut fp8, Fp8Path::Wgmma)?) } else { None };
             fp8.path = Fp8Path::Auto;
-            let auto_kernel = Fp8Path::Auto.kernel(m, fp8.has_wgmma()).map_or("-", |k| k.name());
+            let auto_kernel =
+                Fp8Path::Auto.kernel(m, n, k, gpu.num_sms, fp8.has_wgmma()).map_or("-", |kind| kind.name());
             let mut i = 0;
             let cb = time_graph(gpu, bcopies.max(GRAPH_MIN_CALLS), opts.warmup, iters, || {
                 i += 1;

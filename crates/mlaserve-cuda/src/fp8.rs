@@ -80,7 +80,7 @@ impl Fp8Gemm {
     pub fn new(gpu: &Gpu, path: Fp8Path) -> Result<Self> {
         let m = gpu.load_module(kernels::FP8_GEMM)?;
         let wgmma = gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= WG_SMEM;
-        path.kernel(usize::MAX, wgmma).map_err(|e| CudaError::shape("Fp8Gemm", e))?;
+        path.kernel(1, 1, FP8_BLOCK, gpu.num_sms, wgmma).map_err(|e| CudaError::shape("Fp8Gemm", e))?;
         let f = |name: &str| m.load_function(name);
         let st = |mt: usize| -> Result<[CudaFunction; 2]> {
             let smem = fp8_plan::stream_smem(mt);
@@ -196,7 +196,10 @@ impl Fp8Gemm {
             return Ok(());
         }
         i32_of(K, m)?;
-        let kernel = self.path.kernel(m, self.wg.is_some()).map_err(|e| CudaError::shape(K, e))?;
+        let kernel = self
+            .path
+            .kernel(m, lin.out, lin.inp, self.num_sms, self.wg.is_some())
+            .map_err(|e| CudaError::shape(K, e))?;
         match kernel {
             Fp8Kernel::StreamMma | Fp8Kernel::StreamWg => self.stream(s, lin, xq, xs, m, y, kernel),
             Fp8Kernel::Wgmma => self.wgmma(s, lin, xq, xs, m, y),

@@ -14,11 +14,18 @@ pub const FP8_BLOCK: usize = 128;
 pub const STREAM_COLS: usize = 128;
 /// Activation rows per streaming block (more rows run as more blocks along grid.z).
 pub const STREAM_ROWS: usize = 64;
-/// [`Fp8Path::Auto`] runs the streaming kernel up to this many rows, the wgmma tile
-/// kernel above (Hopper). H200, V3's projections: at 4 rows the streaming kernel took
-/// 16-49 µs where the tile kernel took 17-84; at 64 rows the tile kernel was faster at
-/// every shape (10-83 µs against 25-115).
+/// [`Fp8Path::Auto`] runs the streaming kernel up to this many rows on Hopper whatever
+/// the shape (H200, V3's projections, 1 and 4 rows: the streaming kernel 4.2-41 µs, the
+/// tile kernel 4.4-82).
 pub const STREAM_MAX_ROWS: usize = 16;
+/// Up to this many rows [`Fp8Path::Auto`] still streams a weight whose tile-kernel grid
+/// would leave half the SMs idle, unless its k loop is short (see [`TILE_SHORT_K`]).
+pub const STREAM_MID_ROWS: usize = 256;
+/// A weight with at most this many input channels runs the tile kernel from
+/// [`STREAM_MAX_ROWS`] rows on even when its tiles leave SMs idle: each tile's k loop is
+/// short. (H200, 64 rows: o_proj/TP8 2048→7168 tiles 12.6 µs, streaming 15.9; q_a
+/// 7168→1536 tiles 32.0, streaming 12.4.)
+pub const TILE_SHORT_K: usize = 2304;
 /// Rows and columns per block of the wgmma kernel.
 pub const WG_TILE: usize = 128;
 /// The wgmma kernel's dynamic shared memory: 1024 bytes of alignment slack, 6 stages of
@@ -30,8 +37,10 @@ pub const STREAM_PARTIAL_BYTES: usize = 64 << 20;
 /// Which kernel runs an fp8 projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8Path {
-    /// The streaming kernel up to [`STREAM_MAX_ROWS`] rows, the wgmma tile kernel above on
-    /// Hopper (streaming elsewhere). Not batch-invariant across that threshold.
+    /// On Hopper the streaming kernel up to [`STREAM_MAX_ROWS`] rows, and up to
+    /// [`STREAM_MID_ROWS`] for weights whose tile grid would leave SMs idle (see
+    /// [`Fp8Path::kernel`]); the wgmma tile kernel otherwise. The streaming kernel
+    /// elsewhere. Not batch-invariant across those thresholds.
     #[default]
     Auto,
     /// The weight-streaming kernel at every row count: on Hopper its wgmma form
@@ -65,17 +74,22 @@ impl Fp8Path {
         matches!(self, Fp8Path::Stream | Fp8Path::Portable)
     }
 
-    /// The kernel that runs `rows` rows on a GPU with (`wgmma`: Hopper) or without the
-    /// wgmma kernels; an error for [`Fp8Path::Wgmma`] without them.
-    pub fn kernel(self, rows: usize, wgmma: bool) -> Result<Fp8Kernel, String> {
+    /// The kernel that runs `rows` rows of a weight `[out][inp]` on a GPU of `num_sms` SMs
+    /// with (`wgmma`: Hopper) or without the wgmma kernels; an error for
+    /// [`Fp8Path::Wgmma`] without them.
+    pub fn kernel(self, rows: usize, out: usize, inp: usize, num_sms: usize, wgmma: bool) -> Result<Fp8Kernel, String> {
         let stream = if wgmma { Fp8Kernel::StreamWg } else { Fp8Kernel::StreamMma };
         match self {
             Fp8Path::Stream => Ok(stream),
             Fp8Path::Portable => Ok(Fp8Kernel::StreamMma),
             Fp8Path::Wgmma if wgmma => Ok(Fp8Kernel::Wgmma),
             Fp8Path::Wgmma => Err("the wgmma fp8 kernel needs a Hopper (sm_90) GPU".into()),
-            Fp8Path::Auto if wgmma && rows > STREAM_MAX_ROWS => Ok(Fp8Kernel::Wgmma),
-            Fp8Path::Auto => Ok(stream),
+            Fp8Path::Auto if !wgmma || rows <= STREAM_MAX_ROWS => Ok(stream),
+            Fp8Path::Auto => {
+                let tiles = rows.div_ceil(WG_TILE) * out.div_ceil(WG_TILE);
+                let idle = 2 * tiles < num_sms;
+                Ok(if rows <= STREAM_MID_ROWS && idle && inp > TILE_SHORT_K { stream } else { Fp8Kernel::Wgmma })
+            }
         }
     }
 }
@@ -323,13 +337,19 @@ mod tests {
 
     #[test]
     fn path_choice() {
-        assert_eq!(Fp8Path::Auto.kernel(STREAM_MAX_ROWS, true), Ok(Fp8Kernel::StreamWg));
-        assert_eq!(Fp8Path::Auto.kernel(STREAM_MAX_ROWS + 1, true), Ok(Fp8Kernel::Wgmma));
-        assert_eq!(Fp8Path::Auto.kernel(4096, false), Ok(Fp8Kernel::StreamMma));
-        assert_eq!(Fp8Path::Stream.kernel(4096, true), Ok(Fp8Kernel::StreamWg));
-        assert_eq!(Fp8Path::Stream.kernel(4096, false), Ok(Fp8Kernel::StreamMma));
-        assert_eq!(Fp8Path::Portable.kernel(1, true), Ok(Fp8Kernel::StreamMma));
-        assert!(Fp8Path::Wgmma.kernel(1, false).is_err());
+        let auto = |m, out, inp| Fp8Path::Auto.kernel(m, out, inp, 132, true);
+        assert_eq!(auto(STREAM_MAX_ROWS, 18432, 7168), Ok(Fp8Kernel::StreamWg));
+        assert_eq!(auto(STREAM_MAX_ROWS + 1, 18432, 7168), Ok(Fp8Kernel::Wgmma)); // 144 tiles
+        assert_eq!(auto(64, 1536, 7168), Ok(Fp8Kernel::StreamWg)); // q_a: 12 tiles
+        assert_eq!(auto(64, 7168, 2048), Ok(Fp8Kernel::Wgmma)); // a short k loop
+        assert_eq!(auto(256, 7168, 16384), Ok(Fp8Kernel::Wgmma)); // 112 tiles
+        assert_eq!(auto(256, 576, 7168), Ok(Fp8Kernel::StreamWg)); // kv_a: 10 tiles
+        assert_eq!(auto(257, 576, 7168), Ok(Fp8Kernel::Wgmma));
+        assert_eq!(Fp8Path::Auto.kernel(4096, 7168, 2048, 132, false), Ok(Fp8Kernel::StreamMma));
+        assert_eq!(Fp8Path::Stream.kernel(4096, 7168, 2048, 132, true), Ok(Fp8Kernel::StreamWg));
+        assert_eq!(Fp8Path::Stream.kernel(4096, 7168, 2048, 132, false), Ok(Fp8Kernel::StreamMma));
+        assert_eq!(Fp8Path::Portable.kernel(1, 7168, 2048, 132, true), Ok(Fp8Kernel::StreamMma));
+        assert!(Fp8Path::Wgmma.kernel(1, 7168, 2048, 132, false).is_err());
         assert!(Fp8Path::Stream.batch_invariant() && Fp8Path::Portable.batch_invariant());
         assert!(!Fp8Path::Auto.batch_invariant() && !Fp8Path::Wgmma.batch_invariant());
         for p in Fp8Path::ALL {
