@@ -5,9 +5,9 @@
 //! picks the best image at load time. `OUT_DIR/kernels.rs` embeds every fatbin with
 //! `include_bytes!`. The build fails on any compile error, and on any spill that ptxas
 //! reports for the attention kernels (`mla_decode_splitkv*`, `mla_decode_wgmma*`,
-//! `mla_decode_combine*`, `mla_prefill_fwd*`) and the tensor-core GEMMs (`moe_grouped_tc*`,
-//! `linear_tc*`, `heads_tc`): a spill there means an accumulator left registers, a silent several-fold
-//! slowdown.
+//! `mla_decode_combine*`, `mla_prefill_fwd*`), the tensor-core GEMMs (`moe_grouped_tc*`,
+//! `linear_tc*`, `heads_tc`) and the fp8 GEMMs (`fp8_stream*`, `fp8_gemm_wg*`): a spill
+//! there means an accumulator left registers, a silent several-fold slowdown.
 //!
 //! nvcc is found through `NVCC` (the binary), `CUDA_HOME`/`CUDA_PATH` (`bin/nvcc` below
 //! it), `PATH`, `/usr/local/cuda`, and last the pip toolkit that
@@ -34,6 +34,8 @@ const NO_SPILL_PREFIXES: &[&str] = &[
     "router_f32",
     "linear_wg",
     "moe_grouped_wg",
+    "fp8_stream",
+    "fp8_gemm_wg",
 ];
 
 fn main() {

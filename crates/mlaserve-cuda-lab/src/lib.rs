@@ -6,11 +6,14 @@
 //! [`bench_step`], [`bench_sample`]) behind `mlaserve bench` and `benches/`, random
 //! weights for them ([`random`]) and the utility kernels they use ([`util`]).
 
+pub mod fp8_ref;
 pub mod reference;
 pub mod rng;
 
 #[cfg(feature = "cuda")]
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_fp8;
 #[cfg(feature = "cuda")]
 pub mod bench_prefill;
 #[cfg(feature = "cuda")]
@@ -19,6 +22,8 @@ pub mod bench_sample;
 pub mod bench_step;
 #[cfg(feature = "cuda")]
 pub mod check;
+#[cfg(feature = "cuda")]
+pub mod check_fp8;
 #[cfg(feature = "cuda")]
 pub mod random;
 #[cfg(feature = "cuda")]

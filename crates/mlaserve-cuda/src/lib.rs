@@ -4,7 +4,8 @@
 //! binary) and one typed launch wrapper per kernel on cudarc's safe API. Without the
 //! `cuda` feature the crate needs no CUDA at all and exposes only what runs on the CPU:
 //! the attention shapes ([`dims`]), the launch planning ([`plan`], [`layout`], the host
-//! half of [`prefill`]) and the RoPE tables ([`rope`]), so they are unit-tested in CI.
+//! half of [`prefill`], the fp8 GEMMs' [`fp8_plan`]) and the RoPE tables ([`rope`]), so
+//! they are unit-tested in CI.
 //! Benchmarks, checks, the f64 references and random weights live in the
 //! `mlaserve-cuda-lab` crate.
 //!
@@ -12,7 +13,9 @@
 //! - leaves: [`error`](CudaError), [`Gpu`] (one device's context and stream plus the
 //!   loaded modules), [`kernels`] (the images), `launch` (shared launch helpers),
 //!   `tensor_map` (TMA descriptors);
-//! - kernels: [`linear`] (projections: cuBLAS or the batch-invariant GEMMs), [`router`]
+//! - kernels: [`linear`] (projections: cuBLAS or the batch-invariant GEMMs), [`fp8`]
+//!   (fp8 block-scaled projections: activation quantisation, the weight-streaming and
+//!   the Hopper wgmma GEMMs), [`router`]
 //!   (the MoE router's batch-invariant f32 logits), [`ops`] (the forward pass's per-token
 //!   kernels, by family), [`MlaDecode`] (the FlashMLA-style padded decode attention,
 //!   docs/cuda.md), [`prefill::MlaPrefill`] (the expanded-form prefill attention),
@@ -23,6 +26,7 @@
 //! `tests/module_graph.rs` fails on an import cycle between these modules.
 
 pub mod dims;
+pub mod fp8_plan;
 pub mod layout;
 pub mod plan;
 pub mod prefill;
@@ -36,6 +40,8 @@ pub mod comm;
 pub mod elementwise;
 #[cfg(feature = "cuda")]
 mod error;
+#[cfg(feature = "cuda")]
+pub mod fp8;
 #[cfg(feature = "cuda")]
 pub mod fp8_dequant;
 #[cfg(feature = "cuda")]

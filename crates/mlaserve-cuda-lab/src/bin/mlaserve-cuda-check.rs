@@ -10,6 +10,9 @@
 //!        merge split-KV partials; default cluster)
 //!        mlaserve-cuda-check --bench-step [--moe-layers N] [--context T] [--batch-invariant] [--device N]
 //!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
+//!        mlaserve-cuda-check --fp8 [--no-check] [--no-bench] [--quick] [--device N]
+//!        (the fp8 GEMMs: checks against the f64 reference, batch invariance, and the
+//!        `bench_fp8` sweep at V3's projection shapes)
 
 use anyhow::{bail, Context, Result};
 use mlaserve_cuda::{Gpu, MlaDecode, MlaKernel, SplitMerge};
@@ -58,6 +61,9 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let gpu = Gpu::new(device).context("opening the GPU")?;
+    if flag("--fp8") {
+        return fp8(&gpu, flag("--no-check"), flag("--no-bench"), flag("--quick"));
+    }
     println!(
         "device {device}: {} (sm_{}{}), {} SMs, {} KB shared memory per block (opt-in)",
         gpu.name,
@@ -120,6 +126,75 @@ fn main() -> Result<()> {
     }
     if failed > 0 {
         bail!("{failed} check(s) failed");
+    }
+    Ok(())
+}
+
+/// `--fp8`: the fp8 checks (act_quant bit-exact, every V3 shape × row count × kernel,
+/// batch invariance of the streaming kernel), then the fp8 benchmark sweep.
+fn fp8(gpu: &Gpu, no_check: bool, no_bench: bool, quick: bool) -> Result<()> {
+    use mlaserve_cuda::fp8::Fp8Gemm;
+    use mlaserve_cuda::fp8_plan::Fp8Path;
+    use mlaserve_cuda_lab::check_fp8::{self, Fp8Pair};
+    println!("device: {} (sm_{}{}), {} SMs", gpu.name, gpu.compute_capability.0, gpu.compute_capability.1, gpu.num_sms);
+    let mut failed = 0;
+    if !no_check {
+        let util = Util::new(gpu)?;
+        let fp8 = Fp8Gemm::new(gpu, Fp8Path::Auto)?;
+        println!("== fp8 act_quant vs CPU reference (bit-exact)");
+        match check_fp8::check_act_quant(gpu, &fp8, 11)? {
+            None => println!("act_quant: PASS"),
+            Some(e) => {
+                println!("act_quant: FAIL {e}");
+                failed += 1;
+            }
+        }
+        println!("== fp8 GEMMs vs f64 reference");
+        let rows: &[usize] = if quick { &[1, 64, 256] } else { check_fp8::ROWS };
+        let reports = check_fp8::run_fp8_checks(gpu, &util, 12, rows)?;
+        for r in &reports {
+            println!("{r}");
+        }
+        let bad = reports.iter().filter(|r| !r.passed()).count();
+        println!("fp8 GEMM checks: {} passed, {bad} failed", reports.len() - bad);
+        failed += bad;
+        println!("== fp8 batch invariance (a row alone / in another batch: bit-identical f32)");
+        let mut rng = mlaserve_cuda_lab::rng::Rng::new(13);
+        let paths = check_fp8::fp8_paths(&fp8);
+        for (n, k) in [(576, 7168), (7168, 2048), (3072, 1536)] {
+            let w = Fp8Pair::random(gpu, &mut rng, n, k)?;
+            for &path in &paths {
+                for m in [64, 300] {
+                    let bad = check_fp8::run_fp8_invariance(gpu, &util, path, &w, m, 14)?;
+                    let required = path.batch_invariant();
+                    println!(
+                        "invariance {} [{n}, {k}] m={m}: {}{}",
+                        path.name(),
+                        if bad.is_empty() { "bit-identical".to_string() } else { bad.join("; ") },
+                        if required { "" } else { " (not required of this path)" }
+                    );
+                    if required && !bad.is_empty() {
+                        failed += 1;
+                    }
+                }
+            }
+        }
+    }
+    if !no_bench {
+        let mut opts = mlaserve_cuda_lab::bench_fp8::Fp8BenchOpts::default();
+        if quick {
+            opts.rows = vec![1, 64, 4096];
+            opts.iters = 10;
+        }
+        println!(
+            "== bench fp8 GEMM (CUDA graphs of one call per weight copy, copies over 256 MB; median of {} replays; \
+             bf16 out; quant per call)",
+            opts.iters
+        );
+        print!("{}", mlaserve_cuda_lab::bench_fp8::bench_fp8(gpu, &opts)?);
+    }
+    if failed > 0 {
+        bail!("{failed} fp8 check(s) failed");
     }
     Ok(())
 }

@@ -1,0 +1,363 @@
+//! FP8 projections: [`Fp8Linear`] (an e4m3 weight with DeepSeek's 128 × 128 block scales
+//! on the device) and [`Fp8Gemm`] (activation quantisation and the two GEMMs of
+//! `kernels/fp8_gemm.cu`). The planning (which kernel, split-K, validation) is
+//! [`crate::fp8_plan`], built without CUDA.
+//!
+//! Semantics: the weight is `w = q · s` per 128 × 128 block; an activation row is
+//! quantised per 128 channels (`s = amax / 448`, 1 for an all-zero group; `q = e4m3(x /
+//! s)`, round to nearest even, saturating); `y[r][c] = Σ_kb (Σ_{k in kb} qx·qw) · sx[r][kb]
+//! · sw[c / 128][kb]` in f32, each k block's partial sum promoted into the f32 total.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use crate::error::{CudaError, Result};
+use crate::fp8_plan::{self, Fp8Kernel, Fp8Path, FP8_BLOCK, STREAM_COLS, STREAM_ROWS, WG_SMEM, WG_TILE};
+use crate::gpu::Gpu;
+use crate::kernels;
+use crate::launch::{i32_of, need, with_smem};
+use crate::linear::GemmOut;
+use crate::tensor_map::{u8_kblock_map, u8_matrix_map};
+
+/// An fp8 e4m3 weight `[out][inp]` (row-major bytes) with f32 scales `[ceil(out / 128)]
+/// [ceil(inp / 128)]`, as a checkpoint's `weight` and `weight_scale_inv` hold them.
+#[derive(Debug)]
+pub struct Fp8Linear {
+    pub q: CudaSlice<u8>,
+    pub scale: CudaSlice<f32>,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl Fp8Linear {
+    /// Uploads a checkpoint's bytes and scales (checked: lengths, `inp % 128 == 0`).
+    pub fn from_raw(s: &Arc<CudaStream>, q: &[u8], scales: &[f32], out: usize, inp: usize) -> Result<Self> {
+        fp8_plan::check_weight(out, inp, q.len(), scales.len()).map_err(|e| CudaError::shape("Fp8Linear", e))?;
+        Ok(Fp8Linear { q: s.clone_htod(q)?, scale: s.clone_htod(scales)?, out, inp })
+    }
+
+    /// Bytes of the weight and its scales on the device.
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * self.scale.len()
+    }
+}
+
+/// An activation element `act_quant` reads: bf16 or f32.
+pub trait QuantIn: cudarc::driver::DeviceRepr {
+    const F32: bool;
+}
+impl QuantIn for bf16 {
+    const F32: bool = false;
+}
+impl QuantIn for f32 {
+    const F32: bool = true;
+}
+
+/// The fp8 kernels on one GPU.
+#[derive(Debug)]
+pub struct Fp8Gemm {
+    quant_bf16: CudaFunction,
+    quant_f32: CudaFunction,
+    /// `fp8_stream{1,2,4}_*`: [bf16 out, f32 out] per m-tile count 1, 2, 4.
+    stream: [[CudaFunction; 2]; 3],
+    /// The streaming kernel's split-K arrival counters ([`fp8_plan::STREAM_COUNTERS`]),
+    /// zero between launches (the last block of a tile resets its counter), so calls
+    /// on one stream only: like [`crate::linear::Gemm`], a `Fp8Gemm` belongs to a stream.
+    counters: CudaSlice<u32>,
+    /// `fp8_gemm_wg_*` [bf16, f32] (Hopper with enough shared memory only).
+    wg: Option<[CudaFunction; 2]>,
+    /// `fp8_stream_wg{16,32,64}_*` [bf16, f32] (with `wg`).
+    stream_wg: Option<[[CudaFunction; 2]; 3]>,
+    num_sms: usize,
+    /// Which kernel runs a call (fixed per process for a batch-invariant engine).
+    pub path: Fp8Path,
+}
+
+impl Fp8Gemm {
+    /// Loads `fp8_gemm.cu`; `path` must be runnable here ([`Fp8Path::Wgmma`] needs sm_90).
+    pub fn new(gpu: &Gpu, path: Fp8Path) -> Result<Self> {
+        let m = gpu.load_module(kernels::FP8_GEMM)?;
+        let wgmma = gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= WG_SMEM;
+        path.kernel(1, 1, FP8_BLOCK, gpu.num_sms, wgmma).map_err(|e| CudaError::shape("Fp8Gemm", e))?;
+        let f = |name: &str| m.load_function(name);
+        let st = |mt: usize| -> Result<[CudaFunction; 2]> {
+            let smem = fp8_plan::stream_smem(mt);
+            Ok([
+                with_smem(&m, &format!("fp8_stream{mt}_obf16"), smem)?,
+                with_smem(&m, &format!("fp8_stream{mt}_of32"), smem)?,
+            ])
+        };
+        Ok(Fp8Gemm {
+            quant_bf16: f("act_quant_bf16")?,
+            quant_f32: f("act_quant_f32")?,
+            stream: [st(1)?, st(2)?, st(4)?],
+            counters: gpu.stream.alloc_zeros::<u32>(fp8_plan::STREAM_COUNTERS)?,
+            wg: if wgmma {
+                Some([with_smem(&m, "fp8_gemm_wg_obf16", WG_SMEM)?, with_smem(&m, "fp8_gemm_wg_of32", WG_SMEM)?])
+            } else {
+                None
+            },
+            stream_wg: if wgmma {
+                let st = |nt: usize| -> Result<[CudaFunction; 2]> {
+                    let smem = fp8_plan::stream_wg_smem(nt);
+                    Ok([
+                        with_smem(&m, &format!("fp8_stream_wg{nt}_obf16"), smem)?,
+                        with_smem(&m, &format!("fp8_stream_wg{nt}_of32"), smem)?,
+                    ])
+                };
+                Some([st(16)?, st(32)?, st(64)?])
+            } else {
+                None
+            },
+            num_sms: gpu.num_sms,
+            path,
+        })
+    }
+
+    /// Whether the Hopper wgmma kernel is available on this GPU.
+    pub fn has_wgmma(&self) -> bool {
+        self.wg.is_some()
+    }
+
+    /// Quantises `x [m][k]` per row and 128 channels into `q [m][k]` (e4m3 bytes) and
+    /// `scale [m][k / 128]`. `k` must be a multiple of 128.
+    pub fn act_quant<I: QuantIn>(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &impl DevicePtr<I>,
+        m: usize,
+        k: usize,
+        q: &mut impl DevicePtrMut<u8>,
+        scale: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const K: &str = "act_quant";
+        fp8_plan::check_act(m, k).map_err(|e| CudaError::shape(K, e))?;
+        need(K, "x", x.len(), m * k)?;
+        need(K, "q", q.len(), m * k)?;
+        need(K, "scale", scale.len(), m * k / FP8_BLOCK)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let warps = m * (k / FP8_BLOCK);
+        let blocks = u32::try_from(warps.div_ceil(8)).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let (mi, ki) = (i32_of(K, m)?, i32_of(K, k)?);
+        let f = if I::F32 { &self.quant_f32 } else { &self.quant_bf16 };
+        let (xp, _g1) = x.device_ptr(s);
+        let (qp, _g2) = q.device_ptr_mut(s);
+        let (sp, _g3) = scale.device_ptr_mut(s);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: act_quant_*(x, q, s, m, k): warp w < m·k/128 reads x[row·k + 128g ..][..128]
+        // and writes q at the same offsets and s[row·k/128 + g]: all within the lengths
+        // checked above; 8/16-byte loads and 4-byte stores stay aligned (k % 128 == 0,
+        // cudarc buffers 256-byte aligned, callers' views start at whole rows).
+        unsafe { s.launch_builder(f).arg(&xp).arg(&qp).arg(&sp).arg(&mi).arg(&ki).launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `y[m][out] = x[m][inp] · Wᵀ`: quantises the bf16 activation (into stream-ordered
+    /// scratch) and runs [`Fp8Gemm::forward_quantized`].
+    pub fn forward<T: GemmOut>(
+        &self,
+        s: &Arc<CudaStream>,
+        lin: &Fp8Linear,
+        x: &impl DevicePtr<bf16>,
+        m: usize,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        need("fp8 gemm", "x", x.len(), m * lin.inp)?;
+        if m == 0 {
+            return Ok(());
+        }
+        // SAFETY: act_quant writes every byte and scale of the m rows before the GEMM reads them.
+        let mut q = unsafe { s.alloc::<u8>(m * lin.inp) }?;
+        let mut sc = unsafe { s.alloc::<f32>(m * lin.inp / FP8_BLOCK) }?;
+        self.act_quant(s, x, m, lin.inp, &mut q, &mut sc)?;
+        self.forward_quantized(s, lin, &q, &sc, m, y)
+    }
+
+    /// `y = x · Wᵀ` from a quantised activation (`xq [m][inp]` bytes, `xs [m][inp / 128]`).
+    pub fn forward_quantized<T: GemmOut>(
+        &self,
+        s: &Arc<CudaStream>,
+        lin: &Fp8Linear,
+        xq: &impl DevicePtr<u8>,
+        xs: &impl DevicePtr<f32>,
+        m: usize,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        const K: &str = "fp8 gemm";
+        fp8_plan::check_weight(lin.out, lin.inp, lin.q.len(), lin.scale.len()).map_err(|e| CudaError::shape(K, e))?;
+        need(K, "xq", xq.len(), m * lin.inp)?;
+        need(K, "xs", xs.len(), m * lin.inp / FP8_BLOCK)?;
+        need(K, "y", y.len(), m * lin.out)?;
+        if m == 0 {
+            return Ok(());
+        }
+        i32_of(K, m)?;
+        let kernel = self
+            .path
+            .kernel(m, lin.out, lin.inp, self.num_sms, self.wg.is_some())
+            .map_err(|e| CudaError::shape(K, e))?;
+        match kernel {
+            Fp8Kernel::StreamMma | Fp8Kernel::StreamWg => self.stream(s, lin, xq, xs, m, y, kernel),
+            Fp8Kernel::Wgmma => self.wgmma(s, lin, xq, xs, m, y),
+        }
+    }
+
+    /// The streaming kernels: `fp8_stream*` (mma.sync) or `fp8_stream_wg*` (`kernel`).
+    #[allow(clippy::too_many_arguments)]
+    fn stream<T: GemmOut>(
+        &self,
+        s: &Arc<CudaStream>,
+        lin: &Fp8Linear,
+        xq: &impl DevicePtr<u8>,
+        xs: &impl DevicePtr<f32>,
+        m: usize,
+        y: &mut impl DevicePtrMut<T>,
+        kernel: Fp8Kernel,
+    ) -> Result<()> {
+        const K: &str = "fp8_stream";
+        let (ksplit, kchunk) = fp8_plan::stream_split(lin.out, lin.inp, self.num_sms);
+        let slab = fp8_plan::stream_slab(m, lin.out, ksplit);
+        let mt = fp8_plan::stream_mtiles(slab);
+        let wg = match kernel {
+            Fp8Kernel::StreamWg => {
+                Some(self.stream_wg.as_ref().ok_or_else(|| CudaError::shape(K, "no wgmma kernel on this GPU"))?)
+            }
+            _ => None,
+        };
+        let f = match wg {
+            Some(w) => &w[mt.trailing_zeros() as usize][usize::from(!T::BF16)],
+            None => &self.stream[mt.trailing_zeros() as usize][usize::from(!T::BF16)],
+        };
+        let smem = if wg.is_some() { fp8_plan::stream_wg_smem(16 * mt) } else { fp8_plan::stream_smem(mt) };
+        let cols = u32::try_from(lin.out.div_ceil(STREAM_COLS)).map_err(|_| CudaError::shape(K, "too many columns"))?;
+        if ksplit > 65_535 {
+            return Err(CudaError::shape(K, "too many k splits"));
+        }
+        let mut part = if ksplit > 1 {
+            // SAFETY: every block of a launch writes its (ks, row, col) partials before it
+            // counts itself, and the last block of a tile reads them only after every
+            // block of the tile has counted (a block stores all its rows < rows, cols < out).
+            Some(unsafe { s.alloc::<f32>(ksplit * slab * lin.out) }?)
+        } else {
+            None
+        };
+        let (pp, _gp) = match part.as_mut() {
+            Some(p) => {
+                let (ptr, g) = p.device_ptr_mut(s);
+                (ptr, Some(g))
+            }
+            None => (0, None),
+        };
+        let (xp, _g1) = xq.device_ptr(s);
+        let (sp, _g2) = xs.device_ptr(s);
+        let (wp, _g3) = lin.q.device_ptr(s);
+        let (wsp, _g4) = lin.scale.device_ptr(s);
+        let (yp, _g5) = y.device_ptr_mut(s);
+        let (cp, _g6) = self.counters.device_ptr(s);
+        let (ni, ki, kc) = (i32_of(K, lin.out)?, i32_of(K, lin.inp)?, i32_of(K, kchunk)?);
+        let sb = fp8_plan::STREAM_STAGE_BLOCKS as u32;
+        // mma.sync form: 3-D boxes of two k blocks a row; wgmma form: 2-D [rows][128 bytes].
+        let tw = if wg.is_some() {
+            u8_matrix_map(wp, lin.inp, lin.out, STREAM_COLS as u32)?
+        } else {
+            u8_kblock_map(wp, lin.inp, lin.out, sb, STREAM_COLS as u32)?
+        };
+        let kbs = (lin.inp / FP8_BLOCK) as u64;
+        let out_bytes = std::mem::size_of::<T>() as u64;
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = slab.min(m - r0);
+            let ri = rows as i32;
+            let tiles = rows.div_ceil(STREAM_ROWS);
+            if tiles > 65_535 || (ksplit > 1 && tiles * cols as usize > fp8_plan::STREAM_COUNTERS) {
+                return Err(CudaError::shape(K, "too many rows per launch"));
+            }
+            let xr = xp + (r0 * lin.inp) as u64;
+            let sr = sp + r0 as u64 * kbs * 4;
+            let yr = yp + (r0 * lin.out) as u64 * out_bytes;
+            // The activation rows of this slab, in boxes of the kernel's staged rows.
+            let tx = if wg.is_some() {
+                u8_matrix_map(xr, lin.inp, rows, (16 * mt) as u32)?
+            } else {
+                u8_kblock_map(xr, lin.inp, rows, sb, (16 * mt) as u32)?
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (cols, ksplit as u32, tiles as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: fp8_stream*/fp8_stream_wg*(tx, tw, y, part, counters, xs, ws, m, n, k,
+            // kchunk) (one tile = 64 rows, or all rows ≤ 16·mt when fewer): the
+            // tensor maps cover exactly this slab's rows × inp bytes of xq and W's
+            // out × inp bytes (made from live buffers; 16-byte rows: inp % 128 == 0); the
+            // kernel reads xs rows r0 .. r0 + rows (k/128 scales a row; lengths checked in
+            // forward_quantized), ws's scale grid (check_weight), and writes y rows r0..
+            // (within m × out) and, with ksplit > 1, part[ks][row][col] for ks < ksplit,
+            // row < rows, col < out (within the ksplit × slab × out allocation) and
+            // counters[tile · cols + col tile] (< STREAM_COUNTERS, checked above), which
+            // the tile's last block sets back to zero. Dynamic shared memory allowed at load.
+            unsafe {
+                s.launch_builder(f)
+                    .arg(&tx)
+                    .arg(&tw)
+                    .arg(&yr)
+                    .arg(&pp)
+                    .arg(&cp)
+                    .arg(&sr)
+                    .arg(&wsp)
+                    .arg(&ri)
+                    .arg(&ni)
+                    .arg(&ki)
+                    .arg(&kc)
+                    .launch(cfg)
+            }?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+
+    fn wgmma<T: GemmOut>(
+        &self,
+        s: &Arc<CudaStream>,
+        lin: &Fp8Linear,
+        xq: &impl DevicePtr<u8>,
+        xs: &impl DevicePtr<f32>,
+        m: usize,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        const K: &str = "fp8_gemm_wg";
+        let wg = self.wg.as_ref().ok_or_else(|| CudaError::shape(K, "no wgmma kernel on this GPU"))?;
+        let f = &wg[usize::from(!T::BF16)];
+        let cols = lin.out.div_ceil(WG_TILE);
+        if cols > 65_535 {
+            return Err(CudaError::shape(K, "too many columns"));
+        }
+        let row_tiles = u32::try_from(m.div_ceil(WG_TILE)).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let (xp, _g1) = xq.device_ptr(s);
+        let (sp, _g2) = xs.device_ptr(s);
+        let (wp, _g3) = lin.q.device_ptr(s);
+        let (wsp, _g4) = lin.scale.device_ptr(s);
+        let (yp, _g5) = y.device_ptr_mut(s);
+        let tx = u8_matrix_map(xp, lin.inp, m, WG_TILE as u32)?;
+        let tw = u8_matrix_map(wp, lin.inp, lin.out, WG_TILE as u32)?;
+        let (mi, ni, ki) = (i32_of(K, m)?, i32_of(K, lin.out)?, i32_of(K, lin.inp)?);
+        let cfg = LaunchConfig {
+            grid_dim: (row_tiles, cols as u32, 1),
+            block_dim: (384, 1, 1),
+            shared_mem_bytes: WG_SMEM as u32,
+        };
+        // SAFETY: fp8_gemm_wg_*(tx, tw, y, xs, ws, m, n, k): the tensor maps cover exactly
+        // xq's m × inp and W's out × inp bytes (made just above from live buffers, 16-byte
+        // rows); the kernel reads xs[row][kb] for row < m, ws's scale grid, and writes
+        // y[row][col] for row < m, col < out only (lengths checked in forward_quantized);
+        // its dynamic shared memory was allowed at load.
+        unsafe {
+            s.launch_builder(f).arg(&tx).arg(&tw).arg(&yp).arg(&sp).arg(&wsp).arg(&mi).arg(&ni).arg(&ki).launch(cfg)
+        }?;
+        Ok(())
+    }
+}
