@@ -51,6 +51,7 @@ case "${1:-}" in
     --tp) mode=tp; tp_n="${2:?--tp needs the number of GPUs}" ;;
     --tp-graphs) mode=tp_graphs; tp_n="${2:?--tp-graphs needs the number of GPUs}" ;;
     --decode) mode=decode ;;
+    --fp8) mode=fp8 ;;   # fp8 GEMM checks, memcheck, and the side-by-side benchmark
 esac
 # The test of an experiment that is off by default; only `--tp-graphs` runs it.
 EXPERIMENTAL_TESTS=tp2_decode_steps_through_graphs_equal_eager
@@ -96,6 +97,22 @@ step() {  # step NAME LOG CMD...: runs CMD appending to LOG, records rc and seco
 } >"$out/machine.txt" 2>&1
 
 # Decode-kernel mode (see the header).
+# fp8 mode: the fp8 GEMM tests against the f64 reference, memcheck on the small ones, then
+# this project's kernels and torch's block-scaled / per-tensor fp8 and bf16 at V3's
+# shapes in the same call (`mlaserve-cuda-check --fp8`, tools/gpu/fp8_gemm_baseline.py).
+if [[ "$mode" == fp8 ]]; then
+    sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+    step "gpu_fp8" "$out/tests.log" timeout 200 "$gpu_dir/tests/gpu_fp8" --test-threads=1 --nocapture
+    for name in act_quant_is_bit_exact fp8_gemm_odd_shapes fp8_rejects_bad_shapes; do
+        step "memcheck gpu_fp8::$name" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
+            --error-exitcode 1 --leak-check no "$gpu_dir/tests/gpu_fp8" --exact "$name" --test-threads=1
+    done
+    step "bench fp8" "$out/bench-fp8.log" timeout 200 "$gpu_dir/bin/mlaserve-cuda-check" --fp8 --no-check $quick
+    step "torch fp8 baseline" "$out/bench-fp8.log" timeout 200 python3 "$repo/tools/gpu/fp8_gemm_baseline.py" $quick
+    { echo "==== summary"; printf '%s\n' "${summary[@]}"; } | tee "$out/summary.txt"
+    exit "$failures"
+fi
+
 if [[ "$mode" == decode ]]; then
     kernels="${MLASERVE_KERNELS:-wgmma-ss wgmma-t}"
     sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
@@ -229,8 +246,8 @@ fi
 # hang in one cannot hide the others), then memcheck on the tests that touch every
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
-    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample routing_margins \
-        mlaserve_cuda mlaserve_cuda_lab; do
+    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample gpu_fp8 \
+        routing_margins mlaserve_cuda mlaserve_cuda_lab; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
@@ -244,7 +261,9 @@ if [[ "$mode" == backend ]]; then
         gpu_prefill:expanded_path_from_paged_cache_matches_reference gpu_ops:grouped_experts_tensor_core_match_reference \
         gpu_sample:sample_kernel_matches_core_rule gpu_graphs:decode_steps_through_graphs_equal_eager \
         gpu_router:router_logits_small_shapes_match_reference \
-        gpu_ops:gemm_matches_reference_and_invariant_mode_is_batch_invariant; do
+        gpu_ops:gemm_matches_reference_and_invariant_mode_is_batch_invariant \
+        gpu_fp8:act_quant_is_bit_exact gpu_fp8:fp8_gemm_odd_shapes \
+        gpu_backend:fp8_weights_widen_on_the_device_bit_for_bit; do
         t="$gpu_dir/tests/${spec%%:*}"
         step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1
