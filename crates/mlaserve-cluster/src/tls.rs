@@ -98,6 +98,19 @@ impl ServerTls {
         }
     }
 
+    /// The server configuration the `--tls-cert`, `--tls-key` and `--tls-client-ca`
+    /// flags describe (router and worker alike), files read and checked now; `None`
+    /// without TLS.
+    pub fn config_from_flags(
+        cert: Option<&Path>,
+        key: Option<&Path>,
+        client_ca: Option<&Path>,
+    ) -> Result<Option<Arc<ServerConfig>>, TlsError> {
+        Self::from_flags(cert, key, client_ca, ["--tls-cert", "--tls-key", "--tls-client-ca"])?
+            .map(|t| t.config())
+            .transpose()
+    }
+
     /// The rustls configuration (HTTP/2 only, as gRPC wants).
     pub fn config(&self) -> Result<Arc<ServerConfig>, TlsError> {
         let chain = certs("--tls-cert", &self.cert)?;

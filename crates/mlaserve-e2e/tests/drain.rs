@@ -139,6 +139,14 @@ async fn graceful_worker_stop_under_load_fails_no_request() {
     drop(a);
 }
 
+/// Runs `f` to completion on a runtime of its own (as `mlaserve` does on SIGTERM), from
+/// inside the test's runtime.
+fn on_own_runtime(f: impl std::future::Future<Output = ()> + Send + 'static) {
+    std::thread::spawn(move || tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f))
+        .join()
+        .unwrap();
+}
+
 /// A request still running when a drain timeout passes ends with an error that says so,
 /// whether the worker group or the router is the one stopping.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -179,12 +187,7 @@ async fn drain_timeouts_say_what_happened() {
     assert!(eventually(Duration::from_secs(10), || engine.load().running_requests > 0).await);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let h = a.handle.take().unwrap();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(h.shutdown());
-    })
-    .join()
-    .unwrap();
+    on_own_runtime(h.shutdown());
     let got = stream.await.unwrap();
     let e = got.error.expect("the stream was cut");
     assert!(!got.tokens.is_empty(), "it had streamed");
@@ -206,15 +209,10 @@ async fn drain_timeouts_say_what_happened() {
     assert!(eventually(Duration::from_secs(10), || engine.load().running_requests > 0).await);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let h = r.handle.take().unwrap();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async move {
-            h.drain(Duration::from_millis(100)).await;
-            h.shutdown().await;
-        });
-    })
-    .join()
-    .unwrap();
+    on_own_runtime(async move {
+        h.drain(Duration::from_millis(100)).await;
+        h.shutdown().await;
+    });
     let got = stream.await.unwrap();
     let e = got.error.expect("the stream was cut");
     assert!(e.message().contains("router is stopping") && e.message().contains("drain timeout"), "{e:?}");

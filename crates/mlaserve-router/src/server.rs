@@ -38,16 +38,8 @@ fn access(args: &RouterArgs) -> Result<(Keys, Option<Arc<ServerConfig>>, Link), 
     let bad = |e: &dyn std::fmt::Display| StartError::Access(e.to_string());
     let a = &args.access;
     let keys = Keys::load(&a.api_keys, &a.api_key_files, "--api-key-file").map_err(|e| bad(&e))?;
-    let tls = ServerTls::from_flags(
-        a.tls_cert.as_deref(),
-        a.tls_key.as_deref(),
-        a.tls_client_ca.as_deref(),
-        ["--tls-cert", "--tls-key", "--tls-client-ca"],
-    )
-    .map_err(|e| bad(&e))?
-    .map(|t| t.config())
-    .transpose()
-    .map_err(|e| bad(&e))?;
+    let tls = ServerTls::config_from_flags(a.tls_cert.as_deref(), a.tls_key.as_deref(), a.tls_client_ca.as_deref())
+        .map_err(|e| bad(&e))?;
     let l = &args.link;
     let identity = match (&l.worker_tls_cert, &l.worker_tls_key) {
         (Some(c), Some(k)) => Some((c.clone(), k.clone())),

@@ -52,16 +52,8 @@ fn access(a: &WorkerAccess) -> Result<(Keys, Option<Arc<ServerConfig>>), WorkerE
         (None, None) => Ok(Keys::default()),
     }
     .map_err(|e| bad(&e))?;
-    let tls = ServerTls::from_flags(
-        a.tls_cert.as_deref(),
-        a.tls_key.as_deref(),
-        a.tls_client_ca.as_deref(),
-        ["--tls-cert", "--tls-key", "--tls-client-ca"],
-    )
-    .map_err(|e| bad(&e))?
-    .map(|t| t.config())
-    .transpose()
-    .map_err(|e| bad(&e))?;
+    let tls = ServerTls::config_from_flags(a.tls_cert.as_deref(), a.tls_key.as_deref(), a.tls_client_ca.as_deref())
+        .map_err(|e| bad(&e))?;
     Ok((keys, tls))
 }
 
