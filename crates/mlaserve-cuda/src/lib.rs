@@ -23,6 +23,8 @@
 //! - [`comm`] (the tensor-parallel collectives on the device) and [`CudaBackend`], the
 //!   `mlaserve_core::Backend` on one GPU.
 //!
+//! [`profile`] is the memory planner's profiling step (host arithmetic).
+//!
 //! `tests/module_graph.rs` fails on an import cycle between these modules.
 
 pub mod dims;
@@ -30,6 +32,7 @@ pub mod fp8_plan;
 pub mod layout;
 pub mod plan;
 pub mod prefill;
+pub mod profile;
 pub mod rope;
 
 #[cfg(feature = "cuda")]

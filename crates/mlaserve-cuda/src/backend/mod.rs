@@ -254,7 +254,7 @@ impl CudaBackend {
         let mem = memory::LoadMemory { total, free_at_start, free_after_weights };
         // Planning: a temporary cache just large enough for the profiling step.
         let longest = cfg.max_position_embeddings.max(1);
-        let profile = opts.gpu_memory_utilization.map(|_| memory::profile_batch(opts.profile_tokens, longest));
+        let profile = opts.gpu_memory_utilization.map(|_| crate::profile::profile_batch(opts.profile_tokens, longest));
         let mut opts = opts;
         if let Some((_, blocks)) = &profile {
             opts.num_blocks = *blocks;
