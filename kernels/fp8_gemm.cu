@@ -724,3 +724,133 @@ FP8_STREAM_WG(fp8_stream_wg64_obf16, bf16, 64)
 FP8_STREAM_WG(fp8_stream_wg16_of32, float, 16)
 FP8_STREAM_WG(fp8_stream_wg32_of32, float, 32)
 FP8_STREAM_WG(fp8_stream_wg64_of32, float, 64)
+
+// ---------------------------------------------------------------- grouped experts (Hopper)
+
+// fp8_grouped_wg*: every routed expert's projection in one launch, for rows sorted by
+// expert (moe_sort): expert e owns rows off[e] .. off[e + 1] of x [rows][k] and y
+// [rows][n] and its weight is rows e·n .. e·n + n of w [E·n][k] with scales ws
+// [E][ceil(n / 128)][k / 128]. grid = (ceil(n / 128), E), 256 threads; a block streams
+// its 128 weight rows of its expert and multiplies them with the expert's rows NT at a
+// time (the same swap-AB wgmma, TMA ring and scale ring as fp8_stream_wg, one ring over
+// (row tile, k stage) so the next tile's loads overlap this tile's last k blocks); an
+// expert without rows exits at once. No split-K: every output is one block's promoted
+// sum in kb order, and a row's bits do not depend on the expert's other rows, on where
+// the row sits in its tile, or on NT (wgmma computes each output column on its own;
+// asserted by the tests). The weight tile's rows past n (n % 128 != 0) belong to the
+// next expert or are zero-filled past E·n, and are never stored.
+template <typename T, int NT>
+__device__ void fp8_grouped_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y,
+                               const float* __restrict__ xs, const float* __restrict__ wsc,
+                               const int* __restrict__ off, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace f8g;
+    using C = Cfg<NT>;
+    const int e = blockIdx.y;
+    const int rbeg = off[e], rend = off[e + 1];
+    if (rbeg >= rend) return;
+    extern __shared__ __align__(1024) unsigned char f8q_smem[];
+    __shared__ f8s::F8sScales scl[C::STAGES];
+    const uint32_t sbase = (smem_u32(f8q_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + C::STAGES * C::STAGE;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int kbs = k / f8::QB;
+    const int nb = blockIdx.x, nbs = (n + BN - 1) / BN;
+    const int nst = (kbs + KS - 1) / KS;
+    const int tiles = (rend - rbeg + NT - 1) / NT;
+    const int total = tiles * nst;
+    const float* const wse = wsc + (static_cast<size_t>(e) * nbs + nb) * kbs;
+    const int wrow0 = e * n + nb * BN;
+
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) mbar_init(full + 8 * s, 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    auto issue = [&](int i) {  // row tile i / nst, k blocks KS·(i % nst) .. into slot i % STAGES
+        const int st = i % C::STAGES, r0 = rbeg + (i / nst) * NT, kbi = KS * (i % nst);
+        const int nr = min(NT, rend - r0);
+        if (tid == 0) {
+            const uint32_t dst = sbase + st * C::STAGE;
+            mbar_arrive_expect_tx(full + 8 * st, C::STAGE);
+#pragma unroll
+            for (int kbl = 0; kbl < KS; ++kbl) {
+                const int kk = (kbi + kbl) * f8::QB;
+                tma_load_2d(dst + kbl * TW, tw, kk, wrow0, full + 8 * st);
+                tma_load_2d(dst + KS * TW + kbl * C::TX, tx, kk, r0, full + 8 * st);
+            }
+        }
+        if (tid < KS * NT) {
+            const int kbl = tid / NT, r = tid % NT, kb = kbi + kbl;
+            if (r < nr && kb < kbs)
+                cp_async_4(smem_u32(&scl[st].x[kbl][r]), xs + static_cast<size_t>(r0 + r) * kbs + kb, 4);
+        } else if (tid >= THREADS - KS) {
+            const int kbl = tid - (THREADS - KS), kb = kbi + kbl;
+            if (kb < kbs) cp_async_4(smem_u32(&scl[st].w[kbl]), wse + kb, 4);
+        }
+    };
+    for (int i = 0; i < C::STAGES - 1; ++i) {
+        if (i < total) issue(i);
+        cp_async_commit();
+    }
+    constexpr int NA = NT / 2;
+    float acc[NA], tot[NA];
+    const int wrow = nb * BN + 64 * wg + 16 * warp + (lane >> 2);
+    for (int i = 0; i < total; ++i) {
+        cp_async_wait<C::STAGES - 2>();
+        __syncthreads();  // scales of stage i landed; every warp is done with slot (i - 1)
+        if (i + C::STAGES - 1 < total) issue(i + C::STAGES - 1);
+        cp_async_commit();
+        const int st = i % C::STAGES, j = i % nst, r0 = rbeg + (i / nst) * NT;
+        const int nr = min(NT, rend - r0);
+        if (j == 0) {
+#pragma unroll
+            for (int q = 0; q < NA; ++q) tot[q] = 0.f;
+        }
+        const uint32_t wt = sbase + st * C::STAGE, xt = wt + KS * TW;
+        mbar_wait(full + 8 * st, (i / C::STAGES) & 1);
+#pragma unroll
+        for (int kbl = 0; kbl < KS; ++kbl) {
+            if (KS * j + kbl >= kbs) break;
+            const uint64_t da = gmma_desc_sw128(wt + kbl * TW + wg * 64 * f8::QB, 16, 1024);
+            const uint64_t db = gmma_desc_sw128(xt + kbl * C::TX, 16, 1024);
+            wgmma_fence();
+#pragma unroll
+            for (int k32 = 0; k32 < f8::QB / 32; ++k32)
+                WgE4m3<NT>::mma(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(acc);
+            const float swv = scl[st].w[kbl];
+#pragma unroll
+            for (int q = 0; q < NA; ++q) {
+                const int col = 8 * (q / 4) + 2 * (lane & 3) + (q & 1);
+                tot[q] = fmaf(acc[q], (col < nr ? scl[st].x[kbl][col] : 0.f) * swv, tot[q]);
+            }
+        }
+        if (j == nst - 1) {
+#pragma unroll
+            for (int q = 0; q < NA; ++q) {
+                const int col = 8 * (q / 4) + 2 * (lane & 3) + (q & 1), row = wrow + 8 * ((q >> 1) & 1);
+                if (col < nr && row < n) y[(static_cast<size_t>(r0) + col) * n + row] = from_f32<T>(tot[q]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+#else
+    __trap();
+#endif
+}
+
+#define FP8_GROUPED_WG(NAME, T, NT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(f8g::THREADS, f8g::Cfg<NT>::BLOCKS_PER_SM)                       \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
+             const float* ws, const int* off, int n, int k) {                                                     \
+        fp8_grouped_wg<T, NT>(&tx, &tw, y, xs, ws, off, n, k);                                                    \
+    }
+FP8_GROUPED_WG(fp8_grouped_wg16_obf16, bf16, 16)
+FP8_GROUPED_WG(fp8_grouped_wg32_obf16, bf16, 32)
+FP8_GROUPED_WG(fp8_grouped_wg64_obf16, bf16, 64)
+FP8_GROUPED_WG(fp8_grouped_wg16_of32, float, 16)
+FP8_GROUPED_WG(fp8_grouped_wg32_of32, float, 32)
+FP8_GROUPED_WG(fp8_grouped_wg64_of32, float, 64)
