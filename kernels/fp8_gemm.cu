@@ -854,3 +854,103 @@ FP8_GROUPED_WG(fp8_grouped_wg64_obf16, bf16, 64)
 FP8_GROUPED_WG(fp8_grouped_wg16_of32, float, 16)
 FP8_GROUPED_WG(fp8_grouped_wg32_of32, float, 32)
 FP8_GROUPED_WG(fp8_grouped_wg64_of32, float, 64)
+
+// fp8_grouped_tile_*: the grouped experts for prefill-sized experts, as fp8_gemm_wg's
+// tiles (a producer warpgroup filling a 6-stage TMA ring; two consumer warpgroups of 64
+// rows × 128 columns, 4 wgmma m64n128k32 per k block, promoted per k block) over rows
+// sorted by expert: grid = (ceil(n / 128), E), 384 threads, block (c, e) runs expert e's
+// rows off[e] .. off[e + 1] in tiles of 128 (one ring over (tile, k block)); an expert
+// without rows exits at once. Rows of a tile past the expert's end (the next expert's,
+// or zero past the last row) are computed with scale 0 and never stored. A row's bits do
+// not depend on the other rows, but differ from fp8_grouped_wg's (wgmma's accumulation
+// order differs with the operands' roles).
+template <typename T>
+__device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y,
+                                 const float* __restrict__ xs, const float* __restrict__ wsc,
+                                 const int* __restrict__ off, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace f8w;
+    const int e = blockIdx.y;
+    const int rbeg = off[e], rend = off[e + 1];
+    if (rbeg >= rend) return;
+    extern __shared__ __align__(1024) unsigned char f8t_smem[];
+    const uint32_t sbase = (smem_u32(f8t_smem) + 1023u) & ~1023u;
+    const uint32_t full = sbase + STAGES * STAGE, empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int nb = blockIdx.x, nbs = (n + BN - 1) / BN, n0 = nb * BN;
+    const int kbs = k / BK;
+    const int total = ((rend - rbeg + BM - 1) / BM) * kbs;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 2 * 128);  // the two consumer warpgroups
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        if (tid == 0) {
+            for (int g = 0; g < total; ++g) {
+                const int st = g % STAGES;
+                if (g >= STAGES) mbar_wait(empty + 8 * st, ((g / STAGES) - 1) & 1);
+                mbar_arrive_expect_tx(full + 8 * st, STAGE);
+                tma_load_2d(sbase + st * STAGE, tx, (g % kbs) * BK, rbeg + (g / kbs) * BM, full + 8 * st);
+                tma_load_2d(sbase + st * STAGE + TILE, tw, (g % kbs) * BK, e * n + n0, full + 8 * st);
+            }
+        }
+        return;
+    }
+    const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
+    const float* const wse = wsc + (static_cast<size_t>(e) * nbs + nb) * kbs;
+    float acc[64], tot[64];
+    for (int g = 0; g < total; ++g) {
+        const int st = g % STAGES, kb = g % kbs;
+        const int row_lo = rbeg + (g / kbs) * BM + 64 * cw + 16 * warp + (lane >> 2), row_hi = row_lo + 8;
+        if (kb == 0) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) tot[i] = 0.f;
+        }
+        const float sw = wse[kb];
+        const float sa_lo = row_lo < rend ? xs[static_cast<size_t>(row_lo) * kbs + kb] : 0.f;
+        const float sa_hi = row_hi < rend ? xs[static_cast<size_t>(row_hi) * kbs + kb] : 0.f;
+        mbar_wait(full + 8 * st, (g / STAGES) & 1);
+        const uint32_t xt = sbase + st * STAGE;
+        const uint64_t da = gmma_desc_sw128(xt + cw * 64 * BK, 16, 1024), db = gmma_desc_sw128(xt + TILE, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int k32 = 0; k32 < BK / 32; ++k32)
+            wgmma_m64n128k32_e4m3(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc);
+        mbar_arrive(empty + 8 * st);
+        const float s_lo = sa_lo * sw, s_hi = sa_hi * sw;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            tot[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, tot[4 * j + 0]);
+            tot[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, tot[4 * j + 1]);
+            tot[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, tot[4 * j + 2]);
+            tot[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, tot[4 * j + 3]);
+        }
+        if (kb == kbs - 1) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int col = n0 + 8 * j + 2 * (lane & 3);
+                if (row_lo < rend) f8_store(y, row_lo, col, n, tot[4 * j + 0], tot[4 * j + 1]);
+                if (row_hi < rend) f8_store(y, row_hi, col, n, tot[4 * j + 2], tot[4 * j + 3]);
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+#define FP8_GROUPED_TILE(NAME, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
+             const float* ws, const int* off, int n, int k) {                                                     \
+        fp8_grouped_tile<T>(&tx, &tw, y, xs, ws, off, n, k);                                                      \
+    }
+FP8_GROUPED_TILE(fp8_grouped_tile_obf16, bf16)
+FP8_GROUPED_TILE(fp8_grouped_tile_of32, float)

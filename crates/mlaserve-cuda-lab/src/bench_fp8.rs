@@ -215,7 +215,8 @@ pub struct GroupedBenchRow {
     pub active: usize,
     pub tile: usize,
     pub fp8_us: f64,
-    /// The best of the other tiles `(tile, µs)`.
+    /// The other kernels `(tile, µs)`: the streaming kernel's other tiles, and 128 the
+    /// tile kernel (`forward_tiled`).
     pub other_tiles: Vec<(usize, f64)>,
     /// The bf16 experts (`moe_grouped_sorted`, fast mode) on the same routing.
     pub bf16_us: Option<f64>,
@@ -274,11 +275,12 @@ impl fmt::Display for GroupedBenchReport {
 
 /// The grouped fp8 experts (`mlaserve_cuda::fp8_grouped`) at V3's expert shapes, 256
 /// experts, with a decode routing (64 sequences × 4 tokens, top-8: 2048 rows) and a
-/// prefill one (4096 tokens × top-8), uniform random; each beside the other row tiles
-/// and (with `bf16`) the bf16 experts on the same routing. Timed as CUDA graphs of 8
+/// prefill one (4096 tokens × top-8), uniform random; each beside the streaming
+/// kernel's other row tiles, the tile kernel (`tile 128`) and (with `bf16`) the bf16
+/// experts on the same routing. Timed as CUDA graphs of 8
 /// calls (the experts' bytes exceed the L2 many times over).
 pub fn bench_fp8_grouped(gpu: &Gpu, iters: usize, bf16_too: bool) -> Result<GroupedBenchReport> {
-    use crate::check_fp8_grouped::{ExpertSet, Routing};
+    use crate::check_fp8_grouped::{ExpertSet, Routing, TILED};
     use mlaserve_cuda::fp8_grouped::Fp8Grouped;
     use mlaserve_cuda::fp8_plan::grouped_tile;
     use mlaserve_cuda::ops::{ExpertWeights, GroupedVariant, Ops};
@@ -324,14 +326,18 @@ pub fn bench_fp8_grouped(gpu: &Gpu, iters: usize, bf16_too: bool) -> Result<Grou
             let mut y = s.alloc_zeros::<bf16>(m * n)?;
             let mut time_tile = |t: usize| -> Result<f64> {
                 let v = time_graph(gpu, GRAPH_MIN_CALLS, 2, iters, || {
-                    g.forward_tile(s, &set.dev, &xq, &xs, &off, m, &mut y, t)
+                    if t == TILED {
+                        g.forward_tiled(s, &set.dev, &xq, &xs, &off, m, &mut y)
+                    } else {
+                        g.forward_tile(s, &set.dev, &xq, &xs, &off, m, &mut y, t)
+                    }
                 })?;
                 Ok(median_us(v))
             };
             let tile = grouped_tile(m, E);
             let fp8_us = time_tile(tile)?;
             let mut other_tiles = Vec::new();
-            for t in [16, 32, 64] {
+            for t in [16, 32, 64, TILED] {
                 if t != tile {
                     other_tiles.push((t, time_tile(t)?));
                 }

@@ -23,6 +23,30 @@ use mlaserve_cuda::{CudaError, Gpu, Result};
 
 const NAN_BITS: u32 = 0x7fc0_7fc0;
 
+/// The `tile` that selects the 128 × 128 tile kernel ([`Fp8Grouped::forward_tiled`])
+/// in [`gpu_grouped`] and the checks (16, 32, 64: the streaming kernel's rows per pass).
+pub const TILED: usize = 128;
+
+/// Runs the kernel `tile` selects (see [`TILED`]).
+#[allow(clippy::too_many_arguments)]
+fn launch<T: mlaserve_cuda::linear::GemmOut>(
+    g: &Fp8Grouped,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    w: &Fp8Experts,
+    xq: &cudarc::driver::CudaSlice<u8>,
+    xs: &cudarc::driver::CudaSlice<f32>,
+    off: &cudarc::driver::CudaSlice<i32>,
+    rows: usize,
+    y: &mut cudarc::driver::CudaSlice<T>,
+    tile: usize,
+) -> Result<()> {
+    if tile == TILED {
+        g.forward_tiled(s, w, xq, xs, off, rows, y)
+    } else {
+        g.forward_tile(s, w, xq, xs, off, rows, y, tile)
+    }
+}
+
 /// Rows sorted by expert: `off[e] .. off[e + 1]` are expert `e`'s.
 #[derive(Debug, Clone)]
 pub struct Routing {
@@ -140,13 +164,13 @@ pub fn gpu_grouped(
     if out_f32 {
         let mut y = s.alloc_zeros::<f32>(elems.max(1))?;
         util.poison_f32(s, &mut y, NAN_BITS)?;
-        g.forward_tile(s, w, &xqd, &xsd, &offd, m, &mut y, tile)?;
+        launch(g, s, w, &xqd, &xsd, &offd, m, &mut y, tile)?;
         gpu.sync()?;
         Ok(s.clone_dtoh(&y)?[..elems].to_vec())
     } else {
         let mut y = s.alloc_zeros::<bf16>((elems + elems % 2).max(2))?;
         util.poison_bf16(s, &mut y, NAN_BITS)?;
-        g.forward_tile(s, w, &xqd, &xsd, &offd, m, &mut y, tile)?;
+        launch(g, s, w, &xqd, &xsd, &offd, m, &mut y, tile)?;
         gpu.sync()?;
         Ok(s.clone_dtoh(&y)?[..elems].iter().map(|v| v.to_f32()).collect())
     }
@@ -252,7 +276,9 @@ pub fn run_grouped_case(
 }
 
 /// Batch invariance: rows of the full call (the plan's tile, and tile 64) run again
-/// alone (tile 16) must give bit-identical f32 outputs. Returns the mismatches.
+/// alone (tile 16) must give bit-identical f32 outputs; with `tiled`, the tile kernel in
+/// all three. Returns the mismatches.
+#[allow(clippy::too_many_arguments)]
 pub fn run_grouped_invariance(
     gpu: &Gpu,
     fp8: &Fp8Gemm,
@@ -260,13 +286,15 @@ pub fn run_grouped_invariance(
     util: &Util,
     set: &ExpertSet,
     route: &Routing,
+    tiled: bool,
     rng: &mut Rng,
 ) -> Result<Vec<String>> {
+    let pick = |t: Option<usize>| if tiled { Some(TILED) } else { t };
     let (m, k, n) = (route.rows(), set.dev.inp, set.dev.out);
     let kb = k / FP8_BLOCK;
     let (xq, xs) = random_quantised(gpu, fp8, rng, m, k)?;
-    let full = gpu_grouped(gpu, g, util, &set.dev, (&xq, &xs), route, true, None)?;
-    let full64 = gpu_grouped(gpu, g, util, &set.dev, (&xq, &xs), route, true, Some(64))?;
+    let full = gpu_grouped(gpu, g, util, &set.dev, (&xq, &xs), route, true, pick(None))?;
+    let full64 = gpu_grouped(gpu, g, util, &set.dev, (&xq, &xs), route, true, pick(Some(64)))?;
     let mut bad = Vec::new();
     let largest = (0..route.experts).max_by_key(|&e| route.off[e + 1] - route.off[e]).unwrap_or(0);
     let last_of_largest = route.off[largest + 1] as usize - 1;
@@ -280,7 +308,7 @@ pub fn run_grouped_invariance(
             (&xq[r * k..(r + 1) * k], &xs[r * kb..(r + 1) * kb]),
             &Routing::single(route.experts, e),
             true,
-            Some(16),
+            pick(Some(16)),
         )?;
         let want = &full[r * n..(r + 1) * n];
         if alone.iter().zip(want).any(|(a, b)| a.to_bits() != b.to_bits()) {

@@ -118,7 +118,7 @@ fn fp8_rejects_bad_shapes() {
 // ---------------------------------------------------------------- grouped experts
 
 use mlaserve_cuda::fp8_grouped::Fp8Grouped;
-use mlaserve_cuda_lab::check_fp8_grouped::{self as grouped, ExpertSet, Routing};
+use mlaserve_cuda_lab::check_fp8_grouped::{self as grouped, ExpertSet, Routing, TILED};
 
 /// The grouped kernel needs Hopper: elsewhere `Fp8Grouped::new` fails and the tests
 /// say so and pass (unless MLASERVE_REQUIRE_GROUPED=1).
@@ -146,8 +146,8 @@ fn assert_reports(reports: &[check_fp8::Fp8Report]) {
 
 /// Small enough for compute-sanitizer: 5 experts of [200][384] (a partial column tile
 /// whose TMA box runs into the next expert and past the last), empty experts (first
-/// middle, last), an expert of 37 rows (3 passes of a 16-row tile), every tile, both
-/// outputs, every row against the reference.
+/// middle, last), an expert of 37 rows (3 passes of a 16-row tile), every tile of the
+/// streaming kernel and the tile kernel, both outputs, every row against the reference.
 #[test]
 fn fp8_grouped_small() {
     let Some(gpu) = gpu() else { return };
@@ -158,7 +158,7 @@ fn fp8_grouped_small() {
     let set = ExpertSet::random(&gpu, &mut rng, 6, 6, 200, 384).expect("experts");
     let route = Routing { off: vec![0, 0, 3, 3, 40, 41, 41], experts: 6 };
     let mut reports = Vec::new();
-    for tile in [16, 32, 64] {
+    for tile in [16, 32, 64, TILED] {
         for out_f32 in [true, false] {
             reports.push(
                 grouped::run_grouped_case(
@@ -179,8 +179,10 @@ fn fp8_grouped_small() {
         }
     }
     assert_reports(&reports);
-    let bad = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, &route, &mut rng).expect("ran");
-    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    for tiled in [false, true] {
+        let bad = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, &route, tiled, &mut rng).expect("ran");
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
 }
 
 /// V3's routed experts (gate_up fused 7168 -> 2x2048, down 2048 -> 7168, and the TP-8
@@ -212,12 +214,33 @@ fn fp8_grouped_matches_reference_at_v3_shapes() {
             grouped::run_grouped_case(&gpu, &fp8, &g, &util, name, &set, &decode, false, None, 32, &mut rng)
                 .expect("ran"),
         );
+        // The tile kernel (prefill-sized experts), f32 and bf16 out.
+        for out_f32 in [true, false] {
+            let label = format!("{name} prefill tiled");
+            reports.push(
+                grouped::run_grouped_case(
+                    &gpu,
+                    &fp8,
+                    &g,
+                    &util,
+                    &label,
+                    &set,
+                    &prefill,
+                    out_f32,
+                    Some(TILED),
+                    32,
+                    &mut rng,
+                )
+                .expect("ran"),
+            );
+        }
     }
     assert_reports(&reports);
 }
 
 /// A row's output alone equals its output in the full decode and prefill calls, bit for
-/// bit, whatever the tile (16 alone, the plan's and 64 in the call).
+/// bit, whatever the tile (16 alone, the plan's and 64 in the call); and likewise
+/// through the tile kernel (prefill).
 #[test]
 fn fp8_grouped_is_batch_invariant() {
     let Some(gpu) = gpu() else { return };
@@ -231,9 +254,11 @@ fn fp8_grouped_is_batch_invariant() {
     for (n, k) in [(512, 7168), (7168, 2048)] {
         let set = ExpertSet::random(&gpu, &mut rng, 256, 2, n, k).expect("experts");
         for route in [&decode, &prefill] {
-            let b = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, route, &mut rng).expect("ran");
+            let b = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, route, false, &mut rng).expect("ran");
             bad.extend(b.into_iter().map(|e| format!("[{n}, {k}]: {e}")));
         }
+        let b = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, &prefill, true, &mut rng).expect("ran");
+        bad.extend(b.into_iter().map(|e| format!("[{n}, {k}] tiled: {e}")));
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }

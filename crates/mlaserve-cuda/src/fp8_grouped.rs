@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::error::{CudaError, Result};
-use crate::fp8_plan::{self, FP8_BLOCK, STREAM_COLS, WG_SMEM};
+use crate::fp8_plan::{self, FP8_BLOCK, STREAM_COLS, WG_SMEM, WG_TILE};
 use crate::gpu::Gpu;
 use crate::kernels;
 use crate::launch::{i32_of, need, with_smem};
@@ -84,6 +84,8 @@ impl Fp8Experts {
 pub struct Fp8Grouped {
     /// `fp8_grouped_wg{16,32,64}_*` [bf16 out, f32 out].
     wg: [[CudaFunction; 2]; 3],
+    /// `fp8_grouped_tile_*` [bf16 out, f32 out].
+    tile: [CudaFunction; 2],
 }
 
 impl Fp8Grouped {
@@ -101,7 +103,10 @@ impl Fp8Grouped {
                 with_smem(&m, &format!("fp8_grouped_wg{nt}_of32"), smem)?,
             ])
         };
-        Ok(Fp8Grouped { wg: [st(16)?, st(32)?, st(64)?] })
+        Ok(Fp8Grouped {
+            wg: [st(16)?, st(32)?, st(64)?],
+            tile: [with_smem(&m, "fp8_grouped_tile_obf16", WG_SMEM)?, with_smem(&m, "fp8_grouped_tile_of32", WG_SMEM)?],
+        })
     }
 
     /// `y[r] = x[r] · W[e]ᵀ` for every row `r` in `off[e] .. off[e + 1]` of every expert
@@ -137,22 +142,15 @@ impl Fp8Grouped {
         tile: usize,
     ) -> Result<()> {
         const K: &str = "fp8_grouped";
-        fp8_plan::check_experts(w.experts, w.out, w.inp, w.q.len(), w.scale.len())
-            .map_err(|e| CudaError::shape(K, e))?;
         let ti = match tile {
             16 => 0,
             32 => 1,
             64 => 2,
             _ => return Err(CudaError::shape(K, format!("tile {tile} (16, 32 or 64)"))),
         };
-        need(K, "off", off.len(), w.experts + 1)?;
-        need(K, "xq", xq.len(), rows * w.inp)?;
-        need(K, "xs", xs.len(), rows * w.inp / FP8_BLOCK)?;
-        need(K, "y", y.len(), rows * w.out)?;
-        if rows == 0 {
+        if !check_call(K, w, xq, xs, off, rows, y.len())? {
             return Ok(());
         }
-        i32_of(K, rows)?;
         let (ni, ki) = (i32_of(K, w.out)?, i32_of(K, w.inp)?);
         let cols = u32::try_from(w.out.div_ceil(STREAM_COLS)).map_err(|_| CudaError::shape(K, "too many columns"))?;
         let f = &self.wg[ti][usize::from(!T::BF16)];
@@ -183,4 +181,73 @@ impl Fp8Grouped {
         }?;
         Ok(())
     }
+
+    /// As [`Fp8Grouped::forward`] through `fp8_grouped_tile_*` (128 × 128 tiles: for
+    /// prefill-sized experts, tens of rows per expert and more). A row's bits do not
+    /// depend on the other rows, but differ from [`Fp8Grouped::forward`]'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_tiled<T: GemmOut>(
+        &self,
+        s: &Arc<CudaStream>,
+        w: &Fp8Experts,
+        xq: &impl DevicePtr<u8>,
+        xs: &impl DevicePtr<f32>,
+        off: &CudaSlice<i32>,
+        rows: usize,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        const K: &str = "fp8_grouped_tile";
+        if !check_call(K, w, xq, xs, off, rows, y.len())? {
+            return Ok(());
+        }
+        let (ni, ki) = (i32_of(K, w.out)?, i32_of(K, w.inp)?);
+        let cols = u32::try_from(w.out.div_ceil(WG_TILE)).map_err(|_| CudaError::shape(K, "too many columns"))?;
+        let f = &self.tile[usize::from(!T::BF16)];
+        let (xp, _g1) = xq.device_ptr(s);
+        let (sp, _g2) = xs.device_ptr(s);
+        let (wp, _g3) = w.q.device_ptr(s);
+        let (wsp, _g4) = w.scale.device_ptr(s);
+        let (op, _g5) = off.device_ptr(s);
+        let (yp, _g6) = y.device_ptr_mut(s);
+        let tx = u8_matrix_map(xp, w.inp, rows, WG_TILE as u32)?;
+        let tw = u8_matrix_map(wp, w.inp, w.experts * w.out, WG_TILE as u32)?;
+        let cfg = LaunchConfig {
+            grid_dim: (cols, w.experts as u32, 1),
+            block_dim: (384, 1, 1),
+            shared_mem_bytes: WG_SMEM as u32,
+        };
+        // SAFETY: fp8_grouped_tile_*(tx, tw, y, xs, ws, off, n, k): as in forward_tile:
+        // the maps cover exactly xq's rows × inp and the experts' experts·out × inp bytes;
+        // `off` (experts + 1, checked) is non-decreasing from 0 to rows (the caller's
+        // contract), so block (c, e) reads xs rows < off[e + 1] ≤ rows and expert e's
+        // scales, and writes y rows < rows, columns < out; dynamic shared memory allowed
+        // at load; e·out + 128 fits i32 (check_experts).
+        unsafe {
+            s.launch_builder(f).arg(&tx).arg(&tw).arg(&yp).arg(&sp).arg(&wsp).arg(&op).arg(&ni).arg(&ki).launch(cfg)
+        }?;
+        Ok(())
+    }
+}
+
+/// The checks every grouped call makes before a launch; `false` when there is nothing to
+/// do (no rows).
+fn check_call(
+    k: &'static str,
+    w: &Fp8Experts,
+    xq: &impl DevicePtr<u8>,
+    xs: &impl DevicePtr<f32>,
+    off: &CudaSlice<i32>,
+    rows: usize,
+    y_len: usize,
+) -> Result<bool> {
+    fp8_plan::check_experts(w.experts, w.out, w.inp, w.q.len(), w.scale.len()).map_err(|e| CudaError::shape(k, e))?;
+    need(k, "off", off.len(), w.experts + 1)?;
+    need(k, "xq", xq.len(), rows * w.inp)?;
+    need(k, "xs", xs.len(), rows * w.inp / FP8_BLOCK)?;
+    need(k, "y", y_len, rows * w.out)?;
+    if rows == 0 {
+        return Ok(false);
+    }
+    i32_of(k, rows)?;
+    Ok(true)
 }
