@@ -861,7 +861,8 @@ FP8_GROUPED_WG(fp8_grouped_wg64_of32, float, 64)
 // sorted by expert: grid = (ceil(n / 128), E), 384 threads, block (c, e) runs expert e's
 // rows off[e] .. off[e + 1] in tiles of 128 (one ring over (tile, k block)); an expert
 // without rows exits at once. Rows of a tile past the expert's end (the next expert's,
-// or zero past the last row) are computed with scale 0 and never stored. A row's bits do
+// or zero past the last row) are computed with scale 0 and never stored; a consumer
+// warpgroup whose 64 rows all lie past it skips its wgmma. A row's bits do
 // not depend on the other rows, but differ from fp8_grouped_wg's (wgmma's accumulation
 // order differs with the operands' roles).
 template <typename T>
@@ -905,7 +906,11 @@ __device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T
     float acc[64], tot[64];
     for (int g = 0; g < total; ++g) {
         const int st = g % STAGES, kb = g % kbs;
-        const int row_lo = rbeg + (g / kbs) * BM + 64 * cw + 16 * warp + (lane >> 2), row_hi = row_lo + 8;
+        const int half0 = rbeg + (g / kbs) * BM + 64 * cw;
+        // A warpgroup whose 64 rows all lie past the expert's end skips its wgmma (the
+        // other one then has the tensor cores to itself), yet keeps the ring's protocol.
+        const bool live = half0 < rend;
+        const int row_lo = half0 + 16 * warp + (lane >> 2), row_hi = row_lo + 8;
         if (kb == 0) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) tot[i] = 0.f;
@@ -914,6 +919,10 @@ __device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T
         const float sa_lo = row_lo < rend ? xs[static_cast<size_t>(row_lo) * kbs + kb] : 0.f;
         const float sa_hi = row_hi < rend ? xs[static_cast<size_t>(row_hi) * kbs + kb] : 0.f;
         mbar_wait(full + 8 * st, (g / STAGES) & 1);
+        if (!live) {
+            mbar_arrive(empty + 8 * st);
+            continue;
+        }
         const uint32_t xt = sbase + st * STAGE;
         const uint64_t da = gmma_desc_sw128(xt + cw * 64 * BK, 16, 1024), db = gmma_desc_sw128(xt + TILE, 16, 1024);
         wgmma_fence();
