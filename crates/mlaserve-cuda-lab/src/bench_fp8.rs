@@ -194,3 +194,177 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
     }
     Ok(Fp8BenchReport { device: gpu.name.clone(), copy_gbps, rows })
 }
+
+/// V3's routed-expert projections for the grouped benchmark `(name, out, in)`: gate_up
+/// fused (2 · 2048) and down, unsharded and at TP 8.
+pub const V3_EXPERT_SHAPES: &[(&str, usize, usize)] = &[
+    ("expert gate_up 7168->2x2048", 4096, 7168),
+    ("expert down 2048->7168", 7168, 2048),
+    ("expert gate_up/tp8 7168->2x256", 512, 7168),
+    ("expert down/tp8 256->7168", 7168, 256),
+];
+
+/// One (shape, routing) of the grouped sweep; times in µs (medians).
+#[derive(Debug, Clone)]
+pub struct GroupedBenchRow {
+    pub name: &'static str,
+    pub routing: &'static str,
+    pub n: usize,
+    pub k: usize,
+    pub rows: usize,
+    pub active: usize,
+    pub tile: usize,
+    pub fp8_us: f64,
+    /// The other kernels `(tile, µs)`: the streaming kernel's other tiles, and 128 the
+    /// tile kernel (`forward_tiled`).
+    pub other_tiles: Vec<(usize, f64)>,
+    /// The bf16 experts (`moe_grouped_sorted`, fast mode) on the same routing.
+    pub bf16_us: Option<f64>,
+    /// Codes + scales of the experts with at least one row.
+    pub touched_bytes: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct GroupedBenchReport {
+    pub device: String,
+    pub copy_gbps: f64,
+    pub rows: Vec<GroupedBenchRow>,
+}
+
+impl fmt::Display for GroupedBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "device: {}; copy bandwidth {:.0} GB/s (read + write)", self.device, self.copy_gbps)?;
+        writeln!(
+            f,
+            "{:<32} {:>8} {:>6} {:>6} {:>4} {:>9} {:>8} {:>6} {:>8} {:>22} {:>9}",
+            "shape",
+            "routing",
+            "rows",
+            "active",
+            "tile",
+            "fp8 us",
+            "GB/s",
+            "%copy",
+            "TFLOP/s",
+            "other tiles us",
+            "bf16 us"
+        )?;
+        for r in &self.rows {
+            let flop = 2.0 * (r.rows * r.n * r.k) as f64;
+            let gbps = r.touched_bytes as f64 / (r.fp8_us * 1e-6) / 1e9;
+            let others: Vec<String> = r.other_tiles.iter().map(|(t, us)| format!("{t}:{us:.1}")).collect();
+            writeln!(
+                f,
+                "{:<32} {:>8} {:>6} {:>6} {:>4} {:>9.1} {:>8.0} {:>5.0}% {:>8.1} {:>22} {:>9}",
+                r.name,
+                r.routing,
+                r.rows,
+                r.active,
+                r.tile,
+                r.fp8_us,
+                gbps,
+                100.0 * gbps / self.copy_gbps,
+                flop / (r.fp8_us * 1e-6) / 1e12,
+                others.join(" "),
+                r.bf16_us.map_or("-".to_string(), |t| format!("{t:.1}")),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The grouped fp8 experts (`mlaserve_cuda::fp8_grouped`) at V3's expert shapes, 256
+/// experts, with a decode routing (64 sequences × 4 tokens, top-8: 2048 rows) and a
+/// prefill one (4096 tokens × top-8), uniform random; each beside the streaming
+/// kernel's other row tiles, the tile kernel (`tile 128`) and (with `bf16`) the bf16
+/// experts on the same routing. Timed as CUDA graphs of 8
+/// calls (the experts' bytes exceed the L2 many times over).
+pub fn bench_fp8_grouped(gpu: &Gpu, iters: usize, bf16_too: bool) -> Result<GroupedBenchReport> {
+    use crate::check_fp8_grouped::{ExpertSet, Routing, TILED};
+    use mlaserve_cuda::fp8_grouped::Fp8Grouped;
+    use mlaserve_cuda::fp8_plan::grouped_tile;
+    use mlaserve_cuda::ops::{ExpertWeights, GroupedVariant, Ops};
+    const E: usize = 256;
+    let s = &gpu.stream;
+    let util = Util::new(gpu)?;
+    let copy_gbps = measure_copy_bandwidth(gpu, &util, 2 << 30)?;
+    let g = Fp8Grouped::new(gpu)?;
+    let ops = if bf16_too { Some(Ops::new(gpu, TcKernels::Auto)?) } else { None };
+    let mut rng = Rng::new(78);
+    let routings = [
+        ("decode", Routing::random(&mut rng, 64 * 4, 8, E, 0, 0)),
+        ("prefill", Routing::random(&mut rng, 4096, 8, E, 0, 0)),
+    ];
+    let mut out = Vec::new();
+    for &(name, n, k) in V3_EXPERT_SHAPES {
+        let set = ExpertSet::random(gpu, &mut rng, E, 1, n, k)?;
+        let bw: Option<Vec<Linear>> = match ops {
+            Some(_) => {
+                let mut v = Vec::with_capacity(E);
+                for e in 0..E {
+                    let mut w = s.alloc_zeros::<bf16>(n * k)?;
+                    util.fill_bf16(s, &mut w, 2000 + e as u64, -0.05, 0.05)?;
+                    v.push(Linear { w, out: n, inp: k });
+                }
+                Some(v)
+            }
+            None => None,
+        };
+        let table = match &bw {
+            Some(v) => Some(ExpertWeights::new(s, &v.iter().collect::<Vec<_>>())?),
+            None => None,
+        };
+        for (rname, route) in &routings {
+            let m = route.rows();
+            let mut x = s.alloc_zeros::<bf16>(m * k)?;
+            util.fill_bf16(s, &mut x, 6, -2.0, 2.0)?;
+            let fp8 = Fp8Gemm::new(gpu, Fp8Path::Auto)?;
+            let mut xq = s.alloc_zeros::<u8>(m * k)?;
+            let mut xs = s.alloc_zeros::<f32>(m * k / FP8_BLOCK)?;
+            fp8.act_quant(s, &x, m, k, &mut xq, &mut xs)?;
+            let off = s.clone_htod(&route.off)?;
+            let mut y = s.alloc_zeros::<bf16>(m * n)?;
+            let mut time_tile = |t: usize| -> Result<f64> {
+                let v = time_graph(gpu, GRAPH_MIN_CALLS, 2, iters, || {
+                    if t == TILED {
+                        g.forward_tiled(s, &set.dev, &xq, &xs, &off, m, &mut y)
+                    } else {
+                        g.forward_tile(s, &set.dev, &xq, &xs, &off, m, &mut y, t)
+                    }
+                })?;
+                Ok(median_us(v))
+            };
+            let tile = grouped_tile(m, E);
+            let fp8_us = time_tile(tile)?;
+            let mut other_tiles = Vec::new();
+            for t in [16, 32, 64, TILED] {
+                if t != tile {
+                    other_tiles.push((t, time_tile(t)?));
+                }
+            }
+            let bf16_us = match (&ops, &table) {
+                (Some(o), Some(tb)) => {
+                    let v = time_graph(gpu, GRAPH_MIN_CALLS, 2, iters, || {
+                        o.moe_grouped_sorted(s, &mut y, &x, tb, &off, m, GroupedVariant::Auto(GemmMode::Cublas))
+                    })?;
+                    Some(median_us(v))
+                }
+                _ => None,
+            };
+            out.push(GroupedBenchRow {
+                name,
+                routing: rname,
+                n,
+                k,
+                rows: m,
+                active: route.active(),
+                tile,
+                fp8_us,
+                other_tiles,
+                bf16_us,
+                touched_bytes: route.active() * set.dev.expert_bytes(),
+            });
+        }
+    }
+    Ok(GroupedBenchReport { device: gpu.name.clone(), copy_gbps, rows: out })
+}

@@ -25,6 +25,8 @@ pub mod check;
 #[cfg(feature = "cuda")]
 pub mod check_fp8;
 #[cfg(feature = "cuda")]
+pub mod check_fp8_grouped;
+#[cfg(feature = "cuda")]
 pub mod random;
 #[cfg(feature = "cuda")]
 pub mod util;

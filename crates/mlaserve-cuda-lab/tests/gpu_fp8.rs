@@ -114,3 +114,177 @@ fn fp8_rejects_bad_shapes() {
         assert!(Fp8Gemm::new(&gpu, Fp8Path::Wgmma).is_err());
     }
 }
+
+// ---------------------------------------------------------------- grouped experts
+
+use mlaserve_cuda::fp8_grouped::Fp8Grouped;
+use mlaserve_cuda_lab::check_fp8_grouped::{self as grouped, ExpertSet, Routing, TILED};
+
+/// The grouped kernel needs Hopper: elsewhere `Fp8Grouped::new` fails and the tests
+/// say so and pass (unless MLASERVE_REQUIRE_GROUPED=1).
+fn grouped_kernels(gpu: &Gpu) -> Option<Fp8Grouped> {
+    match Fp8Grouped::new(gpu) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GROUPED").is_none() => {
+            eprintln!("skipping grouped fp8 test: {e}");
+            None
+        }
+        Err(e) => panic!("MLASERVE_REQUIRE_GROUPED is set: {e}"),
+    }
+}
+
+fn assert_reports(reports: &[check_fp8::Fp8Report]) {
+    let mut failures = Vec::new();
+    for r in reports {
+        println!("{r}");
+        if !r.passed() {
+            failures.push(r.to_string());
+        }
+    }
+    assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
+}
+
+/// Small enough for compute-sanitizer: 5 experts of [200][384] (a partial column tile
+/// whose TMA box runs into the next expert and past the last), empty experts (first
+/// middle, last), an expert of 37 rows (3 passes of a 16-row tile), every tile of the
+/// streaming kernel and the tile kernel, both outputs, every row against the reference.
+#[test]
+fn fp8_grouped_small() {
+    let Some(gpu) = gpu() else { return };
+    let Some(g) = grouped_kernels(&gpu) else { return };
+    let util = Util::new(&gpu).expect("util");
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
+    let mut rng = Rng::new(31);
+    let set = ExpertSet::random(&gpu, &mut rng, 6, 6, 200, 384).expect("experts");
+    let route = Routing { off: vec![0, 0, 3, 3, 40, 41, 41], experts: 6 };
+    let mut reports = Vec::new();
+    for tile in [16, 32, 64, TILED] {
+        for out_f32 in [true, false] {
+            reports.push(
+                grouped::run_grouped_case(
+                    &gpu,
+                    &fp8,
+                    &g,
+                    &util,
+                    "small",
+                    &set,
+                    &route,
+                    out_f32,
+                    Some(tile),
+                    64,
+                    &mut rng,
+                )
+                .expect("ran"),
+            );
+        }
+    }
+    assert_reports(&reports);
+    for tiled in [false, true] {
+        let bad = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, &route, tiled, &mut rng).expect("ran");
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+}
+
+/// V3's routed experts (gate_up fused 7168 -> 2x2048, down 2048 -> 7168, and the TP-8
+/// widths 7168 -> 512, 256 -> 7168), 256 experts: a decode routing (64 sequences x 4
+/// tokens, top-8: 2048 rows, every 17th expert empty, a quarter of the picks on 8 hot
+/// experts) and a prefill one (4096 tokens x top-8). 64 (decode) or 48 (prefill) sampled
+/// rows against the f64 reference; every output finite.
+#[test]
+fn fp8_grouped_matches_reference_at_v3_shapes() {
+    let Some(gpu) = gpu() else { return };
+    let Some(g) = grouped_kernels(&gpu) else { return };
+    let util = Util::new(&gpu).expect("util");
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
+    let mut rng = Rng::new(32);
+    let decode = Routing::random(&mut rng, 64 * 4, 8, 256, 17, 8);
+    let prefill = Routing::random(&mut rng, 4096, 8, 256, 17, 8);
+    assert!(decode.active() < 256 && decode.rows() == 2048);
+    let mut reports = Vec::new();
+    for (name, n, k) in [("up/tp8", 512, 7168), ("down/tp8", 7168, 256), ("up", 4096, 7168), ("down", 7168, 2048)] {
+        let set = ExpertSet::random(&gpu, &mut rng, 256, 4, n, k).expect("experts");
+        for (rname, route, rows) in [("decode", &decode, 64), ("prefill", &prefill, 48)] {
+            let label = format!("{name} {rname}");
+            reports.push(
+                grouped::run_grouped_case(&gpu, &fp8, &g, &util, &label, &set, route, true, None, rows, &mut rng)
+                    .expect("ran"),
+            );
+        }
+        reports.push(
+            grouped::run_grouped_case(&gpu, &fp8, &g, &util, name, &set, &decode, false, None, 32, &mut rng)
+                .expect("ran"),
+        );
+        // The tile kernel (prefill-sized experts), f32 and bf16 out.
+        for out_f32 in [true, false] {
+            let label = format!("{name} prefill tiled");
+            reports.push(
+                grouped::run_grouped_case(
+                    &gpu,
+                    &fp8,
+                    &g,
+                    &util,
+                    &label,
+                    &set,
+                    &prefill,
+                    out_f32,
+                    Some(TILED),
+                    32,
+                    &mut rng,
+                )
+                .expect("ran"),
+            );
+        }
+    }
+    assert_reports(&reports);
+}
+
+/// A row's output alone equals its output in the full decode and prefill calls, bit for
+/// bit, whatever the tile (16 alone, the plan's and 64 in the call); and likewise
+/// through the tile kernel (prefill).
+#[test]
+fn fp8_grouped_is_batch_invariant() {
+    let Some(gpu) = gpu() else { return };
+    let Some(g) = grouped_kernels(&gpu) else { return };
+    let util = Util::new(&gpu).expect("util");
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
+    let mut rng = Rng::new(33);
+    let decode = Routing::random(&mut rng, 64 * 4, 8, 256, 17, 8);
+    let prefill = Routing::random(&mut rng, 4096, 8, 256, 17, 8);
+    let mut bad = Vec::new();
+    for (n, k) in [(512, 7168), (7168, 2048)] {
+        let set = ExpertSet::random(&gpu, &mut rng, 256, 2, n, k).expect("experts");
+        for route in [&decode, &prefill] {
+            let b = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, route, false, &mut rng).expect("ran");
+            bad.extend(b.into_iter().map(|e| format!("[{n}, {k}]: {e}")));
+        }
+        let b = grouped::run_grouped_invariance(&gpu, &fp8, &g, &util, &set, &prefill, true, &mut rng).expect("ran");
+        bad.extend(b.into_iter().map(|e| format!("[{n}, {k}] tiled: {e}")));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// Shape errors are typed and raised before any launch.
+#[test]
+fn fp8_grouped_rejects_bad_shapes() {
+    let Some(gpu) = gpu() else { return };
+    let s = &gpu.stream;
+    use mlaserve_cuda::fp8_grouped::Fp8Experts;
+    assert!(Fp8Experts::from_raw(s, &[0u8; 2 * 128 * 256], &[1.0; 3], 2, 128, 256).is_err(), "scale count");
+    assert!(Fp8Experts::from_raw(s, &[0u8; 2 * 100 * 100], &[1.0; 2], 2, 100, 100).is_err(), "k % 128");
+    let q = vec![7u8; 128 * 256];
+    let sc = vec![1.0f32; 2];
+    let w = Fp8Experts::from_experts(s, &[(&q, &sc), (&q, &sc)], 128, 256).expect("experts");
+    assert!(Fp8Experts::from_experts(s, &[(&q, &sc), (&q[1..], &sc)], 128, 256).is_err(), "short expert");
+    let Some(g) = grouped_kernels(&gpu) else { return };
+    let xq = s.alloc_zeros::<u8>(3 * 256).expect("alloc");
+    let xs = s.alloc_zeros::<f32>(3 * 2).expect("alloc");
+    let off = s.clone_htod(&[0i32, 1, 3]).expect("alloc");
+    let mut y = s.alloc_zeros::<f32>(2 * 128).expect("alloc");
+    assert!(g.forward(s, &w, &xq, &xs, &off, 3, &mut y).is_err(), "y too short");
+    let mut y = s.alloc_zeros::<f32>(3 * 128).expect("alloc");
+    assert!(g.forward_tile(s, &w, &xq, &xs, &off, 3, &mut y, 24).is_err(), "tile 24");
+    let short_off = s.clone_htod(&[0i32, 3]).expect("alloc");
+    assert!(g.forward(s, &w, &xq, &xs, &short_off, 3, &mut y).is_err(), "off too short");
+    g.forward(s, &w, &xq, &xs, &off, 3, &mut y).expect("valid call");
+    gpu.sync().expect("sync");
+}

@@ -156,6 +156,49 @@ pub fn check_act(m: usize, k: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks the experts of a grouped projection: `experts` weights `[out][inp]` in one
+/// buffer `[experts][out][inp]` of `q_len` bytes and `scale_len` scales `[experts]
+/// [ceil(out / 128)][inp / 128]`; every weight row index `experts · out` must fit an i32
+/// (the kernel's TMA coordinate).
+pub fn check_experts(experts: usize, out: usize, inp: usize, q_len: usize, scale_len: usize) -> Result<(), String> {
+    if experts == 0 {
+        return Err("no experts".into());
+    }
+    if experts > 65_535 {
+        return Err(format!("{experts} experts (at most 65535: one grid row each)"));
+    }
+    check_weight(out, inp, out * inp, scale_shape(out, inp).0 * scale_shape(out, inp).1)?;
+    let rows = experts.checked_mul(out).filter(|&r| r <= i32::MAX as usize);
+    let rows = rows.ok_or_else(|| format!("{experts} experts of {out} rows overflow i32"))?;
+    let want = rows.checked_mul(inp).ok_or_else(|| format!("[{experts}, {out}, {inp}] overflows usize"))?;
+    if q_len != want {
+        return Err(format!("{q_len} weight bytes for [{experts}, {out}, {inp}] (want {want})"));
+    }
+    let (so, si) = scale_shape(out, inp);
+    if scale_len != experts * so * si {
+        return Err(format!(
+            "{scale_len} scales for [{experts}, {out}, {inp}] (want [{experts}, {so}, {si}] = {})",
+            experts * so * si
+        ));
+    }
+    Ok(())
+}
+
+/// Activation rows per pass over an expert's weight in the grouped kernel
+/// (`fp8_grouped_wg{16,32,64}`), from the call's sorted rows and expert count (never
+/// from the routing, which stays on the device): 16 up to 8 rows per expert on average,
+/// 32 up to 16, else 64. An expert with more rows than the tile takes several passes
+/// over its weight (the later ones mostly from L2); a row's bits do not depend on the
+/// tile (the GPU tests assert it).
+pub fn grouped_tile(rows: usize, experts: usize) -> usize {
+    let avg = rows.div_ceil(experts.max(1));
+    match avg {
+        0..=8 => 16,
+        9..=16 => 32,
+        _ => 64,
+    }
+}
+
 /// The streaming kernel's k split of a weight `[out][inp]` on `num_sms` SMs: `(ksplit,
 /// kchunk)` with kchunk a multiple of 128 and `ksplit = ceil(inp / kchunk)`. The fewest
 /// splits whose `ceil(out / 128) · ksplit` blocks fill at least one wave of `num_sms` and
@@ -367,5 +410,27 @@ mod tests {
             assert!(stream_wg_smem(nt) + 4096 <= 227 * 1024, "{nt}: {}", stream_wg_smem(nt));
         }
         assert!(2 * (stream_wg_smem(16) + 3072 + 1024) <= 228 * 1024);
+    }
+    #[test]
+    fn experts_validation_and_tile() {
+        // V3 expert up (gate_up fused), 256 experts.
+        let (e, n, k) = (256, 4096, 7168);
+        assert!(check_experts(e, n, k, e * n * k, e * 32 * 56).is_ok());
+        assert!(check_experts(e, n, k, e * n * k - 1, e * 32 * 56).unwrap_err().contains("weight bytes"));
+        assert!(check_experts(e, n, k, e * n * k, e * 32 * 56 - 1).unwrap_err().contains("scales"));
+        assert!(check_experts(0, n, k, 0, 0).unwrap_err().contains("no experts"));
+        assert!(check_experts(2, 200, 100, 40_000, 2).unwrap_err().contains("multiple of 128"));
+        // out not a multiple of 128: two scale rows per expert.
+        assert!(check_experts(3, 200, 256, 3 * 200 * 256, 3 * 2 * 2).is_ok());
+        assert!(check_experts(1 << 16, 128, 128, 0, 0).unwrap_err().contains("65535"));
+        assert!(check_experts(60_000, 1 << 16, 128, 0, 0).unwrap_err().contains("overflow"));
+        assert_eq!(grouped_tile(2048, 256), 16); // decode: 64 sequences x 4 tokens x top-8
+        assert_eq!(grouped_tile(4096, 256), 32);
+        assert_eq!(grouped_tile(4096 * 8, 256), 64); // prefill
+        assert_eq!(grouped_tile(1, 256), 16);
+        assert_eq!(grouped_tile(0, 0), 16);
+        for t in [16, 32, 64] {
+            assert!(stream_wg_smem(t) + 4096 <= 227 * 1024);
+        }
     }
 }

@@ -48,6 +48,8 @@ pub mod fp8;
 #[cfg(feature = "cuda")]
 pub mod fp8_dequant;
 #[cfg(feature = "cuda")]
+pub mod fp8_grouped;
+#[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
 pub mod kernels;

@@ -12,7 +12,8 @@
 //!        (one decode step at DeepSeek-V3's dimensions, `bench_step::bench_step`)
 //!        mlaserve-cuda-check --fp8 [--no-check] [--no-bench] [--quick] [--device N]
 //!        (the fp8 GEMMs: checks against the f64 reference, batch invariance, and the
-//!        `bench_fp8` sweep at V3's projection shapes)
+//!        `bench_fp8` sweep at V3's projection shapes, then the grouped fp8 experts'
+//!        sweep; `--grouped-only` skips the dense checks and sweep)
 
 use anyhow::{bail, Context, Result};
 use mlaserve_cuda::{Gpu, MlaDecode, MlaKernel, SplitMerge};
@@ -62,7 +63,9 @@ fn main() -> Result<()> {
     }
     let gpu = Gpu::new(device).context("opening the GPU")?;
     if flag("--fp8") {
-        return fp8(&gpu, flag("--no-check"), flag("--no-bench"), flag("--quick"));
+        let dense = !flag("--grouped-only");
+        return fp8(&gpu, !dense || flag("--no-check"), !dense || flag("--no-bench"), flag("--quick"))
+            .and(fp8_grouped_bench(&gpu, flag("--no-bench"), flag("--quick")));
     }
     println!(
         "device {device}: {} (sm_{}{}), {} SMs, {} KB shared memory per block (opt-in)",
@@ -127,6 +130,25 @@ fn main() -> Result<()> {
     if failed > 0 {
         bail!("{failed} check(s) failed");
     }
+    Ok(())
+}
+
+/// `--fp8`'s grouped part: the grouped fp8 experts' sweep (`bench_fp8_grouped`), beside
+/// the bf16 experts on the same routing (Hopper; elsewhere it says why and skips).
+fn fp8_grouped_bench(gpu: &Gpu, no_bench: bool, quick: bool) -> Result<()> {
+    if no_bench {
+        return Ok(());
+    }
+    if mlaserve_cuda::fp8_grouped::Fp8Grouped::new(gpu).is_err() {
+        println!("== bench grouped fp8 experts: skipped (needs a Hopper GPU)");
+        return Ok(());
+    }
+    let iters = if quick { 5 } else { 10 };
+    println!(
+        "== bench grouped fp8 experts (256 experts; CUDA graphs of 8 calls, median of {iters} replays; bf16 out; \
+         GB/s and %copy on the codes + scales of the experts with rows)"
+    );
+    print!("{}", mlaserve_cuda_lab::bench_fp8::bench_fp8_grouped(gpu, iters, true)?);
     Ok(())
 }
 
