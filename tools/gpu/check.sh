@@ -61,6 +61,7 @@ deadline=$((SECONDS + ${MLASERVE_CHECK_BUDGET_S:-270}))
 export LD_LIBRARY_PATH="/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0            # never NVLink multicast on the shared machines
 export MLASERVE_REQUIRE_GPU=1        # GPU tests fail instead of skipping
+export MLASERVE_REQUIRE_GROUPED=1    # the grouped fp8 experts too (these machines are Hopper)
 export RUST_BACKTRACE=1
 
 summary=()

@@ -95,7 +95,7 @@ impl Fp8Grouped {
         if gpu.compute_capability != (9, 0) || gpu.max_smem_optin < WG_SMEM {
             return Err(CudaError::shape("fp8_grouped", "the grouped fp8 expert kernel needs a Hopper (sm_90) GPU"));
         }
-        let m = gpu.load_module(kernels::FP8_GEMM)?;
+        let m = gpu.load_module(kernels::FP8_GROUPED)?;
         let st = |nt: usize| -> Result<[CudaFunction; 2]> {
             let smem = fp8_plan::stream_wg_smem(nt);
             Ok([
