@@ -148,38 +148,9 @@ impl Fp8Grouped {
             64 => 2,
             _ => return Err(CudaError::shape(K, format!("tile {tile} (16, 32 or 64)"))),
         };
-        if !check_call(K, w, xq, xs, off, rows, y.len())? {
-            return Ok(());
-        }
-        let (ni, ki) = (i32_of(K, w.out)?, i32_of(K, w.inp)?);
-        let cols = u32::try_from(w.out.div_ceil(STREAM_COLS)).map_err(|_| CudaError::shape(K, "too many columns"))?;
         let f = &self.wg[ti][usize::from(!T::BF16)];
-        let (xp, _g1) = xq.device_ptr(s);
-        let (sp, _g2) = xs.device_ptr(s);
-        let (wp, _g3) = w.q.device_ptr(s);
-        let (wsp, _g4) = w.scale.device_ptr(s);
-        let (op, _g5) = off.device_ptr(s);
-        let (yp, _g6) = y.device_ptr_mut(s);
-        // x [rows][inp] in boxes of 128 bytes × tile rows; W [experts·out][inp] in 128 × 128.
-        let tx = u8_matrix_map(xp, w.inp, rows, tile as u32)?;
-        let tw = u8_matrix_map(wp, w.inp, w.experts * w.out, STREAM_COLS as u32)?;
-        let cfg = LaunchConfig {
-            grid_dim: (cols, w.experts as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: fp8_plan::stream_wg_smem(tile) as u32,
-        };
-        // SAFETY: fp8_grouped_wg*(tx, tw, y, xs, ws, off, n, k): tx covers exactly xq's
-        // rows × inp bytes and tw the experts' experts·out × inp bytes (made just above
-        // from live buffers; inp % 128 == 0 keeps rows 16-byte aligned); `off` (experts +
-        // 1 entries, checked) is non-decreasing from 0 to rows (the caller's contract, as
-        // moe_sort writes it), so block (c, e) reads xs rows < rows (inp/128 each,
-        // checked) and the scales of expert e (< experts, check_experts), and writes y
-        // rows < rows, columns < out (rows·out, checked). Dynamic shared memory allowed
-        // at load; e·out + 128 fits i32 (check_experts).
-        unsafe {
-            s.launch_builder(f).arg(&tx).arg(&tw).arg(&yp).arg(&sp).arg(&wsp).arg(&op).arg(&ni).arg(&ki).launch(cfg)
-        }?;
-        Ok(())
+        let geometry = Geometry { x_rows: tile, cols: STREAM_COLS, threads: 256, smem: fp8_plan::stream_wg_smem(tile) };
+        launch(K, s, f, geometry, w, xq, xs, off, rows, y)
     }
 
     /// As [`Fp8Grouped::forward`] through `fp8_grouped_tile_*` (128 × 128 tiles: for
@@ -197,36 +168,68 @@ impl Fp8Grouped {
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         const K: &str = "fp8_grouped_tile";
-        if !check_call(K, w, xq, xs, off, rows, y.len())? {
-            return Ok(());
-        }
-        let (ni, ki) = (i32_of(K, w.out)?, i32_of(K, w.inp)?);
-        let cols = u32::try_from(w.out.div_ceil(WG_TILE)).map_err(|_| CudaError::shape(K, "too many columns"))?;
         let f = &self.tile[usize::from(!T::BF16)];
-        let (xp, _g1) = xq.device_ptr(s);
-        let (sp, _g2) = xs.device_ptr(s);
-        let (wp, _g3) = w.q.device_ptr(s);
-        let (wsp, _g4) = w.scale.device_ptr(s);
-        let (op, _g5) = off.device_ptr(s);
-        let (yp, _g6) = y.device_ptr_mut(s);
-        let tx = u8_matrix_map(xp, w.inp, rows, WG_TILE as u32)?;
-        let tw = u8_matrix_map(wp, w.inp, w.experts * w.out, WG_TILE as u32)?;
-        let cfg = LaunchConfig {
-            grid_dim: (cols, w.experts as u32, 1),
-            block_dim: (384, 1, 1),
-            shared_mem_bytes: WG_SMEM as u32,
-        };
-        // SAFETY: fp8_grouped_tile_*(tx, tw, y, xs, ws, off, n, k): as in forward_tile:
-        // the maps cover exactly xq's rows × inp and the experts' experts·out × inp bytes;
-        // `off` (experts + 1, checked) is non-decreasing from 0 to rows (the caller's
-        // contract), so block (c, e) reads xs rows < off[e + 1] ≤ rows and expert e's
-        // scales, and writes y rows < rows, columns < out; dynamic shared memory allowed
-        // at load; e·out + 128 fits i32 (check_experts).
-        unsafe {
-            s.launch_builder(f).arg(&tx).arg(&tw).arg(&yp).arg(&sp).arg(&wsp).arg(&op).arg(&ni).arg(&ki).launch(cfg)
-        }?;
-        Ok(())
+        let geometry = Geometry { x_rows: WG_TILE, cols: WG_TILE, threads: 384, smem: WG_SMEM };
+        launch(K, s, f, geometry, w, xq, xs, off, rows, y)
     }
+}
+
+/// A grouped kernel's launch shape: activation rows per TMA box, weight rows (output
+/// columns) per block, threads, dynamic shared memory.
+struct Geometry {
+    x_rows: usize,
+    cols: usize,
+    threads: u32,
+    smem: usize,
+}
+
+/// Checks a grouped call and launches `f(tx, tw, y, xs, ws, off, n, k)` on grid
+/// (⌈out / cols⌉, experts); nothing when there are no rows.
+#[allow(clippy::too_many_arguments)]
+fn launch<T: GemmOut>(
+    k: &'static str,
+    s: &Arc<CudaStream>,
+    f: &CudaFunction,
+    g: Geometry,
+    w: &Fp8Experts,
+    xq: &impl DevicePtr<u8>,
+    xs: &impl DevicePtr<f32>,
+    off: &CudaSlice<i32>,
+    rows: usize,
+    y: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    if !check_call(k, w, xq, xs, off, rows, y.len())? {
+        return Ok(());
+    }
+    let (ni, ki) = (i32_of(k, w.out)?, i32_of(k, w.inp)?);
+    let cols = u32::try_from(w.out.div_ceil(g.cols)).map_err(|_| CudaError::shape(k, "too many columns"))?;
+    let (xp, _g1) = xq.device_ptr(s);
+    let (sp, _g2) = xs.device_ptr(s);
+    let (wp, _g3) = w.q.device_ptr(s);
+    let (wsp, _g4) = w.scale.device_ptr(s);
+    let (op, _g5) = off.device_ptr(s);
+    let (yp, _g6) = y.device_ptr_mut(s);
+    // x [rows][inp] in boxes of 128 bytes × x_rows rows; W [experts·out][inp] in 128 bytes
+    // × cols rows.
+    let tx = u8_matrix_map(xp, w.inp, rows, g.x_rows as u32)?;
+    let tw = u8_matrix_map(wp, w.inp, w.experts * w.out, g.cols as u32)?;
+    let cfg = LaunchConfig {
+        grid_dim: (cols, w.experts as u32, 1),
+        block_dim: (g.threads, 1, 1),
+        shared_mem_bytes: g.smem as u32,
+    };
+    // SAFETY: fp8_grouped_wg* and fp8_grouped_tile_* take (tx, tw, y, xs, ws, off, n, k):
+    // tx covers exactly xq's rows × inp bytes and tw the experts' experts·out × inp bytes
+    // (made just above from live buffers; inp % 128 == 0 keeps rows 16-byte aligned);
+    // `off` (experts + 1 entries, checked) is non-decreasing from 0 to rows (the caller's
+    // contract, as moe_sort writes it), so block (c, e) reads xs rows < rows (inp/128
+    // each, checked) and the scales of expert e (< experts, check_experts), and writes y
+    // rows < rows, columns < out (rows·out, checked). The kernel's dynamic shared memory
+    // was allowed at load; e·out + 128 fits i32 (check_experts).
+    unsafe {
+        s.launch_builder(f).arg(&tx).arg(&tw).arg(&yp).arg(&sp).arg(&wsp).arg(&op).arg(&ni).arg(&ki).launch(cfg)
+    }?;
+    Ok(())
 }
 
 /// The checks every grouped call makes before a launch; `false` when there is nothing to
