@@ -28,18 +28,23 @@ __device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
     v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
 }
 
-// q [m][k] e4m3, s [m][k / 128]; 8 warps per block, warp = (row, group) in row-major order.
+// q [m][k] e4m3, s [m][k / 128] from x [m][kx] (kx <= k, kx % 4 == 0): channels kx..k
+// read as zeros, so a weight whose input width is padded to whole 128-groups with zero
+// columns sees the same groups and scales as the unpadded row's (its last group holds
+// kx % 128 channels). 8 warps per block, warp = (row, group) in row-major order.
 template <typename Tin>
-__device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int m, int k) {
+__device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int m, int k,
+                          int kx) {
     const int groups = k / f8::QB;
     const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
     if (wid >= static_cast<size_t>(m) * groups) return;
     const int lane = threadIdx.x & 31;
     const size_t row = wid / groups;
     const int g = static_cast<int>(wid % groups);
-    const size_t at = row * k + static_cast<size_t>(g) * f8::QB + 4 * lane;
-    float v[4];
-    load4(x + at, v);
+    const int ch = g * f8::QB + 4 * lane;
+    const size_t at = row * k + ch;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (ch < kx) load4(x + row * kx + ch, v);
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     amax = warp_max(amax);
     // An all-zero group keeps scale 1 (its bytes are then ±0).

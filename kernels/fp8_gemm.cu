@@ -9,7 +9,8 @@
 // and then promotes it: tot = fma(acc, sx · sw, tot), kb ascending (Hopper's fp8
 // accumulator alone keeps too few bits for a whole row). k must be a multiple of 128.
 //
-// - act_quant_{bf16,f32}: one warp per (row, 128-group), 4 channels per lane.
+// - act_quant_{bf16,f32}: one warp per (row, 128-group), 4 channels per lane; x's rows
+//   may be narrower than k (zeros beyond, for weights padded to whole groups).
 // - fp8_stream_*: the weight-streaming GEMM (decode, m ≤ 64 per block; every GPU with
 //   fp8 mma.sync and TMA, so also the generic path at any m). grid = (ceil(n / 128),
 //   ksplit, ceil(m / 64)), 256 threads: thread 0 keeps a ring of stages in flight by
@@ -38,12 +39,12 @@
 #include "fp8.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
-    act_quant_bf16(const bf16* x, uint8_t* q, float* s, int m, int k) {
-    act_quant(x, q, s, m, k);
+    act_quant_bf16(const bf16* x, uint8_t* q, float* s, int m, int k, int kx) {
+    act_quant(x, q, s, m, k, kx);
 }
 extern "C" __global__ void __launch_bounds__(256)
-    act_quant_f32(const float* x, uint8_t* q, float* s, int m, int k) {
-    act_quant(x, q, s, m, k);
+    act_quant_f32(const float* x, uint8_t* q, float* s, int m, int k, int kx) {
+    act_quant(x, q, s, m, k, kx);
 }
 
 #define FP8_STREAM(NAME, T, MT)                                                                                    \

@@ -11,7 +11,7 @@
 //! and `kv_b_proj` are split by heads, `o_proj` by input (the caller all-reduces), and
 //! the latent projections are replicated.
 
-use crate::fp8::load_linear;
+use crate::fp8::{load_linear, Fp8Act};
 use crate::ops::{dot, rms_norm, Linear, Rope};
 use mlaserve_core::{ModelConfig, Result, BLOCK_SIZE};
 use mlaserve_model::{names, Shard, Weights};
@@ -80,7 +80,7 @@ pub struct Mla {
 
 impl Mla {
     pub fn load(w: &Weights, c: &ModelConfig, layer: usize, rank: usize, world: usize) -> Result<Self> {
-        Self::load_with(w, c, layer, rank, world, true)
+        Self::load_with(w, c, layer, rank, world, Fp8Act::F32)
     }
 
     /// [`Mla::load`]; `fp8_act` says whether fp8 weights quantise their activations.
@@ -93,7 +93,7 @@ impl Mla {
         layer: usize,
         rank: usize,
         world: usize,
-        fp8_act: bool,
+        fp8_act: Fp8Act,
     ) -> Result<Self> {
         let (h, nh) = (c.hidden_size, c.num_attention_heads);
         let lh = nh / world;

@@ -21,6 +21,17 @@ use mlaserve_core::Result;
 use mlaserve_model::fp8::{fp8_e4m3_to_f32, quantize_act_row};
 use mlaserve_model::{Fp8Tensor, Shard, Weights};
 
+/// What an fp8 weight does with its input ([`crate::CpuOptions::fp8_act`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Act {
+    /// Dequantise the weight, multiply in f32 (the dequantised model).
+    Off,
+    /// Quantise the f32 input per 128 channels (the fp8 semantics).
+    F32,
+    /// Round the input to bf16 first, then quantise it (the CUDA backend's inputs).
+    Bf16,
+}
+
 /// An fp8 weight held for the fp8 product: code values and block scales.
 #[derive(Debug, Clone)]
 pub struct Fp8Weight {
@@ -29,11 +40,18 @@ pub struct Fp8Weight {
     /// `[⌈out/bo⌉, ⌈inp/bi⌉]`.
     scales: Vec<f32>,
     block: [usize; 2],
+    /// Round the input to bf16 before quantising it ([`Fp8Act::Bf16`]).
+    bf16_input: bool,
 }
 
 impl Fp8Weight {
     pub fn new(t: &Fp8Tensor) -> Self {
-        Fp8Weight { q: t.q.iter().map(|&b| fp8_e4m3_to_f32(b)).collect(), scales: t.scales.clone(), block: t.block }
+        Fp8Weight {
+            q: t.q.iter().map(|&b| fp8_e4m3_to_f32(b)).collect(),
+            scales: t.scales.clone(),
+            block: t.block,
+            bf16_input: false,
+        }
     }
 
     /// One token: `x` is `[inp]`, `y` gets `[out]`.
@@ -42,7 +60,12 @@ impl Fp8Weight {
         let nkb = inp.div_ceil(bi);
         let mut qx = vec![0u8; inp];
         let mut sx = vec![0f32; nkb];
-        quantize_act_row(x, bi, &mut qx, &mut sx);
+        if self.bf16_input {
+            let xb: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            quantize_act_row(&xb, bi, &mut qx, &mut sx);
+        } else {
+            quantize_act_row(x, bi, &mut qx, &mut sx);
+        }
         let xv: Vec<f32> = qx.iter().map(|&b| fp8_e4m3_to_f32(b)).collect();
         for (i, yo) in y.iter_mut().enumerate() {
             let o = out0 + i;
@@ -61,15 +84,9 @@ impl Fp8Weight {
 }
 
 /// Loads linear `name` of full shape `full` (`[out, inp]`), this rank's `shard` of it: an
-/// fp8 linear ([`Fp8Weight`]) when the checkpoint stores it as fp8 and `fp8_activations`
-/// is on, else f32 weights (dequantised if fp8) and the plain product.
-pub fn load_linear(
-    w: &Weights,
-    name: &str,
-    full: [usize; 2],
-    shard: Option<Shard>,
-    fp8_activations: bool,
-) -> Result<Linear> {
+/// fp8 linear ([`Fp8Weight`]) when the checkpoint stores it as fp8 and `act` is not
+/// [`Fp8Act::Off`], else f32 weights (dequantised if fp8) and the plain product.
+pub fn load_linear(w: &Weights, name: &str, full: [usize; 2], shard: Option<Shard>, act: Fp8Act) -> Result<Linear> {
     let (mut out, mut inp) = (full[0], full[1]);
     if let Some(s) = shard.filter(|s| s.world > 1) {
         if s.dim == 0 {
@@ -78,9 +95,10 @@ pub fn load_linear(
             inp /= s.world;
         }
     }
-    if fp8_activations && w.is_fp8(name) {
+    if act != Fp8Act::Off && w.is_fp8(name) {
         let t = w.fp8_shard(name, full, shard)?;
-        return Ok(Linear::fp8(Fp8Weight::new(&t), out, inp));
+        let f = Fp8Weight { bf16_input: act == Fp8Act::Bf16, ..Fp8Weight::new(&t) };
+        return Ok(Linear::fp8(f, out, inp));
     }
     Ok(Linear::new(w.f32_shard(name, &full, shard)?, out, inp))
 }

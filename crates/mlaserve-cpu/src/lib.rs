@@ -13,7 +13,7 @@ pub mod moe;
 pub mod ops;
 
 use attention::{AttnMode, LayerCache, Mla, StepLayout};
-use fp8::load_linear;
+use fp8::{load_linear, Fp8Act};
 use mlaserve_core::{Backend, Batch, Collective, Error, ForwardOutput, ModelConfig, Result, SampleRow, SingleRank};
 use mlaserve_model::{names, LoadProgress, Shard, Weights};
 use moe::{Mlp, Moe};
@@ -32,11 +32,26 @@ pub struct CpuOptions {
     /// Off, the fp8 weights are dequantised and multiplied in f32: the dequantised model,
     /// to measure what activation quantisation costs. No effect on bf16/f32 weights.
     pub fp8_activations: bool,
+    /// With `fp8_activations`: round each fp8 linear's input to bf16 before quantising
+    /// it, as the CUDA backend does (its activations between kernels are bf16), so a GPU
+    /// run can be held to this one tightly; off by default (the input quantised from f32).
+    pub fp8_bf16_inputs: bool,
+}
+
+impl CpuOptions {
+    /// What fp8 weights do with their inputs under these options.
+    pub fn fp8_act(&self) -> Fp8Act {
+        match (self.fp8_activations, self.fp8_bf16_inputs) {
+            (false, _) => Fp8Act::Off,
+            (true, false) => Fp8Act::F32,
+            (true, true) => Fp8Act::Bf16,
+        }
+    }
 }
 
 impl Default for CpuOptions {
     fn default() -> Self {
-        CpuOptions { num_blocks: 256, attn_mode: AttnMode::Absorbed, fp8_activations: true }
+        CpuOptions { num_blocks: 256, attn_mode: AttnMode::Absorbed, fp8_activations: true, fp8_bf16_inputs: false }
     }
 }
 
@@ -63,7 +78,7 @@ struct Block {
 }
 
 impl Block {
-    fn load(w: &Weights, c: &ModelConfig, layer: usize, rank: usize, world: usize, fp8_act: bool) -> Result<Self> {
+    fn load(w: &Weights, c: &ModelConfig, layer: usize, rank: usize, world: usize, fp8_act: Fp8Act) -> Result<Self> {
         let h = c.hidden_size;
         let ffn = match (&c.moe, c.is_moe_layer(layer)) {
             (Some(m), true) => Ffn::Moe(Moe::load_with(w, m, c.arch, layer, h, rank, world, fp8_act)?),
@@ -167,7 +182,7 @@ impl CpuBackend {
         progress.set_total(w.data_bytes());
         w.set_progress(progress.clone());
         let (rank, world) = (comm.rank(), comm.world_size());
-        let fp8_act = opts.fp8_activations;
+        let fp8_act = opts.fp8_act();
         cfg.check_tp(world)?;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let vocab = Some(Shard::new(0, rank, world));

@@ -5,7 +5,7 @@
 //! dimension; the router is replicated so all ranks pick the same experts, and the
 //! caller all-reduces the partial outputs once per layer.
 
-use crate::fp8::load_linear;
+use crate::fp8::{load_linear, Fp8Act};
 use crate::ops::{silu_mul, Linear};
 use mlaserve_core::config::Arch;
 use mlaserve_core::{MoeConfig, Result, ScoringFunc, TopkMethod};
@@ -21,7 +21,7 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn load(w: &Weights, prefix: &str, hidden: usize, inter: usize, rank: usize, world: usize) -> Result<Self> {
-        Self::load_with(w, prefix, hidden, inter, rank, world, true)
+        Self::load_with(w, prefix, hidden, inter, rank, world, Fp8Act::F32)
     }
 
     /// [`Mlp::load`]; `fp8_act` says whether fp8 weights quantise their activations.
@@ -32,7 +32,7 @@ impl Mlp {
         inter: usize,
         rank: usize,
         world: usize,
-        fp8_act: bool,
+        fp8_act: Fp8Act,
     ) -> Result<Self> {
         let col = Some(Shard::new(0, rank, world));
         let row = Some(Shard::new(1, rank, world));
@@ -137,7 +137,7 @@ impl Moe {
         rank: usize,
         world: usize,
     ) -> Result<Self> {
-        Self::load_with(w, cfg, arch, layer, hidden, rank, world, true)
+        Self::load_with(w, cfg, arch, layer, hidden, rank, world, Fp8Act::F32)
     }
 
     /// [`Moe::load`]; `fp8_act` says whether fp8 weights quantise their activations.
@@ -149,7 +149,7 @@ impl Moe {
         hidden: usize,
         rank: usize,
         world: usize,
-        fp8_act: bool,
+        fp8_act: Fp8Act,
     ) -> Result<Self> {
         let e = cfg.n_routed_experts;
         let gate = Linear::new(w.f32(&names::layer(layer, "mlp.gate.weight"), &[e, hidden])?, e, hidden);

@@ -5,7 +5,7 @@
 //! Run with `--nocapture` to read the measured drift.
 
 use mlaserve_core::{Backend, Batch, SeqChunk, SingleRank};
-use mlaserve_cpu::fp8::load_linear;
+use mlaserve_cpu::fp8::{load_linear, Fp8Act};
 use mlaserve_cpu::{CpuBackend, CpuOptions};
 use mlaserve_model::presets::{self, GenOptions};
 use mlaserve_model::Shard;
@@ -252,10 +252,10 @@ fn sharded_fp8_linears_recompose_the_full_one() {
     for name in ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"] {
         let full = [64, 256];
         let x = x(256);
-        let y = load_linear(&w, name, full, None, true).unwrap().forward(&x);
+        let y = load_linear(&w, name, full, None, Fp8Act::F32).unwrap().forward(&x);
         let mut sum = vec![0f32; 64];
         for r in 0..2 {
-            let part = load_linear(&w, name, full, Some(Shard::new(1, r, 2)), true).unwrap();
+            let part = load_linear(&w, name, full, Some(Shard::new(1, r, 2)), Fp8Act::F32).unwrap();
             assert!(part.is_fp8());
             for (a, b) in sum.iter_mut().zip(part.forward(&x[r * 128..(r + 1) * 128])) {
                 *a += b;
@@ -271,9 +271,9 @@ fn sharded_fp8_linears_recompose_the_full_one() {
         [("model.layers.0.self_attn.q_b_proj.weight", [512, 48]), ("model.layers.0.mlp.up_proj.weight", [256, 64])]
     {
         let x = x(full[1]);
-        let y = load_linear(&w, name, full, None, true).unwrap().forward(&x);
+        let y = load_linear(&w, name, full, None, Fp8Act::F32).unwrap().forward(&x);
         let halves: Vec<f32> = (0..2)
-            .flat_map(|r| load_linear(&w, name, full, Some(Shard::new(0, r, 2)), true).unwrap().forward(&x))
+            .flat_map(|r| load_linear(&w, name, full, Some(Shard::new(0, r, 2)), Fp8Act::F32).unwrap().forward(&x))
             .collect();
         assert_eq!(y, halves, "{name}");
     }

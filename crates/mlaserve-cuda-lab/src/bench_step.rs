@@ -34,8 +34,19 @@ use mlaserve_cuda::{CudaError, Result};
 #[derive(Debug, Clone)]
 pub struct StepBenchOpts {
     pub ordinal: usize,
-    /// Target MoE layers (each holds 22.5 GB of routed experts in bf16).
+    /// Target dense layers (V3 has 3), before the MoE ones.
+    pub dense_layers: usize,
+    /// Target MoE layers (each holds 22.5 GB of routed experts in bf16, 11.3 GB in fp8).
     pub moe_layers: usize,
+    /// The projections and experts in fp8 with 128 × 128 block scales (V3's checkpoint
+    /// precision, on the fp8 GEMMs) instead of bf16.
+    pub fp8: bool,
+    /// One rank's shard of a tensor-parallel group of this many GPUs, run alone on one
+    /// GPU (its weights, heads and KV; no collectives: see `comm_ms` of a real group).
+    pub shard_of: usize,
+    /// Size the KV cache as a worker does (`CudaOptions::gpu_memory_utilization`) and
+    /// report the plan; `None`: just the blocks the sweep needs.
+    pub gpu_memory_utilization: Option<f64>,
     /// Cached tokens per request before the step.
     pub context: usize,
     pub batches: Vec<usize>,
@@ -66,7 +77,11 @@ impl Default for StepBenchOpts {
     fn default() -> Self {
         StepBenchOpts {
             ordinal: 0,
+            dense_layers: 1,
             moe_layers: 2,
+            fp8: false,
+            shard_of: 1,
+            gpu_memory_utilization: None,
             context: 1024,
             batches: vec![1, 8, 64],
             ks: vec![0, 3],
@@ -122,6 +137,10 @@ pub struct StepBenchReport {
     pub options: &'static str,
     pub rows: Vec<StepBenchRow>,
     pub prefill: Vec<PrefillStepRow>,
+    /// This rank's weight bytes on the device (of which in fp8).
+    pub weight_bytes: (u64, u64),
+    /// The memory plan, when the cache was sized from the device's memory.
+    pub memory: Option<mlaserve_core::memory::MemoryPlan>,
 }
 
 impl fmt::Display for StepBenchReport {
@@ -132,6 +151,11 @@ impl fmt::Display for StepBenchReport {
             self.tp, self.gpu, self.layers, self.context, self.tp, self.options
         )?;
         writeln!(f, "ceiling: copy {:.0} GB/s per GPU (read + write, measured in this run)", self.copy_gbps)?;
+        let (all, fp8) = self.weight_bytes;
+        writeln!(f, "weights on the device: {:.2} GiB per rank ({:.2} GiB of it fp8)", gib(all), gib(fp8))?;
+        if let Some(m) = &self.memory {
+            writeln!(f, "memory plan: {m}")?;
+        }
         writeln!(
             f,
             "{:>6} {:>3} {:>11} {:>10} {:>10} {:>9} {:>12} {:>8} {:>9} {:>7}",
@@ -200,9 +224,19 @@ fn write_profile(f: &mut fmt::Formatter<'_>, what: &str, profile: &[(&'static st
     writeln!(f)
 }
 
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
 /// DeepSeek-V3's configuration with `1 + moe_layers` target layers (the first dense) and
 /// one MTP layer; positions up to 8192.
 pub fn v3_config(moe_layers: usize) -> Result<ModelConfig> {
+    v3_config_with(1, moe_layers)
+}
+
+/// DeepSeek-V3's configuration with `dense + moe` target layers (the first `dense`
+/// dense; V3 itself is 3 + 58) and one MTP layer; positions up to 8192.
+pub fn v3_config_with(dense: usize, moe_layers: usize) -> Result<ModelConfig> {
     let json = format!(
         r#"{{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
@@ -211,14 +245,15 @@ pub fn v3_config(moe_layers: usize) -> Result<ModelConfig> {
         "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
         "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
         "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": true,
+        "moe_layer_freq": 1, "first_k_dense_replace": {}, "norm_topk_prob": true,
         "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "rope_scaling": {{"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
         "tie_word_embeddings": false, "num_nextn_predict_layers": 1,
         "bos_token_id": 0, "eos_token_id": 1}}"#,
-        1 + moe_layers
+        dense + moe_layers,
+        dense
     );
     ModelConfig::from_json_str(&json).map_err(|e| CudaError::Shape { kernel: "bench_step", msg: e.to_string() })
 }
@@ -318,17 +353,45 @@ fn comm_seconds(
 /// it with the same options and its own `tp.rank`, on GPU `opts.ordinal + tp.rank`;
 /// rank 0's report is the group's.
 pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<StepBenchReport> {
-    let cfg = v3_config(opts.moe_layers)?;
+    let cfg = v3_config_with(opts.dense_layers, opts.moe_layers)?;
     let max_b = opts.batches.iter().copied().max().unwrap_or(1);
     let per_seq = (opts.context + 8).div_ceil(BLOCK_SIZE);
     // Prefill chunks use their own blocks (after the decode sweep's), sized for the chunk.
     let prefill_blocks =
         opts.prefill.iter().map(|&(b, t)| b * (opts.context + t).div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
     let ordinal = opts.ordinal + tp.map_or(0, |t| t.rank);
-    let o =
-        CudaOptions { num_blocks: (max_b * per_seq).max(prefill_blocks), ordinal, graphs: !opts.eager, ..opts.base };
+    let need_blocks = (max_b * per_seq).max(prefill_blocks);
+    let max_k = opts.ks.iter().copied().max().unwrap_or(0);
+    let profile_tokens = (max_b * (1 + max_k)).max(opts.prefill.iter().map(|&(b, t)| b * t).max().unwrap_or(0)).max(1);
+    let o = CudaOptions {
+        num_blocks: need_blocks,
+        ordinal,
+        graphs: !opts.eager,
+        synthetic_fp8: opts.fp8,
+        gpu_memory_utilization: opts.gpu_memory_utilization,
+        profile_tokens,
+        ..opts.base
+    };
     let o = if opts.batch_invariant { o.batch_invariant() } else { o };
-    let mut be = random_backend(cfg.clone(), o, 1, tp)?;
+    if opts.shard_of > 1 && tp.is_some() {
+        return Err(CudaError::shape("bench_step", "one rank's shard (shard_of) runs without a group"));
+    }
+    let mut be = if opts.shard_of > 1 {
+        CudaBackend::synthetic_shard(cfg.clone(), o, &RandomFill::new(1), 0, opts.shard_of)?
+    } else {
+        random_backend(cfg.clone(), o, 1, tp)?
+    };
+    use mlaserve_core::Backend as _;
+    if be.num_blocks() < need_blocks {
+        return Err(CudaError::shape(
+            "bench_step",
+            format!(
+                "the memory plan leaves {} KV blocks, the sweep needs {need_blocks}: {}",
+                be.num_blocks(),
+                be.memory_plan().map(|m| m.to_string()).unwrap_or_default()
+            ),
+        ));
+    }
     be.fill_caches(&RandomFill::new(2))?;
     let util = Util::new(be.gpu())?;
     let copy_gbps = measure_copy_bandwidth(be.gpu(), &util, 1 << 30)?;
@@ -437,8 +500,11 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         gpu: be.gpu().name.clone(),
         copy_gbps,
         layers: format!(
-            "1 dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, bf16; {}; {}",
+            "{} dense + {} MoE target layers + 1 MTP layer (MoE), V3 dims, {}{}; {}; {}",
+            opts.dense_layers,
             opts.moe_layers,
+            if opts.fp8 { "fp8 projections and experts" } else { "bf16" },
+            if opts.shard_of > 1 { format!(", one rank's TP-{} shard alone", opts.shard_of) } else { String::new() },
             if opts.host_logits { "every row's logits to the host" } else { "greedy: argmax rows on the device" },
             match be.graph_stats() {
                 g if g.steps == 0 => "eager (no CUDA graph)".to_string(),
@@ -450,5 +516,10 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         options: if opts.batch_invariant { "batch-invariant" } else { "default" },
         rows,
         prefill,
+        weight_bytes: {
+            let (fp8, all) = be.fp8_bytes();
+            (all, fp8)
+        },
+        memory: be.memory_plan(),
     })
 }

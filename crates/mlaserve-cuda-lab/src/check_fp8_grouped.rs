@@ -135,7 +135,7 @@ impl ExpertSet {
         debug_assert_eq!(scales.len(), experts * se);
         let scale = s.clone_htod(&scales)?;
         fp8_plan::check_experts(experts, n, k, q.len(), scale.len()).map_err(|e| CudaError::shape("ExpertSet", e))?;
-        Ok(ExpertSet { host, dev: Fp8Experts { q, scale, experts, out: n, inp: k } })
+        Ok(ExpertSet { host, dev: Fp8Experts { q, scale, experts, out: n, inp: k, x_inp: k } })
     }
 
     pub fn weight_of(&self, e: usize) -> &Fp8Weight {

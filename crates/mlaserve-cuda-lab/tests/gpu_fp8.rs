@@ -30,6 +30,72 @@ fn act_quant_is_bit_exact() {
     assert!(r.is_none(), "{}", r.unwrap_or_default());
 }
 
+/// A row narrower than its padded width (tiny models' 64-, 32- and 48-wide inputs,
+/// and 300 = two blocks and a 44-wide tail) quantises as the CPU backend's
+/// `quantize_act_row` does on the unpadded row: the same bytes and scales, zeros in
+/// the padding. And an `Fp8Linear` made from the unpadded weight gives the padded
+/// product (the zero columns add nothing).
+#[test]
+fn padded_inputs_quantise_as_the_unpadded_row() {
+    let Some(gpu) = gpu() else { return };
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
+    let s = &gpu.stream;
+    let mut rng = Rng::new(31);
+    for kx in [32usize, 48, 64, 300] {
+        let k = kx.next_multiple_of(128);
+        let m = 5;
+        let x = rng.bf16_vec(m * kx, -3.0, 3.0);
+        let xd = s.clone_htod(&x).expect("upload");
+        let mut q = s.clone_htod(&vec![0x7fu8; m * k]).expect("q");
+        let mut sc = s.clone_htod(&vec![f32::NAN; m * k / 128]).expect("scales");
+        fp8.act_quant_padded(s, &xd, m, kx, k, &mut q, &mut sc).expect("quantise");
+        let (q, sc) = (s.clone_dtoh(&q).expect("q"), s.clone_dtoh(&sc).expect("s"));
+        for r in 0..m {
+            let row: Vec<f32> = x[r * kx..(r + 1) * kx].iter().map(|v| v.to_f32()).collect();
+            let mut wq = vec![0u8; kx];
+            let mut ws = vec![0f32; kx.div_ceil(128)];
+            mlaserve_model::fp8::quantize_act_row(&row, 128, &mut wq, &mut ws);
+            assert_eq!(&q[r * k..r * k + kx], &wq[..], "kx {kx} row {r}: codes");
+            assert!(q[r * k + kx..(r + 1) * k].iter().all(|&b| b == 0), "kx {kx} row {r}: padding");
+            assert_eq!(&sc[r * (k / 128)..(r + 1) * (k / 128)], &ws[..], "kx {kx} row {r}: scales");
+        }
+        // The padded weight: y equals the product over the real columns.
+        let out = 130;
+        let wq: Vec<u8> =
+            (0..out * kx).map(|i| mlaserve_model::fp8::f32_to_fp8_e4m3(((i * 7 % 23) as f32 - 11.0) * 0.5)).collect();
+        let ws: Vec<f32> = (0..out.div_ceil(128) * kx.div_ceil(128)).map(|i| 0.01 + 0.003 * i as f32).collect();
+        let lin = Fp8Linear::from_unpadded(s, &wq, &ws, out, kx).expect("weight");
+        assert_eq!((lin.inp, lin.x_inp), (k, kx));
+        let mut y = s.alloc_zeros::<f32>(m * out).expect("y");
+        fp8.forward(s, &lin, &xd, m, &mut y).expect("gemm");
+        let y = s.clone_dtoh(&y).expect("y");
+        for r in 0..m {
+            let row: Vec<f32> = x[r * kx..(r + 1) * kx].iter().map(|v| v.to_f32()).collect();
+            let mut xq = vec![0u8; kx];
+            let mut xs = vec![0f32; kx.div_ceil(128)];
+            mlaserve_model::fp8::quantize_act_row(&row, 128, &mut xq, &mut xs);
+            for o in 0..out {
+                let (mut acc, mut mag) = (0f64, 0f64);
+                for kb in 0..kx.div_ceil(128) {
+                    let (lo, hi) = (kb * 128, ((kb + 1) * 128).min(kx));
+                    let sc = xs[kb] as f64 * ws[(o / 128) * kx.div_ceil(128) + kb] as f64;
+                    for c in lo..hi {
+                        let t = mlaserve_model::fp8::fp8_e4m3_to_f32(xq[c]) as f64
+                            * mlaserve_model::fp8::fp8_e4m3_to_f32(wq[o * kx + c]) as f64
+                            * sc;
+                        acc += t;
+                        mag += t.abs();
+                    }
+                }
+                // wgmma's fp8 accumulator (the streaming kernel's Hopper form) keeps fewer
+                // bits than f32: ~1e-4 of the terms' magnitude, as the other checks allow.
+                let got = y[r * out + o] as f64;
+                assert!((got - acc).abs() <= 1e-3 * mag, "kx {kx} row {r} col {o}: {got} vs {acc} (terms {mag})");
+            }
+        }
+    }
+}
+
 /// Every V3 projection shape at m = 1, 4, 64, 256, 4096 through each kernel.
 #[test]
 fn fp8_gemm_matches_reference_at_v3_shapes() {

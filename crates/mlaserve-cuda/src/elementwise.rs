@@ -10,6 +10,7 @@ use half::bf16;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::kernels;
+use crate::launch::i32_of;
 use crate::linear::GemmOut;
 
 /// RMSNorm over rows of width `h`, plain or fused with the residual add.
@@ -110,23 +111,38 @@ impl SiluMul {
         input: &CudaSlice<bf16>,
         d: usize,
     ) -> Result<()> {
-        let rows = rows_of("silu_mul_bf16", input.len(), 2 * d)?;
+        self.launch_padded(stream, out, input, d, d)
+    }
+
+    /// `input: [rows][2dp]` with the gate at columns `0..d` and the up projection at
+    /// `dp..dp + d` (`dp ≥ d`: an fp8 gate_up padded to whole scale blocks), `out: [rows][d]`.
+    pub fn launch_padded(
+        &self,
+        stream: &Arc<CudaStream>,
+        out: &mut CudaSlice<bf16>,
+        input: &CudaSlice<bf16>,
+        d: usize,
+        dp: usize,
+    ) -> Result<()> {
+        const K: &str = "silu_mul_bf16";
+        if dp < d {
+            return Err(CudaError::shape(K, format!("padded half width {dp} below {d}")));
+        }
+        let rows = rows_of(K, input.len(), 2 * dp)?;
         if out.len() != rows as usize * d {
-            return Err(CudaError::shape(
-                "silu_mul_bf16",
-                format!("out has {} elements, want {}", out.len(), rows as usize * d),
-            ));
+            return Err(CudaError::shape(K, format!("out has {} elements, want {}", out.len(), rows as usize * d)));
         }
         if rows == 0 || rows > i32::MAX as u32 {
-            return if rows == 0 { Ok(()) } else { Err(CudaError::shape("silu_mul_bf16", "too many rows")) };
+            return if rows == 0 { Ok(()) } else { Err(CudaError::shape(K, "too many rows")) };
         }
-        let (rows_i, di) = (rows as i32, d as i32);
+        let (rows_i, di, dpi) = (rows as i32, i32_of(K, d)?, i32_of(K, dp)?);
         let cfg =
             LaunchConfig { grid_dim: ((self.num_sms * 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: silu_mul_bf16(out, in, rows, d) grid-strides over rows*d outputs,
-        // reading in[r*2d + c] and in[r*2d + d + c]; input holds rows*2d and out rows*d
-        // elements (checked); the 16-byte path needs d % 8 == 0, which it tests itself.
-        unsafe { stream.launch_builder(&self.f).arg(out).arg(input).arg(&rows_i).arg(&di).launch(cfg) }?;
+        // SAFETY: silu_mul_bf16(out, in, rows, d, dp) grid-strides over rows*d outputs,
+        // reading in[r*2dp + c] and in[r*2dp + dp + c] (c < d ≤ dp); input holds rows*2dp
+        // and out rows*d elements (checked); the 16-byte path needs d and dp multiples of
+        // 8, which it tests itself.
+        unsafe { stream.launch_builder(&self.f).arg(out).arg(input).arg(&rows_i).arg(&di).arg(&dpi).launch(cfg) }?;
         Ok(())
     }
 }

@@ -23,19 +23,43 @@ use crate::tensor_map::{u8_kblock_map, u8_matrix_map};
 
 /// An fp8 e4m3 weight `[out][inp]` (row-major bytes) with f32 scales `[ceil(out / 128)]
 /// [ceil(inp / 128)]`, as a checkpoint's `weight` and `weight_scale_inv` hold them.
+///
+/// `inp` is a multiple of 128 (whole scale blocks); a checkpoint weight of fewer input
+/// channels (`x_inp`, the activation's width: tiny test models) is stored with zero
+/// columns up to the next multiple, which changes no product and no activation scale
+/// ([`Fp8Gemm::act_quant_padded`]).
 #[derive(Debug)]
 pub struct Fp8Linear {
     pub q: CudaSlice<u8>,
     pub scale: CudaSlice<f32>,
     pub out: usize,
     pub inp: usize,
+    /// Input channels of the activation (`≤ inp`, a multiple of 4).
+    pub x_inp: usize,
 }
 
 impl Fp8Linear {
     /// Uploads a checkpoint's bytes and scales (checked: lengths, `inp % 128 == 0`).
     pub fn from_raw(s: &Arc<CudaStream>, q: &[u8], scales: &[f32], out: usize, inp: usize) -> Result<Self> {
         fp8_plan::check_weight(out, inp, q.len(), scales.len()).map_err(|e| CudaError::shape("Fp8Linear", e))?;
-        Ok(Fp8Linear { q: s.clone_htod(q)?, scale: s.clone_htod(scales)?, out, inp })
+        Ok(Fp8Linear { q: s.clone_htod(q)?, scale: s.clone_htod(scales)?, out, inp, x_inp: inp })
+    }
+
+    /// Uploads a weight of any input width: codes `[out][x_inp]` with scales `[ceil(out /
+    /// 128)][ceil(x_inp / 128)]`, the rows padded with zero codes to whole 128-channel
+    /// blocks (a host copy only when `x_inp % 128 != 0`).
+    pub fn from_unpadded(s: &Arc<CudaStream>, q: &[u8], scales: &[f32], out: usize, x_inp: usize) -> Result<Self> {
+        let inp = fp8_plan::padded_inp(x_inp).map_err(|e| CudaError::shape("Fp8Linear", e))?;
+        if q.len() != out * x_inp {
+            return Err(CudaError::shape("Fp8Linear", format!("{} codes for [{out}, {x_inp}]", q.len())));
+        }
+        let mut lin = if inp == x_inp {
+            Self::from_raw(s, q, scales, out, inp)?
+        } else {
+            Self::from_raw(s, &fp8_plan::pad_rows(q, out, x_inp, inp), scales, out, inp)?
+        };
+        lin.x_inp = x_inp;
+        Ok(lin)
     }
 
     /// Bytes of the weight and its scales on the device.
@@ -132,9 +156,29 @@ impl Fp8Gemm {
         q: &mut impl DevicePtrMut<u8>,
         scale: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
+        self.act_quant_padded(s, x, m, k, k, q, scale)
+    }
+
+    /// As [`Fp8Gemm::act_quant`] from `x [m][kx]` (`kx ≤ k`, a multiple of 4): channels
+    /// `kx..k` quantise as zeros, so each group's scale is that of its real channels (the
+    /// input of an [`Fp8Linear`] padded to whole blocks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn act_quant_padded<I: QuantIn>(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &impl DevicePtr<I>,
+        m: usize,
+        kx: usize,
+        k: usize,
+        q: &mut impl DevicePtrMut<u8>,
+        scale: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
         const K: &str = "act_quant";
         fp8_plan::check_act(m, k).map_err(|e| CudaError::shape(K, e))?;
-        need(K, "x", x.len(), m * k)?;
+        if kx > k || !kx.is_multiple_of(4) || k - kx >= FP8_BLOCK {
+            return Err(CudaError::shape(K, format!("{kx} input channels padded to {k}")));
+        }
+        need(K, "x", x.len(), m * kx)?;
         need(K, "q", q.len(), m * k)?;
         need(K, "scale", scale.len(), m * k / FP8_BLOCK)?;
         if m == 0 {
@@ -142,21 +186,22 @@ impl Fp8Gemm {
         }
         let warps = m * (k / FP8_BLOCK);
         let blocks = u32::try_from(warps.div_ceil(8)).map_err(|_| CudaError::shape(K, "too many rows"))?;
-        let (mi, ki) = (i32_of(K, m)?, i32_of(K, k)?);
+        let (mi, ki, kxi) = (i32_of(K, m)?, i32_of(K, k)?, i32_of(K, kx)?);
         let f = if I::F32 { &self.quant_f32 } else { &self.quant_bf16 };
         let (xp, _g1) = x.device_ptr(s);
         let (qp, _g2) = q.device_ptr_mut(s);
         let (sp, _g3) = scale.device_ptr_mut(s);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: act_quant_*(x, q, s, m, k): warp w < m·k/128 reads x[row·k + 128g ..][..128]
-        // and writes q at the same offsets and s[row·k/128 + g]: all within the lengths
-        // checked above; 8/16-byte loads and 4-byte stores stay aligned (k % 128 == 0,
-        // cudarc buffers 256-byte aligned, callers' views start at whole rows).
-        unsafe { s.launch_builder(f).arg(&xp).arg(&qp).arg(&sp).arg(&mi).arg(&ki).launch(cfg) }?;
+        // SAFETY: act_quant_*(x, q, s, m, k, kx): warp w < m·k/128 reads x[row·kx + c ..
+        // c + 4] only for channels c < kx, and writes q[row·k + 128g ..][..128] and
+        // s[row·k/128 + g]: all within the lengths checked above; 8/16-byte loads and
+        // 4-byte stores stay aligned (kx % 4 == 0, k % 128 == 0, cudarc buffers 256-byte
+        // aligned, callers' views start at whole rows).
+        unsafe { s.launch_builder(f).arg(&xp).arg(&qp).arg(&sp).arg(&mi).arg(&ki).arg(&kxi).launch(cfg) }?;
         Ok(())
     }
 
-    /// `y[m][out] = x[m][inp] · Wᵀ`: quantises the bf16 activation (into stream-ordered
+    /// `y[m][out] = x[m][x_inp] · Wᵀ`: quantises the bf16 activation (into stream-ordered
     /// scratch) and runs [`Fp8Gemm::forward_quantized`].
     pub fn forward<T: GemmOut>(
         &self,
@@ -166,14 +211,14 @@ impl Fp8Gemm {
         m: usize,
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        need("fp8 gemm", "x", x.len(), m * lin.inp)?;
+        need("fp8 gemm", "x", x.len(), m * lin.x_inp)?;
         if m == 0 {
             return Ok(());
         }
         // SAFETY: act_quant writes every byte and scale of the m rows before the GEMM reads them.
         let mut q = unsafe { s.alloc::<u8>(m * lin.inp) }?;
         let mut sc = unsafe { s.alloc::<f32>(m * lin.inp / FP8_BLOCK) }?;
-        self.act_quant(s, x, m, lin.inp, &mut q, &mut sc)?;
+        self.act_quant_padded(s, x, m, lin.x_inp, lin.inp, &mut q, &mut sc)?;
         self.forward_quantized(s, lin, &q, &sc, m, y)
     }
 

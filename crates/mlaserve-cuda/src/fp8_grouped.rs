@@ -30,7 +30,10 @@ pub struct Fp8Experts {
     pub scale: CudaSlice<f32>,
     pub experts: usize,
     pub out: usize,
+    /// Stored input width, a multiple of 128 (see [`crate::fp8::Fp8Linear`]'s padding).
     pub inp: usize,
+    /// Input channels of the activation (`≤ inp`).
+    pub x_inp: usize,
 }
 
 impl Fp8Experts {
@@ -45,7 +48,7 @@ impl Fp8Experts {
     ) -> Result<Self> {
         fp8_plan::check_experts(experts, out, inp, q.len(), scales.len())
             .map_err(|e| CudaError::shape("Fp8Experts", e))?;
-        Ok(Fp8Experts { q: s.clone_htod(q)?, scale: s.clone_htod(scales)?, experts, out, inp })
+        Ok(Fp8Experts { q: s.clone_htod(q)?, scale: s.clone_htod(scales)?, experts, out, inp, x_inp: inp })
     }
 
     /// Uploads the experts from one slice pair per expert (each checked as a weight
@@ -69,7 +72,25 @@ impl Fp8Experts {
             s.memcpy_htod(*eq, &mut q.slice_mut(i * out * inp..(i + 1) * out * inp))?;
             s.memcpy_htod(*es, &mut scale.slice_mut(i * so * si..(i + 1) * so * si))?;
         }
-        Ok(Fp8Experts { q, scale, experts: experts.len(), out, inp })
+        Ok(Fp8Experts { q, scale, experts: experts.len(), out, inp, x_inp: inp })
+    }
+
+    /// Device buffers already filled (codes `[experts][out][inp]`, scales per expert as
+    /// [`Fp8Experts::from_raw`]), for an activation of `x_inp ≤ inp` channels; checked.
+    pub fn from_parts(
+        q: CudaSlice<u8>,
+        scale: CudaSlice<f32>,
+        experts: usize,
+        out: usize,
+        inp: usize,
+        x_inp: usize,
+    ) -> Result<Self> {
+        fp8_plan::check_experts(experts, out, inp, q.len(), scale.len())
+            .map_err(|e| CudaError::shape("Fp8Experts", e))?;
+        if fp8_plan::padded_inp(x_inp) != Ok(inp) {
+            return Err(CudaError::shape("Fp8Experts", format!("{x_inp} input channels stored as {inp}")));
+        }
+        Ok(Fp8Experts { q, scale, experts, out, inp, x_inp })
     }
 
     /// Bytes of one expert's codes and scales on the device.

@@ -145,6 +145,43 @@ pub fn check_weight(out: usize, inp: usize, q_len: usize, scale_len: usize) -> R
     Ok(())
 }
 
+/// The stored input width of an fp8 weight of `x_inp` input channels: the next multiple
+/// of 128 (zero columns fill the last block); `x_inp` must be a positive multiple of 4
+/// (the activation quantiser's loads).
+pub fn padded_inp(x_inp: usize) -> Result<usize, String> {
+    if x_inp == 0 || !x_inp.is_multiple_of(4) {
+        return Err(format!("{x_inp} input channels: an fp8 weight needs a positive multiple of 4"));
+    }
+    Ok(x_inp.next_multiple_of(FP8_BLOCK))
+}
+
+/// `rows` rows of `from` bytes each, widened to `to ≥ from` bytes with zeros.
+pub fn pad_rows(q: &[u8], rows: usize, from: usize, to: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * to];
+    for (dst, src) in out.chunks_exact_mut(to).zip(q.chunks_exact(from.max(1))) {
+        dst[..from].copy_from_slice(src);
+    }
+    out
+}
+
+/// Rows of one half of a fused fp8 gate_up `[gate | up]` of `inter` rows each: `inter`
+/// rounded up to whole 128-row scale blocks, so that up's first row starts a scale row
+/// (the SiLU reads the halves at this stride).
+pub fn gate_up_half(inter: usize) -> usize {
+    inter.next_multiple_of(FP8_BLOCK)
+}
+
+/// Which grouped expert kernel runs `rows` sorted rows over `experts` experts: the
+/// streaming kernel (`fp8_grouped_wg*`, tile from [`grouped_tile`]) for decode-sized
+/// calls and whenever a row's bits must not depend on the others (`invariant`); the
+/// 128 × 128 tile kernel when experts average more than [`GROUPED_TILED_ROWS`] rows.
+pub fn grouped_tiled(rows: usize, experts: usize, invariant: bool) -> bool {
+    !invariant && rows.div_ceil(experts.max(1)) > GROUPED_TILED_ROWS
+}
+
+/// Rows per expert on average above which [`grouped_tiled`] picks the tile kernel.
+pub const GROUPED_TILED_ROWS: usize = 64;
+
 /// Checks an activation `[m][k]` for `Fp8Gemm::act_quant`: `k` a positive multiple of 128.
 pub fn check_act(m: usize, k: usize) -> Result<(), String> {
     if k == 0 || !k.is_multiple_of(FP8_BLOCK) {
@@ -304,6 +341,22 @@ pub fn stream_slab(m: usize, out: usize, ksplit: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn padding_keeps_rows_and_fills_whole_blocks() {
+        assert_eq!(padded_inp(64), Ok(128));
+        assert_eq!(padded_inp(7168), Ok(7168));
+        assert_eq!(padded_inp(300), Ok(384));
+        assert!(padded_inp(0).is_err() && padded_inp(6).is_err());
+        assert_eq!(pad_rows(&[1, 2, 3, 4, 5, 6], 2, 3, 5), vec![1, 2, 3, 0, 0, 4, 5, 6, 0, 0]);
+        assert_eq!(gate_up_half(32), 128);
+        assert_eq!(gate_up_half(256), 256);
+        // Decode-sized (64 × 4 rows × top-8 over 256 experts) streams; prefill tiles
+        // unless invariant.
+        assert!(!grouped_tiled(64 * 4 * 8, 256, false));
+        assert!(grouped_tiled(4096 * 8, 256, false));
+        assert!(!grouped_tiled(4096 * 8, 256, true));
+    }
 
     /// DeepSeek-V3's projections (TP 1 and 8 widths).
     const SHAPES: &[(usize, usize)] = &[

@@ -198,6 +198,51 @@ fn tp_groups_greedy_k3_equals_k0_cuda_core_batch_invariant() {
     }
 }
 
+/// tiny-v3 in fp8 with every tensor-parallel split at TP 2 on a 128 block and V3's
+/// latent widths (512 + 64: the decode kernel with fixed splits): every projection and
+/// expert stays fp8 on both ranks.
+fn fp8_model() -> tempfile::TempDir {
+    let t = tempfile::tempdir().expect("tempdir");
+    let o = serde_json::json!({"num_attention_heads": 16, "num_key_value_heads": 16, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 64, "kv_lora_rank": 512, "v_head_dim": 16, "intermediate_size": 256,
+        "moe_intermediate_size": 256});
+    let gen = mlaserve_model::presets::GenOptions { fp8: true, overrides: o, ..Default::default() };
+    mlaserve_model::presets::generate_opts("tiny-v3", t.path(), &gen).expect("preset");
+    t
+}
+
+/// fp8 on the fp8 GEMMs with the batch-invariant options (the streaming fp8 kernel, the
+/// grouped expert kernel's streaming form): greedy k = 3 == k = 0 for the 64 requests,
+/// on one GPU and on a TP 2 group.
+#[test]
+fn fp8_greedy_k3_equals_k0_batch_invariant_tp1_tp2() {
+    if !require_gpu() {
+        return;
+    }
+    let t = fp8_model();
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let be = CudaBackend::load_with(t.path(), opts).expect("load");
+    let (fp8, all) = be.fp8_bytes();
+    println!("fp8 model: {fp8} of {all} weight bytes in fp8");
+    assert!(fp8 > all / 2, "the projections and experts stay fp8 ({fp8} of {all} bytes)");
+    drop(be);
+    let k0 = gpu_run(t.path(), opts, 0);
+    let k3 = gpu_run(t.path(), opts, 3);
+    assert!(k0.iter().map(Vec::len).sum::<usize>() > 64 * 4, "the workload generates tokens");
+    println!("fp8 TP=1 batch-invariant: k3 vs k0 differ in {}/64 requests", differing(&k3, &k0));
+    assert_eq!(k3, k0, "fp8 TP=1: greedy k = 3 differs from k = 0 (batch-invariant options)");
+    if !require_gpus(2) {
+        return;
+    }
+    let (t0, t3) = (tp_run(t.path(), opts, 2, 0), tp_run(t.path(), opts, 2, 3));
+    println!(
+        "fp8 TP=2 batch-invariant: k3 vs k0 differ in {}/64 requests; TP=2 vs TP=1 (k0) in {}/64 (fp8 noise, reported)",
+        differing(&t3, &t0),
+        differing(&t0, &k0)
+    );
+    assert_eq!(t3, t0, "fp8 TP=2: greedy k = 3 differs from k = 0 (batch-invariant options)");
+}
+
 /// A rank that stops taking part mid-run (it served a step, then stalls) makes the
 /// other's next step fail with a clear error within the collective timeout, instead of
 /// hanging, and the communicator stays failed.

@@ -6,10 +6,12 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
 use super::route::Absorbed;
-use super::weights::{Attn, Ffn, Mlp, Moe};
+use super::weights::{Attn, Ffn, Grouped, Mlp, Moe};
 use super::{BlockRef, CudaBackend, Step};
 use crate::dims::DecodeDims;
 use crate::error::Result;
+use crate::fp8_grouped::Fp8Experts;
+use crate::fp8_plan;
 use crate::layout::AttnMeta;
 use crate::ops::GroupedVariant;
 use crate::prefill::{LatentCache, PrefillDims};
@@ -18,7 +20,7 @@ use crate::{MlaDecode, MlaDecodeShape};
 /// Most routed experts of a layer whose tokens the device sorts (`Ops::moe_sort`); a
 /// layer with more sorts on the host, which waits for the stream mid-step (such a model
 /// runs no CUDA graphs, see `graphs.rs`).
-pub(super) const GROUPED_MAX_EXPERTS: usize = 1024;
+pub(crate) const GROUPED_MAX_EXPERTS: usize = 1024;
 
 /// Rows that take the absorbed form, with the metadata the absorbed kernels read (the
 /// step's own, or a mixed step's compact copy for those rows).
@@ -103,18 +105,18 @@ impl CudaBackend {
         let mut q = s.alloc_zeros::<f32>(n * heads * qk)?;
         match &a.q_a {
             Some((qa, qn)) => {
-                let r = qa.out;
+                let r = qa.out();
                 let mut cq = s.alloc_zeros::<f32>(n * r)?;
-                self.gemm.forward(s, qa, xn, n, &mut cq)?;
+                self.proj(qa, xn, n, &mut cq)?;
                 let mut cqn = s.alloc_zeros::<bf16>(n * r)?;
                 self.ops.rmsnorm(s, &mut cqn, r, &cq, r, qn, n, eps_lat)?;
-                self.gemm.forward(s, &a.q_b, &cqn, n, &mut q)?;
+                self.proj(&a.q_b, &cqn, n, &mut q)?;
             }
-            None => self.gemm.forward(s, &a.q_b, xn, n, &mut q)?,
+            None => self.proj(&a.q_b, xn, n, &mut q)?,
         }
         let lat = lora + rope;
         let mut kv = s.alloc_zeros::<f32>(n * lat)?;
-        self.gemm.forward(s, &a.kv_a, xn, n, &mut kv)?;
+        self.proj(&a.kv_a, xn, n, &mut kv)?;
         self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, n, eps_lat)?;
         self.mark("attention: q/kv projections, cache write")?;
         let scale = c.softmax_scale() as f32;
@@ -169,7 +171,7 @@ impl CudaBackend {
             self.mark("attention: expanded form")?;
         }
         let mut out = s.alloc_zeros::<f32>(n * c.hidden_size)?;
-        self.gemm.forward(s, &a.o_proj, &o, n, &mut out)?;
+        self.proj(&a.o_proj, &o, n, &mut out)?;
         self.mark("attention: o_proj")?;
         Ok(out)
     }
@@ -324,12 +326,12 @@ impl CudaBackend {
         out: &mut impl cudarc::driver::DevicePtrMut<f32>,
     ) -> Result<()> {
         let s = &self.gpu.stream;
-        let i = m.inter();
-        let mut gu = s.alloc_zeros::<bf16>(rows * 2 * i)?;
-        self.gemm.forward(s, &m.gate_up, x, rows, &mut gu)?;
+        let (i, half) = (m.inter(), m.half());
+        let mut gu = s.alloc_zeros::<bf16>(rows * 2 * half)?;
+        self.proj(&m.gate_up, x, rows, &mut gu)?;
         let mut act = s.alloc_zeros::<bf16>(rows * i)?;
-        self.silu.launch(s, &mut act, &gu, i)?;
-        self.gemm.forward(s, &m.down, &act, rows, out)
+        self.silu.launch_padded(s, &mut act, &gu, i, half)?;
+        self.proj(&m.down, &act, rows, out)
     }
 
     fn mlp(&self, m: &Mlp, xn: &CudaSlice<bf16>, n: usize) -> Result<CudaSlice<f32>> {
@@ -367,15 +369,13 @@ impl CudaBackend {
         let mut ys = unsafe { s.alloc::<f32>(rows * h) }?;
         let inv_d = match &m.grouped {
             // Sorted and run on the device: no host round trip, three expert launches.
-            Some((gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
-                let mut off = s.alloc_zeros::<i32>(e + 1)?;
-                let mut perm = s.alloc_zeros::<i32>(rows)?;
-                let mut inv = s.alloc_zeros::<i32>(rows)?;
-                self.ops.moe_sort(s, &ids, n, k, e, &mut off, &mut perm, &mut inv)?;
-                // SAFETY: as `ys`: the gather writes all `rows` rows.
-                let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
-                self.ops.gather_sorted(s, &mut xs, xn, &perm, rows, h)?;
-                self.mark("MoE routed experts: sort, gather")?;
+            Some(Grouped::Fp8(gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
+                let (off, inv, xs) = self.moe_sort_gather(&ids, xn, n, k, e)?;
+                self.moe_fp8(gate_up, down, &xs, &off, rows, e, &mut ys)?;
+                inv
+            }
+            Some(Grouped::Bf16(gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
+                let (off, inv, xs) = self.moe_sort_gather(&ids, xn, n, k, e)?;
                 // Tensor cores in fast mode; the invariant mode keeps `linear_inv`'s sums.
                 let variant = GroupedVariant::Auto(self.gemm.mode);
                 let i = gate_up.out / 2;
@@ -432,5 +432,81 @@ impl CudaBackend {
         self.ops.combine(s, &mut out, &ys, &ids, &w, &inv_d, n, k, h)?;
         self.mark("MoE combine")?;
         Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// The `(token, expert)` pairs of `ids` (`[n][k]`) sorted by expert on the device,
+    /// and each sorted row's input gathered from `xn`: (each expert's row offsets, each
+    /// slot's sorted row, the gathered rows).
+    fn moe_sort_gather(
+        &self,
+        ids: &CudaSlice<i32>,
+        xn: &CudaSlice<bf16>,
+        n: usize,
+        k: usize,
+        e: usize,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<bf16>)> {
+        let s = &self.gpu.stream;
+        let (rows, h) = (n * k, self.cfg.hidden_size);
+        let mut off = s.alloc_zeros::<i32>(e + 1)?;
+        let mut perm = s.alloc_zeros::<i32>(rows)?;
+        let mut inv = s.alloc_zeros::<i32>(rows)?;
+        self.ops.moe_sort(s, ids, n, k, e, &mut off, &mut perm, &mut inv)?;
+        // SAFETY: uninitialised device memory of a plain type; the gather writes all
+        // `rows` rows.
+        let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
+        self.ops.gather_sorted(s, &mut xs, xn, &perm, rows, h)?;
+        self.mark("MoE routed experts: sort, gather")?;
+        Ok((off, inv, xs))
+    }
+
+    /// The routed experts of an fp8 layer over `rows` gathered rows `xs` (sorted by
+    /// expert, `off` each expert's range): quantised, the grouped fp8 GEMMs (gate_up,
+    /// SiLU-mul, down) into `ys` (`[rows][h]` f32).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_fp8(
+        &self,
+        gate_up: &Fp8Experts,
+        down: &Fp8Experts,
+        xs: &CudaSlice<bf16>,
+        off: &CudaSlice<i32>,
+        rows: usize,
+        e: usize,
+        ys: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        let fp8 = self.fp8_kernels()?;
+        let grouped =
+            fp8.grouped.as_ref().ok_or_else(|| crate::CudaError::shape("fp8_grouped", "no grouped kernel"))?;
+        // SAFETY (the buffers below): uninitialised device memory of plain types, each
+        // written whole before it is read (the quantiser, the grouped GEMMs and SiLU
+        // write every element of their rows; the experts' ranges cover every row).
+        let invariant = self.gemm.mode.batch_invariant();
+        let tiled = fp8_plan::grouped_tiled(rows, e, invariant);
+        let mut xq = unsafe { s.alloc::<u8>(rows * gate_up.inp) }?;
+        let mut xsc = unsafe { s.alloc::<f32>(rows * gate_up.inp / fp8_plan::FP8_BLOCK) }?;
+        fp8.gemm.act_quant_padded(s, xs, rows, gate_up.x_inp, gate_up.inp, &mut xq, &mut xsc)?;
+        let half = gate_up.out / 2;
+        let mut gu = unsafe { s.alloc::<bf16>(rows * gate_up.out) }?;
+        if tiled {
+            grouped.forward_tiled(s, gate_up, &xq, &xsc, off, rows, &mut gu)?;
+        } else {
+            grouped.forward(s, gate_up, &xq, &xsc, off, rows, &mut gu)?;
+        }
+        self.mark("MoE routed experts: gate_up")?;
+        let i = down.x_inp;
+        let mut act = unsafe { s.alloc::<bf16>(rows * i) }?;
+        self.silu.launch_padded(s, &mut act, &gu, i, half)?;
+        let mut aq = unsafe { s.alloc::<u8>(rows * down.inp) }?;
+        let mut asc = unsafe { s.alloc::<f32>(rows * down.inp / fp8_plan::FP8_BLOCK) }?;
+        fp8.gemm.act_quant_padded(s, &act, rows, i, down.inp, &mut aq, &mut asc)?;
+        self.mark("MoE routed experts: SiLU")?;
+        if tiled {
+            grouped.forward_tiled(s, down, &aq, &asc, off, rows, ys)?;
+        } else {
+            grouped.forward(s, down, &aq, &asc, off, rows, ys)?;
+        }
+        self.mark("MoE routed experts: down")
     }
 }

@@ -31,6 +31,7 @@ mod graphs;
 mod layer;
 mod memory;
 mod options;
+mod proj;
 mod route;
 mod synthetic;
 mod weights;
@@ -125,6 +126,8 @@ pub struct CudaBackend {
     graphs: graphs::Graphs,
     /// How the device's memory was split, when the cache was sized from it.
     memory: Option<mlaserve_core::memory::MemoryPlan>,
+    /// The fp8 GEMMs, when any projection is kept in fp8.
+    fp8: Option<proj::Fp8Kernels>,
 }
 
 /// Wall time per phase of the forward passes since profiling was switched on; each mark
@@ -213,7 +216,16 @@ impl CudaBackend {
         let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let dq = crate::fp8_dequant::Fp8Dequant::new(&gpu)?;
-        let l = Loader { w: &w, s: &gpu.stream, rank, world, dq: &dq };
+        let fp8 = if cfg.fp8.is_some() { proj::Fp8Kernels::new(&gpu, &opts) } else { None };
+        let l = Loader {
+            w: &w,
+            s: &gpu.stream,
+            rank,
+            world,
+            dq: &dq,
+            fp8: fp8.is_some(),
+            grouped_fp8: fp8.as_ref().is_some_and(|k| k.grouped.is_some()),
+        };
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = Embed::load(&l, names::EMBED, v, h)?;
         let blocks = (0..cfg.num_hidden_layers).map(|i| Block::load(&l, &cfg, i)).collect::<Result<Vec<_>>>()?;
@@ -222,7 +234,7 @@ impl CudaBackend {
         let lm_head = l.lin(head_name, v, h, Some(0))?;
         let mtp =
             (0..cfg.num_nextn_predict_layers).map(|d| Mtp::load(&l, &cfg, d, head_name)).collect::<Result<Vec<_>>>()?;
-        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), opts, comm, free_at_start)
+        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), fp8, opts, comm, free_at_start)
     }
 
     /// A model of configuration `cfg` with synthetic weights whose values `fill` writes on
@@ -231,12 +243,40 @@ impl CudaBackend {
     /// vocabulary slices).
     pub fn synthetic(cfg: ModelConfig, opts: CudaOptions, fill: &dyn WeightFill, tp: Option<&TpInit>) -> Result<Self> {
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
+        Self::synthetic_in(cfg, opts, fill, tp, rank, world)
+    }
+
+    /// As [`CudaBackend::synthetic`], rank `rank`'s shard of a `world`-way group run
+    /// alone on one GPU (no communicator: its all-reduces are skipped), for measuring one
+    /// rank's weights, memory and kernels where the group's GPUs are not all at hand.
+    pub fn synthetic_shard(
+        cfg: ModelConfig,
+        opts: CudaOptions,
+        fill: &dyn WeightFill,
+        rank: usize,
+        world: usize,
+    ) -> Result<Self> {
+        Self::synthetic_in(cfg, opts, fill, None, rank, world)
+    }
+
+    fn synthetic_in(
+        cfg: ModelConfig,
+        opts: CudaOptions,
+        fill: &dyn WeightFill,
+        tp: Option<&TpInit>,
+        rank: usize,
+        world: usize,
+    ) -> Result<Self> {
         cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "synthetic", msg: e.to_string() })?;
         let gpu = Gpu::new(opts.ordinal)?;
         let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
-        let parts = synthetic::Synth { gpu: &gpu, fill, rank, world }.model(&cfg)?;
-        Self::assemble(cfg, gpu, parts, opts, comm, free_at_start)
+        let fp8 = if opts.synthetic_fp8 { proj::Fp8Kernels::new(&gpu, &opts) } else { None };
+        if opts.synthetic_fp8 && fp8.is_none() {
+            return Err(CudaError::shape("synthetic", "fp8 weights asked for, but the fp8 kernels do not load here"));
+        }
+        let parts = synthetic::Synth { gpu: &gpu, fill, rank, world, fp8: fp8.as_ref() }.model(&cfg)?;
+        Self::assemble(cfg, gpu, parts, fp8, opts, comm, free_at_start)
     }
 
     #[allow(clippy::type_complexity)]
@@ -244,6 +284,7 @@ impl CudaBackend {
         cfg: ModelConfig,
         gpu: Gpu,
         parts: (Embed, Vec<Block>, CudaSlice<f32>, Linear, Vec<Mtp>),
+        fp8: Option<proj::Fp8Kernels>,
         opts: CudaOptions,
         comm: Option<DeviceComm>,
         free_at_start: usize,
@@ -307,6 +348,7 @@ impl CudaBackend {
             comm,
             prof: None,
             graphs: graphs::Graphs::default(),
+            fp8,
             memory: None,
         };
         if let (Some(u), Some((batch, _))) = (utilization, profile) {
@@ -322,43 +364,6 @@ impl CudaBackend {
             fill.fill_bf16(&self.gpu, c, 1.0)?;
         }
         self.gpu.sync()
-    }
-
-    /// Bytes of every weight on the device, split as (dense: attention, norms, dense
-    /// MLPs, shared experts, router, embedding and heads; one routed expert's MLP; routed
-    /// experts per MoE layer; MoE layers), for rooflines.
-    pub fn weight_bytes(&self) -> WeightBytes {
-        let lin = |l: &Linear| (l.w.len() * 2) as u64;
-        let mlp = |m: &weights::Mlp| lin(&m.gate_up) + lin(&m.down);
-        let mut wb = WeightBytes { head: lin(&self.lm_head), ..Default::default() };
-        let blocks = self.blocks.iter().map(|b| (b, false)).chain(self.mtp.iter().map(|m| (&m.block, true)));
-        for (b, is_mtp) in blocks {
-            let a = &b.attn;
-            let mut d = lin(&a.q_b) + lin(&a.kv_a) + lin(&a.o_proj) + (a.w_uk.w.len() + a.w_uv.w.len()) as u64 * 2;
-            if let Some((qa, _)) = &a.q_a {
-                d += lin(qa);
-            }
-            match &b.ffn {
-                weights::Ffn::Dense(m) => d += mlp(m),
-                weights::Ffn::Moe(m) => {
-                    d += (m.gate.len() * 4) as u64 + m.shared.as_ref().map_or(0, mlp);
-                    wb.expert = m.experts.first().map_or(0, mlp);
-                    wb.experts_per_layer = m.experts.len() as u64;
-                    wb.top_k = m.route.k as u64;
-                    if is_mtp {
-                        wb.mtp_moe = true;
-                    } else {
-                        wb.moe_layers += 1;
-                    }
-                }
-            }
-            if is_mtp {
-                wb.mtp_dense += d;
-            } else {
-                wb.target_dense += d;
-            }
-        }
-        wb
     }
 
     /// Uploads host hidden rows (`rows × hidden_size`), e.g. another backend's, so a
@@ -733,7 +738,7 @@ impl CudaBackend {
         let mut cat = s.alloc_zeros::<half::bf16>(n * 2 * h)?;
         self.ops.rmsnorm(&s, &mut cat, 2 * h, &e, h, &m.enorm, n, eps)?;
         self.ops.rmsnorm(&s, &mut cat.slice_mut(h..), 2 * h, hid, h, &m.hnorm, n, eps)?;
-        self.gemm.forward(&s, &m.eh_proj, &cat, n, x)?;
+        self.proj(&m.eh_proj, &cat, n, x)?;
         self.mark("MTP input (embedding, norms, eh_proj)")?;
         self.run_block(BlockRef::Mtp(layer), x, st)?;
         let m = &self.mtp[layer];

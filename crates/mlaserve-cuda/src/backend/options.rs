@@ -50,6 +50,14 @@ pub struct CudaOptions {
     pub gpu_memory_utilization: Option<f64>,
     /// The largest step's tokens (the engine's `max_batch_tokens`), for that profile.
     pub profile_tokens: usize,
+    /// Keep a checkpoint's fp8 projections and experts in fp8 and run them on the
+    /// block-scaled fp8 GEMMs (activations quantised per token per 128 channels, as the
+    /// CPU backend's fp8 semantics); off, they are widened to bf16 at load (the
+    /// dequantised model, twice the memory).
+    pub fp8_kernels: bool,
+    /// [`super::CudaBackend::synthetic`] makes its projections and experts fp8 (random
+    /// codes and block scales) instead of bf16: V3's real memory footprint.
+    pub synthetic_fp8: bool,
 }
 
 /// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
@@ -83,6 +91,8 @@ impl CudaOptions {
             decode_split_blocks: None,
             gpu_memory_utilization: None,
             profile_tokens: 2048,
+            fp8_kernels: true,
+            synthetic_fp8: false,
         }
     }
     /// Every token's result independent of its batch, on the fast kernels: the

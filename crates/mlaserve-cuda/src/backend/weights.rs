@@ -10,12 +10,15 @@ use mlaserve_core::config::Arch;
 use mlaserve_core::{ModelConfig, MoeConfig, ScoringFunc, TopkMethod};
 use mlaserve_model::{names, Shard, Weights};
 
+use super::layer::GROUPED_MAX_EXPERTS;
+use super::proj::Proj;
 use crate::error::{CudaError, Result};
 use crate::fp8_dequant::{Fp8Dequant, Fp8Host};
+use crate::fp8_grouped::Fp8Experts;
 use crate::linear::Linear;
 use crate::ops::{ExpertWeights, RouteParams};
 
-fn mlerr(e: mlaserve_core::Error) -> crate::CudaError {
+pub(crate) fn mlerr(e: mlaserve_core::Error) -> crate::CudaError {
     crate::CudaError::Shape { kernel: "load", msg: e.to_string() }
 }
 
@@ -27,10 +30,15 @@ pub(crate) struct Loader<'a> {
     pub rank: usize,
     pub world: usize,
     pub dq: &'a Fp8Dequant,
+    /// Keep fp8 projections in fp8 (the fp8 kernels are loaded); off, widen them.
+    pub fp8: bool,
+    /// The grouped fp8 expert kernel exists here: a MoE layer's fp8 experts go into one
+    /// buffer per projection ([`Grouped::Fp8`]).
+    pub grouped_fp8: bool,
 }
 
 impl Loader<'_> {
-    fn host(&self, name: &str, shape: &[usize], shard: Option<usize>) -> Result<Vec<f32>> {
+    pub(crate) fn host(&self, name: &str, shape: &[usize], shard: Option<usize>) -> Result<Vec<f32>> {
         self.w.f32_shard(name, shape, shard.map(|d| Shard::new(d, self.rank, self.world))).map_err(mlerr)
     }
 
@@ -77,7 +85,8 @@ impl Loader<'_> {
     pub fn vec(&self, name: &str, len: usize) -> Result<CudaSlice<f32>> {
         Ok(self.s.clone_htod(&self.host(name, &[len], None)?)?)
     }
-    /// `[out, inp]` split along `shard` (0: output rows, 1: input columns) or replicated.
+    /// `[out, inp]` split along `shard` (0: output rows, 1: input columns) or replicated,
+    /// in bf16 whatever the checkpoint's dtype ([`Loader::proj`] keeps fp8).
     pub fn lin(&self, name: &str, out: usize, inp: usize, shard: Option<usize>) -> Result<Linear> {
         let (o, i) = match shard {
             Some(0) => (out / self.world, inp),
@@ -91,15 +100,22 @@ impl Loader<'_> {
     }
 }
 
-/// SwiGLU MLP with gate and up fused into one `[2I, h]` projection.
+/// SwiGLU MLP with gate and up fused into one `[gate | up]` projection (an fp8 one pads
+/// each half to whole scale rows: [`crate::fp8_plan::gate_up_half`]).
 #[derive(Debug)]
 pub(crate) struct Mlp {
-    pub gate_up: Linear,
-    pub down: Linear,
+    pub gate_up: Proj,
+    pub down: Proj,
 }
 
 impl Mlp {
     fn load(l: &Loader, prefix: &str, h: usize, inter: usize) -> Result<Self> {
+        if l.mlp_fp8(prefix, h, inter) {
+            return Ok(Mlp {
+                gate_up: l.fp8_gate_up(prefix, h, inter)?,
+                down: l.proj(&format!("{prefix}.down_proj.weight"), h, inter, Some(1))?,
+            });
+        }
         let local = inter / l.world;
         let mut gate_up = l.s.alloc_zeros::<bf16>(2 * local * h)?;
         for (i, part) in ["gate_proj", "up_proj"].iter().enumerate() {
@@ -111,14 +127,27 @@ impl Mlp {
             }
         }
         Ok(Mlp {
-            gate_up: Linear { w: gate_up, out: 2 * local, inp: h },
-            down: l.lin(&format!("{prefix}.down_proj.weight"), h, inter, Some(1))?,
+            gate_up: Proj::Bf16(Linear { w: gate_up, out: 2 * local, inp: h }),
+            down: Proj::Bf16(l.lin(&format!("{prefix}.down_proj.weight"), h, inter, Some(1))?),
         })
     }
-    /// Local intermediate width.
+    /// Local intermediate width (the SiLU's output, down's input).
     pub fn inter(&self) -> usize {
-        self.gate_up.out / 2
+        self.down.inp()
     }
+    /// Rows of each half of gate_up (≥ [`Mlp::inter`]: fp8 pads them).
+    pub fn half(&self) -> usize {
+        self.gate_up.out() / 2
+    }
+}
+
+/// Every routed expert of a layer in one launch per projection.
+#[derive(Debug)]
+pub(crate) enum Grouped {
+    /// bf16: the experts' addresses (`Ops::moe_grouped_sorted`).
+    Bf16(ExpertWeights, ExpertWeights),
+    /// fp8: every expert's gate_up and down in one buffer each (`Fp8Grouped`).
+    Fp8(Fp8Experts, Fp8Experts),
 }
 
 #[derive(Debug)]
@@ -126,24 +155,41 @@ pub(crate) struct Moe {
     /// Router weight `[experts][h]`, f32 (the router runs in f32, as transformers').
     pub gate: CudaSlice<f32>,
     pub bias: Option<CudaSlice<f32>>,
+    /// One MLP per expert; empty when the experts live in [`Grouped::Fp8`] only.
     pub experts: Vec<Mlp>,
     pub shared: Option<Mlp>,
     pub route: RouteParams,
-    /// Every expert's gate_up and down addresses for the one-launch expert GEMMs
-    /// (`None` when a dimension is not a multiple of 8: the experts then run one by one).
-    pub grouped: Option<(ExpertWeights, ExpertWeights)>,
+    /// The experts for the one-launch expert GEMMs (`None` when the experts run one by
+    /// one: bf16 dimensions not multiples of 8, fp8 without the grouped kernel).
+    pub grouped: Option<Grouped>,
 }
 
 impl Moe {
-    /// The address tables of `experts` for [`crate::ops::Ops::moe_grouped_sorted`].
-    pub fn tables(s: &Arc<CudaStream>, experts: &[Mlp]) -> Result<Option<(ExpertWeights, ExpertWeights)>> {
+    /// The bf16 address tables of `experts` for [`crate::ops::Ops::moe_grouped_sorted`]
+    /// (`None` for fp8 experts or dimensions the kernel does not take).
+    pub fn tables(s: &Arc<CudaStream>, experts: &[Mlp]) -> Result<Option<Grouped>> {
         let Some(first) = experts.first() else { return Ok(None) };
-        if first.gate_up.inp % 8 != 0 || first.down.inp % 8 != 0 {
+        fn bf16(p: &Proj) -> Option<&Linear> {
+            match p {
+                Proj::Bf16(l) => Some(l),
+                Proj::Fp8(_) => None,
+            }
+        }
+        let gu: Option<Vec<&Linear>> = experts.iter().map(|m| bf16(&m.gate_up)).collect();
+        let dn: Option<Vec<&Linear>> = experts.iter().map(|m| bf16(&m.down)).collect();
+        let (Some(gu), Some(dn)) = (gu, dn) else { return Ok(None) };
+        if first.gate_up.inp() % 8 != 0 || first.down.inp() % 8 != 0 {
             return Ok(None);
         }
-        let gu: Vec<&Linear> = experts.iter().map(|m| &m.gate_up).collect();
-        let dn: Vec<&Linear> = experts.iter().map(|m| &m.down).collect();
-        Ok(Some((ExpertWeights::new(s, &gu)?, ExpertWeights::new(s, &dn)?)))
+        Ok(Some(Grouped::Bf16(ExpertWeights::new(s, &gu)?, ExpertWeights::new(s, &dn)?)))
+    }
+
+    /// Routed experts per layer and one expert's bytes (gate_up and down).
+    pub fn expert_bytes(&self) -> (u64, u64) {
+        match &self.grouped {
+            Some(Grouped::Fp8(gu, dn)) => (gu.experts as u64, (gu.expert_bytes() + dn.expert_bytes()) as u64),
+            _ => (self.experts.len() as u64, self.experts.first().map_or(0, |m| m.gate_up.bytes() + m.down.bytes())),
+        }
     }
 }
 
@@ -157,15 +203,23 @@ impl Moe {
             _ => None,
         };
         let inter = c.moe_intermediate_size;
-        let experts =
-            (0..e).map(|i| Mlp::load(l, &n(&format!("mlp.experts.{i}")), h, inter)).collect::<Result<Vec<_>>>()?;
+        let prefix = n("mlp.experts");
+        let all_fp8 = (0..e).all(|i| l.mlp_fp8(&format!("{prefix}.{i}"), h, inter));
+        let (experts, grouped) = if l.grouped_fp8 && all_fp8 && e <= GROUPED_MAX_EXPERTS {
+            let (gu, dn) = l.fp8_experts(&prefix, e, h, inter)?;
+            (Vec::new(), Some(Grouped::Fp8(gu, dn)))
+        } else {
+            let experts =
+                (0..e).map(|i| Mlp::load(l, &format!("{prefix}.{i}"), h, inter)).collect::<Result<Vec<_>>>()?;
+            let grouped = Moe::tables(l.s, &experts)?;
+            (experts, grouped)
+        };
         let shared = if c.n_shared_experts > 0 {
             Some(Mlp::load(l, &n("mlp.shared_experts"), h, inter * c.n_shared_experts)?)
         } else {
             None
         };
         let route = route_params(c, arch);
-        let grouped = Moe::tables(l.s, &experts)?;
         Ok(Moe { gate, bias, experts, shared, route, grouped })
     }
 }
@@ -194,23 +248,23 @@ pub(crate) fn route_params(c: &MoeConfig, arch: Arch) -> RouteParams {
 
 #[derive(Debug)]
 pub(crate) enum Ffn {
-    Dense(Mlp),
+    Dense(Box<Mlp>),
     Moe(Box<Moe>),
 }
 
 /// MLA weights of this rank's heads.
 #[derive(Debug)]
 pub(crate) struct Attn {
-    pub q_a: Option<(Linear, CudaSlice<f32>)>,
-    pub q_b: Linear,
-    pub kv_a: Linear,
+    pub q_a: Option<(Proj, CudaSlice<f32>)>,
+    pub q_b: Proj,
+    pub kv_a: Proj,
     pub kv_a_norm: CudaSlice<f32>,
     /// `[heads][nope][lora]`, as a `[heads·nope][lora]` projection (the expanded form's
     /// `K_nope = c_kv · W_UKᵀ` over all heads in one GEMM).
     pub w_uk: Linear,
     /// `[heads][vdim][lora]`, as a `[heads·vdim][lora]` projection.
     pub w_uv: Linear,
-    pub o_proj: Linear,
+    pub o_proj: Proj,
     pub heads: usize,
 }
 
@@ -222,13 +276,13 @@ impl Attn {
         let n = |s: &str| names::layer(layer, s);
         let (q_a, q_b) = match c.q_lora_rank {
             Some(r) => {
-                let qa = l.lin(&n("self_attn.q_a_proj.weight"), r, h, None)?;
+                let qa = l.proj(&n("self_attn.q_a_proj.weight"), r, h, None)?;
                 let qn = l.vec(&n("self_attn.q_a_layernorm.weight"), r)?;
-                (Some((qa, qn)), l.lin(&n("self_attn.q_b_proj.weight"), nh * qk, r, Some(0))?)
+                (Some((qa, qn)), l.proj(&n("self_attn.q_b_proj.weight"), nh * qk, r, Some(0))?)
             }
-            None => (None, l.lin(&n("self_attn.q_proj.weight"), nh * qk, h, Some(0))?),
+            None => (None, l.proj(&n("self_attn.q_proj.weight"), nh * qk, h, Some(0))?),
         };
-        let kv_a = l.lin(&n("self_attn.kv_a_proj_with_mqa.weight"), c.latent_dim(), h, None)?;
+        let kv_a = l.proj(&n("self_attn.kv_a_proj_with_mqa.weight"), c.latent_dim(), h, None)?;
         let kv_a_norm = l.vec(&n("self_attn.kv_a_layernorm.weight"), c.kv_lora_rank)?;
         let (nope, vdim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
         // kv_b_proj stays bf16 (the absorbed form multiplies by its halves): widened on
@@ -253,7 +307,7 @@ impl Attn {
             kv_a_norm,
             w_uk: Linear { w: uk, out: lh * nope, inp: lora },
             w_uv: Linear { w: uv, out: lh * vdim, inp: lora },
-            o_proj: l.lin(&n("self_attn.o_proj.weight"), h, nh * vdim, Some(1))?,
+            o_proj: l.proj(&n("self_attn.o_proj.weight"), h, nh * vdim, Some(1))?,
             heads: lh,
         })
     }
@@ -272,7 +326,7 @@ impl Block {
         let h = c.hidden_size;
         let ffn = match (&c.moe, c.is_moe_layer(layer)) {
             (Some(m), true) => Ffn::Moe(Box::new(Moe::load(l, m, c.arch, layer, h)?)),
-            _ => Ffn::Dense(Mlp::load(l, &names::layer(layer, "mlp"), h, c.intermediate_size)?),
+            _ => Ffn::Dense(Box::new(Mlp::load(l, &names::layer(layer, "mlp"), h, c.intermediate_size)?)),
         };
         Ok(Block {
             in_norm: l.vec(&names::layer(layer, "input_layernorm.weight"), h)?,
@@ -304,7 +358,7 @@ impl Embed {
 pub(crate) struct Mtp {
     pub enorm: CudaSlice<f32>,
     pub hnorm: CudaSlice<f32>,
-    pub eh_proj: Linear,
+    pub eh_proj: Proj,
     pub block: Block,
     pub head_norm: CudaSlice<f32>,
     /// The layer's own head; `None`: the main model's (absent, or the same tensor: V3
@@ -329,7 +383,7 @@ impl Mtp {
         Ok(Mtp {
             enorm: l.vec(&n("enorm.weight"), h)?,
             hnorm: l.vec(&n("hnorm.weight"), h)?,
-            eh_proj: l.lin(&n("eh_proj.weight"), h, 2 * h, None)?,
+            eh_proj: l.proj(&n("eh_proj.weight"), h, 2 * h, None)?,
             block: Block::load(l, c, layer)?,
             head_norm: l.vec(&n("shared_head.norm.weight"), h)?,
             head: own_head.map(|name| l.lin(&name, v, h, Some(0))).transpose()?,

@@ -101,6 +101,11 @@ pub struct CudaFlags {
     /// capture that fails).
     #[arg(long, value_enum, default_value_t = GraphCapture::ThreadLocal)]
     pub graph_capture: GraphCapture,
+    /// CUDA backend: widen an fp8 checkpoint's projections and experts to bf16 at load
+    /// (the dequantised model: twice the weight memory) instead of running them on the
+    /// fp8 GEMMs.
+    #[arg(long)]
+    pub dequantize_fp8: bool,
 }
 
 impl CudaFlags {
@@ -121,6 +126,7 @@ impl CudaFlags {
                 PrefillKernelArg::Tma => PrefillKernel::WgmmaTma,
             },
             tp_graphs: self.tp_graphs,
+            fp8_kernels: !self.dequantize_fp8,
             graph_capture: match self.graph_capture {
                 GraphCapture::ThreadLocal => mlaserve_cuda::CaptureMode::ThreadLocal,
                 GraphCapture::Relaxed => mlaserve_cuda::CaptureMode::Relaxed,
@@ -145,6 +151,9 @@ impl CudaFlags {
         ];
         if self.tp_graphs {
             a.push("--tp-graphs".to_string());
+        }
+        if self.dequantize_fp8 {
+            a.push("--dequantize-fp8".to_string());
         }
         a
     }
@@ -251,11 +260,20 @@ mod tests {
         let parse = |args: &[&str]| Cli::try_parse_from([&["mlaserve"], args].concat()).map(|c| c.b.cuda);
         let d = parse(&[]).expect("defaults");
         assert_eq!((d.linear_tc, d.prefill_kernel, d.tp_graphs), (LinearTc::Auto, PrefillKernelArg::Tma, false));
-        assert_eq!(d.graph_capture, GraphCapture::ThreadLocal);
-        let args =
-            ["--linear-tc", "mma.sync", "--prefill-kernel", "wgmma", "--tp-graphs", "--graph-capture", "relaxed"];
+        assert_eq!((d.graph_capture, d.dequantize_fp8), (GraphCapture::ThreadLocal, false));
+        let args = [
+            "--linear-tc",
+            "mma.sync",
+            "--prefill-kernel",
+            "wgmma",
+            "--tp-graphs",
+            "--graph-capture",
+            "relaxed",
+            "--dequantize-fp8",
+        ];
         let f = parse(&args).expect("flags");
         assert_eq!((f.linear_tc, f.prefill_kernel, f.tp_graphs), (LinearTc::MmaSync, PrefillKernelArg::Wgmma, true));
+        assert!(f.dequantize_fp8 && f.to_args().contains(&"--dequantize-fp8".to_string()));
         assert_eq!(f.graph_capture, GraphCapture::Relaxed);
         let again = f.to_args();
         let g = parse(&again.iter().map(String::as_str).collect::<Vec<_>>()).expect("round trip");

@@ -38,9 +38,26 @@ struct StepArgs {
     /// Tensor-parallel ranks, one GPU (and thread) each, NCCL between them.
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    /// Target MoE layers (after one dense layer; plus one MTP layer).
+    /// Target dense layers, first (V3 has 3).
+    #[arg(long, default_value_t = 1)]
+    dense_layers: usize,
+    /// Target MoE layers (after the dense ones; plus one MTP layer). V3 has 58.
     #[arg(long, default_value_t = 2)]
     moe_layers: usize,
+    /// Projections and experts in fp8 with 128 × 128 block scales, on the fp8 GEMMs
+    /// (V3's checkpoint precision) instead of bf16.
+    #[arg(long)]
+    fp8: bool,
+    /// Run one rank's shard of a tensor-parallel group of N GPUs alone on one GPU (its
+    /// weights and KV, without the collectives), e.g. `--shard-of 8` for TP 8's memory.
+    #[arg(long, default_value_t = 1, conflicts_with = "tp")]
+    shard_of: usize,
+    /// Size the KV cache from the device's memory as a worker does and print the plan.
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
+    /// Batch sizes (requests per step), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 8, 64])]
+    batches: Vec<usize>,
     /// Cached tokens per request before the step.
     #[arg(long, default_value_t = 1024)]
     context: usize,
@@ -287,8 +304,13 @@ fn parse_chunk(p: &str) -> anyhow::Result<(usize, usize)> {
 #[cfg(feature = "cuda")]
 fn step_bench(a: StepArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
-    let cfg = mlaserve_cuda_lab::bench_step::v3_config(a.moe_layers)?;
+    let cfg = mlaserve_cuda_lab::bench_step::v3_config_with(a.dense_layers, a.moe_layers)?;
     cfg.check_tp(a.tp).with_context(|| format!("--tp {}", a.tp))?;
+    cfg.check_tp(a.shard_of).with_context(|| format!("--shard-of {}", a.shard_of))?;
+    if let Some(u) = a.gpu_memory_utilization {
+        anyhow::ensure!(u > 0.0 && u <= 1.0, "--gpu-memory-utilization {u} is not in (0, 1]");
+    }
+    anyhow::ensure!(a.batches.iter().all(|&b| b > 0), "--batches: every batch size must be positive");
     let defaults = mlaserve_cuda_lab::bench_step::StepBenchOpts::default();
     let prefill = match a.prefill.as_slice() {
         [] => defaults.prefill.clone(),
@@ -298,7 +320,12 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
     let opts = mlaserve_cuda_lab::bench_step::StepBenchOpts {
         ordinal: a.device,
         tp: a.tp,
+        dense_layers: a.dense_layers,
         moe_layers: a.moe_layers,
+        fp8: a.fp8,
+        shard_of: a.shard_of,
+        gpu_memory_utilization: a.gpu_memory_utilization,
+        batches: a.batches.clone(),
         context: a.context,
         profile: a.profile,
         host_logits: a.host_logits,
@@ -338,6 +365,10 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
             std::process::Command::new(&exe)
                 .args(["bench", "step", "--device", &a.device.to_string(), "--tp", &a.tp.to_string()])
                 .args(["--moe-layers", &a.moe_layers.to_string(), "--context", &a.context.to_string()])
+                .args(["--dense-layers", &a.dense_layers.to_string()])
+                .args(a.fp8.then_some("--fp8"))
+                .args(a.gpu_memory_utilization.map(|u| format!("--gpu-memory-utilization={u}")))
+                .args(["--batches", &a.batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(",")])
                 .args(["--rank", &r.to_string(), "--nccl-id", &hex])
                 .args(a.profile.then_some("--profile"))
                 .args(a.host_logits.then_some("--host-logits"))

@@ -1,0 +1,308 @@
+//! A projection as the backend holds it ([`Proj`]): bf16, or fp8 e4m3 with its 128 × 128
+//! block scales when the checkpoint stores it so (and [`CudaOptions::fp8_kernels`] is
+//! on); the loader's fp8 paths (projections, fused gate_up, every routed expert of a
+//! layer in one buffer for the grouped kernel); and the dispatch of a projection call.
+//!
+//! An fp8 projection runs the block-scaled fp8 GEMM (`crate::fp8`): its input is
+//! quantised per token per 128 channels on the way in, the semantics of
+//! `mlaserve-cpu`'s fp8 linears (docs/fp8.md). A weight of fewer than a multiple of 128
+//! input channels (tiny test models) is stored padded with zero columns, which changes
+//! nothing; a tensor-parallel shard that does not start on a scale block, or a block
+//! size other than 128 × 128, is widened to bf16 instead (the dequantised model).
+//!
+//! [`CudaOptions::fp8_kernels`]: super::CudaOptions::fp8_kernels
+
+use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut};
+use half::bf16;
+use mlaserve_model::{Fp8Tensor, Shard};
+
+use super::weights::{mlerr, Loader};
+use super::{weights, CudaBackend, CudaOptions, WeightBytes};
+use crate::error::Result;
+use crate::fp8::{Fp8Gemm, Fp8Linear};
+use crate::fp8_grouped::{Fp8Experts, Fp8Grouped};
+use crate::fp8_plan::{self, Fp8Path, FP8_BLOCK};
+use crate::gpu::Gpu;
+use crate::linear::{GemmOut, Linear};
+
+/// A weight `[out][inp]` on the device, in the precision it runs in.
+#[derive(Debug)]
+pub(crate) enum Proj {
+    Bf16(Linear),
+    Fp8(Fp8Linear),
+}
+
+impl Proj {
+    /// Output features.
+    pub fn out(&self) -> usize {
+        match self {
+            Proj::Bf16(l) => l.out,
+            Proj::Fp8(l) => l.out,
+        }
+    }
+    /// Input features (the activation's width).
+    pub fn inp(&self) -> usize {
+        match self {
+            Proj::Bf16(l) => l.inp,
+            Proj::Fp8(l) => l.x_inp,
+        }
+    }
+    /// Bytes on the device (codes and scales for fp8).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Proj::Bf16(l) => (l.w.len() * 2) as u64,
+            Proj::Fp8(l) => l.bytes() as u64,
+        }
+    }
+}
+
+/// The fp8 kernels a backend runs its fp8 projections with.
+#[derive(Debug)]
+pub(crate) struct Fp8Kernels {
+    pub gemm: Fp8Gemm,
+    /// The grouped expert GEMM (Hopper); elsewhere fp8 experts run one by one.
+    pub grouped: Option<Fp8Grouped>,
+}
+
+impl Fp8Kernels {
+    /// The fp8 kernels for `opts` on `gpu` (the batch-invariant streaming kernel when the
+    /// options are batch-invariant), or `None` when `opts.fp8_kernels` is off or they do
+    /// not load here (logged: the fp8 weights are then widened to bf16).
+    pub fn new(gpu: &Gpu, opts: &CudaOptions) -> Option<Self> {
+        if !opts.fp8_kernels {
+            return None;
+        }
+        let path = if opts.gemm.batch_invariant() { Fp8Path::Stream } else { Fp8Path::Auto };
+        match Fp8Gemm::new(gpu, path) {
+            Ok(gemm) => Some(Fp8Kernels { gemm, grouped: Fp8Grouped::new(gpu).ok() }),
+            Err(e) => {
+                tracing::warn!("fp8 kernels unavailable ({e}); fp8 weights are widened to bf16");
+                None
+            }
+        }
+    }
+}
+
+impl Loader<'_> {
+    /// Whether linear `name` (full `shape`, split along `shard`) stays fp8 on the device.
+    pub fn keeps_fp8(&self, name: &str, shape: [usize; 2], shard: Option<usize>) -> bool {
+        if !self.fp8 || !self.w.is_fp8(name) || self.w.fp8_block() != [FP8_BLOCK, FP8_BLOCK] {
+            return false;
+        }
+        let local_inp = match shard {
+            Some(1) => shape[1] / self.world,
+            _ => shape[1],
+        };
+        let on_grid = match shard {
+            Some(d) if self.world > 1 => (shape[d] / self.world).is_multiple_of(FP8_BLOCK),
+            _ => true,
+        };
+        on_grid && fp8_plan::padded_inp(local_inp).is_ok()
+    }
+
+    /// This rank's shard of fp8 linear `name`.
+    pub fn fp8_tensor(&self, name: &str, shape: [usize; 2], shard: Option<usize>) -> Result<Fp8Tensor<'_>> {
+        self.w.fp8_shard(name, shape, shard.map(|d| Shard::new(d, self.rank, self.world))).map_err(mlerr)
+    }
+
+    /// `name` as a projection: fp8 when [`Loader::keeps_fp8`], else bf16.
+    pub fn proj(&self, name: &str, out: usize, inp: usize, shard: Option<usize>) -> Result<Proj> {
+        if self.keeps_fp8(name, [out, inp], shard) {
+            let t = self.fp8_tensor(name, [out, inp], shard)?;
+            return Ok(Proj::Fp8(Fp8Linear::from_unpadded(self.s, &t.q, &t.scales, t.out, t.inp)?));
+        }
+        Ok(Proj::Bf16(self.lin(name, out, inp, shard)?))
+    }
+
+    /// Copies `t` into `q` (rows of `inp` bytes, `inp` ≥ `t.inp`: zero columns beyond)
+    /// and its scales into `sc`, at the views' starts.
+    fn put_fp8(
+        &self,
+        t: &Fp8Tensor,
+        inp: usize,
+        q: &mut CudaViewMut<'_, u8>,
+        sc: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let n = t.out * inp;
+        if inp == t.inp {
+            self.s.memcpy_htod(&t.q[..], &mut q.slice_mut(0..n))?;
+        } else {
+            self.s.memcpy_htod(&fp8_plan::pad_rows(&t.q, t.out, t.inp, inp), &mut q.slice_mut(0..n))?;
+        }
+        self.s.memcpy_htod(&t.scales[..], &mut sc.slice_mut(0..t.scales.len()))?;
+        Ok(())
+    }
+
+    /// A SwiGLU's gate and up (`[inter, h]` each, split along rows) as one fp8
+    /// projection `[gate | up]` whose halves start on scale rows
+    /// ([`fp8_plan::gate_up_half`]), written into `q`/`sc` (zeroed, sized by
+    /// [`gate_up_sizes`]) at their starts.
+    fn put_gate_up(
+        &self,
+        prefix: &str,
+        h: usize,
+        inter: usize,
+        q: &mut CudaViewMut<'_, u8>,
+        sc: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let local = inter / self.world;
+        let (half, inp) = (fp8_plan::gate_up_half(local), fp8_plan::padded_inp(h).map_err(|e| mlerr_s(prefix, e))?);
+        let half_scales = (half / FP8_BLOCK) * (inp / FP8_BLOCK);
+        for (i, part) in ["gate_proj", "up_proj"].iter().enumerate() {
+            let t = self.fp8_tensor(&format!("{prefix}.{part}.weight"), [inter, h], Some(0))?;
+            let mut qv = q.slice_mut(i * half * inp..(i + 1) * half * inp);
+            let mut sv = sc.slice_mut(i * half_scales..(i + 1) * half_scales);
+            self.put_fp8(&t, inp, &mut qv, &mut sv)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a SwiGLU at `prefix` runs in fp8: gate, up and down all stay fp8.
+    pub fn mlp_fp8(&self, prefix: &str, h: usize, inter: usize) -> bool {
+        ["gate_proj", "up_proj"].iter().all(|p| self.keeps_fp8(&format!("{prefix}.{p}.weight"), [inter, h], Some(0)))
+            && self.keeps_fp8(&format!("{prefix}.down_proj.weight"), [h, inter], Some(1))
+    }
+
+    /// A SwiGLU's fused fp8 gate_up (see [`Loader::put_gate_up`]).
+    pub fn fp8_gate_up(&self, prefix: &str, h: usize, inter: usize) -> Result<Proj> {
+        let local = inter / self.world;
+        let (qn, sn, out, inp) = gate_up_sizes(local, h);
+        let mut q = self.s.alloc_zeros::<u8>(qn)?;
+        let mut sc = self.s.alloc_zeros::<f32>(sn)?;
+        self.put_gate_up(prefix, h, inter, &mut q.as_view_mut(), &mut sc.as_view_mut())?;
+        Ok(Proj::Fp8(Fp8Linear { q, scale: sc, out, inp, x_inp: h }))
+    }
+
+    /// Every routed expert of a MoE layer (`prefix.{i}`) as two grouped fp8 weights:
+    /// the fused gate_up of each (halves on scale rows) and down.
+    pub fn fp8_experts(
+        &self,
+        prefix: &str,
+        experts: usize,
+        h: usize,
+        inter: usize,
+    ) -> Result<(Fp8Experts, Fp8Experts)> {
+        let local = inter / self.world;
+        let (qn, sn, out, inp) = gate_up_sizes(local, h);
+        let mut gq = self.s.alloc_zeros::<u8>(experts * qn)?;
+        let mut gs = self.s.alloc_zeros::<f32>(experts * sn)?;
+        let dinp = fp8_plan::padded_inp(local).map_err(|e| mlerr_s(prefix, e))?;
+        let (dso, dsi) = fp8_plan::scale_shape(h, dinp);
+        let mut dq = self.s.alloc_zeros::<u8>(experts * h * dinp)?;
+        let mut ds = self.s.alloc_zeros::<f32>(experts * dso * dsi)?;
+        for e in 0..experts {
+            let p = format!("{prefix}.{e}");
+            let mut q = gq.slice_mut(e * qn..(e + 1) * qn);
+            let mut s = gs.slice_mut(e * sn..(e + 1) * sn);
+            self.put_gate_up(&p, h, inter, &mut q, &mut s)?;
+            let t = self.fp8_tensor(&format!("{p}.down_proj.weight"), [h, inter], Some(1))?;
+            let mut q = dq.slice_mut(e * h * dinp..(e + 1) * h * dinp);
+            let mut s = ds.slice_mut(e * dso * dsi..(e + 1) * dso * dsi);
+            self.put_fp8(&t, dinp, &mut q, &mut s)?;
+        }
+        Ok((
+            Fp8Experts::from_parts(gq, gs, experts, out, inp, h)?,
+            Fp8Experts::from_parts(dq, ds, experts, h, dinp, local)?,
+        ))
+    }
+}
+
+fn mlerr_s(what: &str, e: String) -> crate::CudaError {
+    crate::CudaError::Shape { kernel: "load", msg: format!("{what}: {e}") }
+}
+
+/// A fused fp8 gate_up of `local` rows per half over `h` inputs: (code bytes, scales,
+/// rows, stored input width).
+pub(crate) fn gate_up_sizes(local: usize, h: usize) -> (usize, usize, usize, usize) {
+    let half = fp8_plan::gate_up_half(local);
+    let inp = h.next_multiple_of(FP8_BLOCK);
+    (2 * half * inp, (2 * half / FP8_BLOCK) * (inp / FP8_BLOCK), 2 * half, inp)
+}
+
+impl CudaBackend {
+    /// `y[n][p.out] = x[n][p.inp] · pᵀ` on the stream: the bf16 GEMM of the backend's
+    /// mode, or the fp8 GEMM (quantising `x` on the way).
+    pub(super) fn proj<T: GemmOut>(
+        &self,
+        p: &Proj,
+        x: &impl DevicePtr<bf16>,
+        n: usize,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        match p {
+            Proj::Bf16(l) => self.gemm.forward(s, l, x, n, y),
+            Proj::Fp8(l) => self.fp8_kernels()?.gemm.forward(s, l, x, n, y),
+        }
+    }
+
+    /// Weight bytes held in fp8 (codes and scales) and in all, this rank.
+    pub fn fp8_bytes(&self) -> (u64, u64) {
+        let wb = self.weight_bytes();
+        let layers = self.blocks.iter().chain(self.mtp.iter().map(|m| &m.block));
+        let mut fp8 = 0u64;
+        let of = |p: &Proj| if let Proj::Fp8(l) = p { l.bytes() as u64 } else { 0 };
+        for b in layers {
+            let a = &b.attn;
+            fp8 += [&a.q_b, &a.kv_a, &a.o_proj].into_iter().chain(a.q_a.as_ref().map(|q| &q.0)).map(of).sum::<u64>();
+            let (dense, moe) = match &b.ffn {
+                weights::Ffn::Dense(m) => (Some(&**m), None),
+                weights::Ffn::Moe(m) => (m.shared.as_ref(), Some(m)),
+            };
+            for m in dense.into_iter().chain(moe.map_or(&[][..], |m| &m.experts[..])) {
+                fp8 += of(&m.gate_up) + of(&m.down);
+            }
+            if let Some(weights::Grouped::Fp8(gu, dn)) = moe.and_then(|m| m.grouped.as_ref()) {
+                fp8 += (gu.q.len() + 4 * gu.scale.len() + dn.q.len() + 4 * dn.scale.len()) as u64;
+            }
+        }
+        let all = wb.target_dense
+            + wb.mtp_dense
+            + wb.head
+            + wb.expert * wb.experts_per_layer * (wb.moe_layers + u64::from(wb.mtp_moe))
+            + self.embed.w.len() as u64 * 2;
+        (fp8, all)
+    }
+
+    pub(super) fn fp8_kernels(&self) -> Result<&Fp8Kernels> {
+        self.fp8.as_ref().ok_or_else(|| crate::CudaError::shape("fp8", "an fp8 weight without the fp8 kernels"))
+    }
+
+    /// Bytes of every weight on the device, split as (dense: attention, norms, dense
+    /// MLPs, shared experts, router, embedding and heads; one routed expert's MLP; routed
+    /// experts per MoE layer; MoE layers), for rooflines.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        let lin = |l: &Linear| (l.w.len() * 2) as u64;
+        let mlp = |m: &weights::Mlp| m.gate_up.bytes() + m.down.bytes();
+        let mut wb = WeightBytes { head: lin(&self.lm_head), ..Default::default() };
+        let blocks = self.blocks.iter().map(|b| (b, false)).chain(self.mtp.iter().map(|m| (&m.block, true)));
+        for (b, is_mtp) in blocks {
+            let a = &b.attn;
+            let mut d =
+                a.q_b.bytes() + a.kv_a.bytes() + a.o_proj.bytes() + (a.w_uk.w.len() + a.w_uv.w.len()) as u64 * 2;
+            if let Some((qa, _)) = &a.q_a {
+                d += qa.bytes();
+            }
+            match &b.ffn {
+                weights::Ffn::Dense(m) => d += mlp(m),
+                weights::Ffn::Moe(m) => {
+                    d += (m.gate.len() * 4) as u64 + m.shared.as_ref().map_or(0, mlp);
+                    (wb.experts_per_layer, wb.expert) = m.expert_bytes();
+                    wb.top_k = m.route.k as u64;
+                    if is_mtp {
+                        wb.mtp_moe = true;
+                    } else {
+                        wb.moe_layers += 1;
+                    }
+                }
+            }
+            if is_mtp {
+                wb.mtp_dense += d;
+            } else {
+                wb.target_dense += d;
+            }
+        }
+        wb.mtp_dense += self.mtp.iter().map(|m| m.eh_proj.bytes()).sum::<u64>();
+        wb
+    }
+}
