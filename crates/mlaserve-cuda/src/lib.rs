@@ -66,6 +66,8 @@ pub mod router;
 #[cfg(feature = "cuda")]
 pub mod sample;
 #[cfg(feature = "cuda")]
+pub mod stage;
+#[cfg(feature = "cuda")]
 mod tensor_map;
 
 #[cfg(feature = "cuda")]

@@ -19,6 +19,7 @@ pub mod weights;
 
 pub use fp8::Fp8Tensor;
 pub use progress::{LoadProgress, ProgressSnapshot};
+pub use safetensors::Dtype;
 pub use tokenizer::Tokenizer;
 pub use weights::{RawView, Shard, Weights};
 

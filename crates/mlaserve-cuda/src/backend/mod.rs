@@ -29,6 +29,7 @@
 
 mod graphs;
 mod layer;
+mod load;
 mod memory;
 mod options;
 mod proj;
@@ -42,7 +43,6 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, SampleRow, BLOCK_SIZE};
 use mlaserve_model::progress::LoadProgress;
-use mlaserve_model::{names, Weights};
 
 use crate::comm::{DeviceComm, TpInit};
 use crate::elementwise::{Argmax, SiluMul};
@@ -56,7 +56,7 @@ use crate::prefill::MlaPrefill;
 use crate::rope::RopeTables;
 use crate::sample::Sampler;
 use crate::{MlaDecode, MlaKernel};
-use weights::{Block, Embed, Loader, Mtp};
+use weights::{Block, Embed, Mtp};
 
 pub use graphs::GraphStats;
 pub use options::{CaptureMode, CudaOptions, INVARIANT_SPLIT_BLOCKS};
@@ -196,45 +196,6 @@ impl CudaBackend {
     /// size once the files are open), which another thread may read while it loads.
     pub fn load_observed(dir: &Path, opts: CudaOptions, progress: Arc<LoadProgress>) -> Result<Self> {
         Self::load_tp_observed(dir, opts, None, progress)
-    }
-
-    /// [`CudaBackend::load_tp`], ticking `progress`.
-    pub fn load_tp_observed(
-        dir: &Path,
-        opts: CudaOptions,
-        tp: Option<&TpInit>,
-        progress: Arc<LoadProgress>,
-    ) -> Result<Self> {
-        let bad = |e: Error| CudaError::Shape { kernel: "load", msg: e.to_string() };
-        let cfg = mlaserve_model::load_config(dir).map_err(bad)?;
-        let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
-        cfg.check_tp(world).map_err(bad)?;
-        let mut w = Weights::open(dir, cfg.fp8).map_err(bad)?;
-        progress.set_total(w.data_bytes());
-        w.set_progress(progress);
-        let gpu = Gpu::new(opts.ordinal)?;
-        let (free_at_start, _) = gpu.free_memory()?;
-        let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
-        let dq = crate::fp8_dequant::Fp8Dequant::new(&gpu)?;
-        let fp8 = if cfg.fp8.is_some() { proj::Fp8Kernels::new(&gpu, &opts) } else { None };
-        let l = Loader {
-            w: &w,
-            s: &gpu.stream,
-            rank,
-            world,
-            dq: &dq,
-            fp8: fp8.is_some(),
-            grouped_fp8: fp8.as_ref().is_some_and(|k| k.grouped.is_some()),
-        };
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed = Embed::load(&l, names::EMBED, v, h)?;
-        let blocks = (0..cfg.num_hidden_layers).map(|i| Block::load(&l, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let final_norm = l.vec(names::FINAL_NORM, h)?;
-        let head_name = if cfg.tie_word_embeddings { names::EMBED } else { names::LM_HEAD };
-        let lm_head = l.lin(head_name, v, h, Some(0))?;
-        let mtp =
-            (0..cfg.num_nextn_predict_layers).map(|d| Mtp::load(&l, &cfg, d, head_name)).collect::<Result<Vec<_>>>()?;
-        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), fp8, opts, comm, free_at_start)
     }
 
     /// A model of configuration `cfg` with synthetic weights whose values `fill` writes on

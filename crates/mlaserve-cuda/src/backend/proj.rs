@@ -109,7 +109,11 @@ impl Loader<'_> {
     pub fn proj(&self, name: &str, out: usize, inp: usize, shard: Option<usize>) -> Result<Proj> {
         if self.keeps_fp8(name, [out, inp], shard) {
             let t = self.fp8_tensor(name, [out, inp], shard)?;
-            return Ok(Proj::Fp8(Fp8Linear::from_unpadded(self.s, &t.q, &t.scales, t.out, t.inp)?));
+            let ip = fp8_plan::padded_inp(t.inp).map_err(|e| mlerr_s(name, e))?;
+            let mut q = self.s.alloc_zeros::<u8>(t.out * ip)?;
+            let mut sc = self.s.alloc_zeros::<f32>(t.scales.len())?;
+            self.put_fp8(&t, ip, &mut q.as_view_mut(), &mut sc.as_view_mut())?;
+            return Ok(Proj::Fp8(Fp8Linear { q, scale: sc, out: t.out, inp: ip, x_inp: t.inp }));
         }
         Ok(Proj::Bf16(self.lin(name, out, inp, shard)?))
     }
@@ -124,12 +128,13 @@ impl Loader<'_> {
         sc: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let n = t.out * inp;
+        let mut stage = self.stage.borrow_mut();
         if inp == t.inp {
-            self.s.memcpy_htod(&t.q[..], &mut q.slice_mut(0..n))?;
+            stage.upload(self.s, &t.q, &mut q.slice_mut(0..n))?;
         } else {
-            self.s.memcpy_htod(&fp8_plan::pad_rows(&t.q, t.out, t.inp, inp), &mut q.slice_mut(0..n))?;
+            stage.upload(self.s, &fp8_plan::pad_rows(&t.q, t.out, t.inp, inp), &mut q.slice_mut(0..n))?;
         }
-        self.s.memcpy_htod(&t.scales[..], &mut sc.slice_mut(0..t.scales.len()))?;
+        stage.upload_f32(self.s, &t.scales, &mut sc.slice_mut(0..t.scales.len()))?;
         Ok(())
     }
 

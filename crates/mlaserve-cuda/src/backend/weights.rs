@@ -17,6 +17,8 @@ use crate::fp8_dequant::{Fp8Dequant, Fp8Host};
 use crate::fp8_grouped::Fp8Experts;
 use crate::linear::Linear;
 use crate::ops::{ExpertWeights, RouteParams};
+use crate::stage::Stager;
+use std::cell::RefCell;
 
 pub(crate) fn mlerr(e: mlaserve_core::Error) -> crate::CudaError {
     crate::CudaError::Shape { kernel: "load", msg: e.to_string() }
@@ -35,6 +37,8 @@ pub(crate) struct Loader<'a> {
     /// The grouped fp8 expert kernel exists here: a MoE layer's fp8 experts go into one
     /// buffer per projection ([`Grouped::Fp8`]).
     pub grouped_fp8: bool,
+    /// Pinned staging for the bulk of the bytes (fp8 codes, bf16 tensors).
+    pub stage: &'a RefCell<Stager>,
 }
 
 impl Loader<'_> {
@@ -68,19 +72,47 @@ impl Loader<'_> {
     }
 
     /// This rank's shard of `name` as bf16 on the device, `[rows][cols]` after sharding.
-    fn bf16_matrix(&self, name: &str, shape: [usize; 2], shard: Option<usize>) -> Result<CudaSlice<bf16>> {
+    pub fn bf16_matrix(&self, name: &str, shape: [usize; 2], shard: Option<usize>) -> Result<CudaSlice<bf16>> {
         let (o, i) = match shard {
             Some(0) => (shape[0] / self.world, shape[1]),
             Some(_) => (shape[0], shape[1] / self.world),
             None => (shape[0], shape[1]),
         };
         let mut out = self.s.alloc_zeros::<bf16>(o * i)?;
+        if self.bf16_raw_into(name, shape, shard, &mut out)? {
+            return Ok(out);
+        }
         if !self.fp8_into(name, shape, shard, &mut out.as_view_mut())? {
             let v = self.host(name, &shape, shard)?;
             self.s.memcpy_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &mut out)?;
         }
         Ok(out)
     }
+    /// A bf16 tensor stored whole or split by rows (contiguous in the file) uploaded as
+    /// stored, through the staging ring; `Ok(false)` for anything else.
+    fn bf16_raw_into(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        shard: Option<usize>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<bool> {
+        let Ok(raw) = self.w.raw(name) else { return Ok(false) };
+        if raw.dtype != mlaserve_model::Dtype::BF16 || raw.shape != shape || matches!(shard, Some(1) if self.world > 1)
+        {
+            return Ok(false);
+        }
+        let rows = if shard.is_some() { shape[0] / self.world } else { shape[0] };
+        let first = if shard.is_some() { self.rank * rows } else { 0 };
+        let bytes = &raw.data[first * shape[1] * 2..(first + rows) * shape[1] * 2];
+        self.w.count_read(name);
+        // SAFETY: the view covers exactly out's bytes (bf16 is 2 bytes, plain data).
+        let mut view =
+            unsafe { out.transmute_mut::<u8>(out.len() * 2) }.ok_or_else(|| CudaError::shape("load", "bf16 view"))?;
+        self.stage.borrow_mut().upload(self.s, bytes, &mut view)?;
+        Ok(true)
+    }
+
     /// A norm weight or bias, replicated, f32.
     pub fn vec(&self, name: &str, len: usize) -> Result<CudaSlice<f32>> {
         Ok(self.s.clone_htod(&self.host(name, &[len], None)?)?)
@@ -94,9 +126,6 @@ impl Loader<'_> {
             None => (out, inp),
         };
         Ok(Linear { w: self.bf16_matrix(name, [out, inp], shard)?, out: o, inp: i })
-    }
-    fn bf16(&self, v: &[f32]) -> Result<CudaSlice<bf16>> {
-        Ok(self.s.clone_htod(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())?)
     }
 }
 
@@ -348,8 +377,7 @@ pub(crate) struct Embed {
 impl Embed {
     pub fn load(l: &Loader, name: &str, vocab: usize, h: usize) -> Result<Self> {
         let rows = vocab / l.world;
-        let v = l.host(name, &[vocab, h], Some(0))?;
-        Ok(Embed { w: l.bf16(&v)?, lo: l.rank * rows, rows })
+        Ok(Embed { w: l.bf16_matrix(name, [vocab, h], Some(0))?, lo: l.rank * rows, rows })
     }
 }
 

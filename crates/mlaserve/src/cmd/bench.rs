@@ -28,6 +28,9 @@ enum What {
     /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline,
     /// on one GPU or a tensor-parallel group (needs `--features cuda` and the GPUs).
     Step(StepArgs),
+    /// How fast a checkpoint loads onto a GPU, beside the disk's and the page cache's
+    /// read rates of the same files, measured in the same run.
+    Load(super::bench_load::Args),
 }
 
 #[derive(Debug, clap::Args)]
@@ -214,6 +217,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::MlaDecode(g) => mla_decode_bench(g),
         What::MlaPrefill(p) => mla_prefill_bench(p),
         What::Step(a) => step_bench(a),
+        What::Load(a) => super::bench_load::run(a),
     }
 }
 

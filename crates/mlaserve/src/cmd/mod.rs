@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod bench_load;
 pub mod bench_serve;
 pub mod gen_model;
 pub mod generate;
