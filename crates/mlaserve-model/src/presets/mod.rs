@@ -179,6 +179,9 @@ pub struct GenOptions {
     pub shard_bytes: Option<u64>,
     /// Merged into the config last (a JSON object).
     pub overrides: Value,
+    /// Write the config, generation config and tokenizer only, no weights (for a server
+    /// started with random weights: `--load-format dummy`).
+    pub config_only: bool,
 }
 
 /// Writes preset `name` into `out` (created if needed): config.json, safetensors
@@ -234,6 +237,9 @@ pub fn generate_opts(name: &str, out: &Path, opts: &GenOptions) -> Result<write:
         &json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
                 "model_max_length": cfg.max_position_embeddings, "add_bos_token": true}),
     )?;
+    if opts.config_only {
+        return Ok(write::Written { files: Vec::new(), total_size: 0 });
+    }
     let block = cfg.fp8.map_or([128, 128], |q| q.block);
     if block != [128, 128] {
         return Err(Error::config("quantization_config.weight_block_size", "gen-model writes 128 x 128 blocks only"));
@@ -355,6 +361,19 @@ mod fp8_tests {
 
     fn fp8() -> GenOptions {
         GenOptions { fp8: true, ..Default::default() }
+    }
+
+    #[test]
+    fn config_only_writes_the_config_and_tokenizer_and_no_weights() {
+        let t = tempfile::tempdir().unwrap();
+        let opts = GenOptions { fp8: true, layers: Some(61), config_only: true, ..Default::default() };
+        let w = generate_opts("deepseek-v3", t.path(), &opts).unwrap();
+        assert!(w.files.is_empty() && w.total_size == 0);
+        let cfg = load_config(t.path()).unwrap();
+        assert_eq!((cfg.num_hidden_layers, cfg.hidden_size, cfg.fp8.map(|q| q.block)), (61, 7168, Some([128, 128])));
+        assert!(t.path().join("tokenizer.json").is_file() && t.path().join("generation_config.json").is_file());
+        let files: Vec<_> = std::fs::read_dir(t.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(files.iter().all(|f| !f.to_string_lossy().contains("safetensors")), "{files:?}");
     }
 
     #[test]

@@ -43,6 +43,23 @@ pub struct BackendArgs {
     pub batch_invariant: bool,
     #[command(flatten)]
     pub cuda: CudaFlags,
+    /// Where the weights come from: `auto` reads the checkpoint; `dummy` makes random
+    /// weights of the config's shapes on the GPU (fp8 where the config's
+    /// `quantization_config` says so) without reading any, as vLLM's flag of the same
+    /// name: for measuring a model whose checkpoint is not at hand (`gen-model
+    /// --config-only` writes its directory). CUDA backend only.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+}
+
+/// Where a worker's weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LoadFormat {
+    /// The checkpoint's safetensors files.
+    #[default]
+    Auto,
+    /// Random weights of the config's shapes, made on the GPU.
+    Dummy,
 }
 
 /// The tensor-core kernels of the batch-invariant projections and the MoE experts.
@@ -178,6 +195,29 @@ impl BackendArgs {
     }
 }
 
+/// The CUDA backend of one rank (`tp`: its group) on `model`: the checkpoint's weights, or
+/// random ones of the config's shapes (`LoadFormat::Dummy`; fp8 when the config says so).
+#[cfg(feature = "cuda")]
+pub fn load_cuda(
+    model: &std::path::Path,
+    opts: mlaserve_cuda::CudaOptions,
+    tp: Option<&mlaserve_cuda::TpInit>,
+    format: LoadFormat,
+    progress: Option<Arc<LoadProgress>>,
+) -> mlaserve_core::Result<mlaserve_cuda::CudaBackend> {
+    let be = match (format, progress) {
+        (LoadFormat::Dummy, _) => {
+            let cfg = mlaserve_model::load_config(model)?;
+            let opts = mlaserve_cuda::CudaOptions { synthetic_fp8: cfg.fp8.is_some(), ..opts };
+            tracing::info!(fp8 = opts.synthetic_fp8, "--load-format dummy: random weights, made on the GPU");
+            mlaserve_cuda_lab::random::random_backend(cfg, opts, 1, tp)
+        }
+        (LoadFormat::Auto, Some(p)) => mlaserve_cuda::CudaBackend::load_tp_observed(model, opts, tp, p),
+        (LoadFormat::Auto, None) => mlaserve_cuda::CudaBackend::load_tp(model, opts, tp),
+    };
+    be.map_err(|e| mlaserve_core::Error::Backend(e.to_string()))
+}
+
 #[cfg(feature = "cuda")]
 fn gpu_present(ordinal: usize) -> bool {
     mlaserve_cuda::Gpu::new(ordinal).is_ok()
@@ -202,10 +242,8 @@ pub async fn spawn_engine(
             let ordinal = b.cuda_device;
             tracing::info!(ordinal, graphs = !b.enforce_eager, "worker group on the CUDA backend");
             let opts = b.cuda_options(engine, ordinal);
-            let make = move || {
-                mlaserve_cuda::CudaBackend::load_observed(&model, opts, progress)
-                    .map_err(|e| mlaserve_core::Error::Backend(e.to_string()))
-            };
+            let format = b.load_format;
+            let make = move || load_cuda(&model, opts, None, format, Some(progress));
             return Ok(EngineHandle::spawn(make, cfg).await?);
         }
     }
@@ -215,6 +253,10 @@ pub async fn spawn_engine(
             "--backend cuda: this build has no CUDA; rebuild with `cargo build --release -p mlaserve --features cuda`"
         );
     }
+    anyhow::ensure!(
+        b.load_format == LoadFormat::Auto,
+        "--load-format dummy: random weights are made on the GPU; this group runs on the CPU backend"
+    );
     tracing::info!("worker group on the CPU backend");
     let cfg = cpu_config(cfg);
     let opts = mlaserve_cpu::CpuOptions { num_blocks: engine.kv_blocks_or_default(), ..Default::default() };
@@ -242,6 +284,20 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         b: BackendArgs,
+    }
+
+    /// Random weights are made on the GPU: a CPU group refuses `--load-format dummy` with
+    /// a message naming the flag, before it reads anything.
+    #[test]
+    fn dummy_weights_are_refused_on_the_cpu_backend() {
+        let b = Cli::try_parse_from(["mlaserve", "--backend", "cpu", "--load-format", "dummy"]).expect("flags").b;
+        assert_eq!(b.load_format, LoadFormat::Dummy);
+        let engine = mlaserve_worker::EngineArgs::default();
+        let progress = Arc::new(LoadProgress::new("test", 0));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let e = rt.block_on(spawn_engine(&b, PathBuf::from("/nonexistent"), &engine, progress)).err().expect("refused");
+        assert!(e.to_string().contains("--load-format dummy"), "{e}");
+        assert!(Cli::try_parse_from(["mlaserve", "--load-format", "random"]).is_err());
     }
 
     #[test]

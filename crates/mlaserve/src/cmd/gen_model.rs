@@ -25,6 +25,11 @@ pub struct Args {
     /// model.safetensors.index.json (default: the preset's layout; 4096 for deepseek-v3).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     shard_size_mb: Option<u64>,
+    /// Write config.json, generation_config.json and the tokenizer only, no weights: the
+    /// model directory of a server started with `--load-format dummy` (random weights on
+    /// the GPU), e.g. the full DeepSeek-V3 where the disk cannot hold its 688 GB.
+    #[arg(long)]
+    config_only: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -33,9 +38,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         layers: a.layers.map(|n| n as usize),
         shard_bytes: a.shard_size_mb.map(|mb| mb << 20),
         overrides: serde_json::json!({}),
+        config_only: a.config_only,
     };
     let w = presets::generate_opts(&a.preset, &a.out, &opts)
         .with_context(|| format!("--preset {}: writing {}", a.preset, a.out.display()))?;
+    if a.config_only {
+        println!("wrote preset {}'s config and tokenizer to {} (no weights)", a.preset, a.out.display());
+        return Ok(());
+    }
     println!(
         "wrote preset {} to {} ({} file{}, {:.3} GB of weights{})",
         a.preset,

@@ -166,7 +166,7 @@ mod tp {
             timeout: Duration::from_secs(tp.collective_timeout_s),
         };
         let opts = b.cuda_options(engine, ordinal(tp)?);
-        Ok(mlaserve_cuda::CudaBackend::load_tp(model, opts, Some(&init))?)
+        super::super::backend::load_cuda(model, opts, Some(&init), b.load_format, None)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -192,6 +192,10 @@ mod tp {
         let timeout = Duration::from_secs(a.tp.collective_timeout_s.max(30));
         let via_etcd = !a.worker.etcd.is_empty();
         let gpu = on_gpu(&a.backend, &a.tp)?;
+        anyhow::ensure!(
+            gpu || a.backend.load_format == super::super::backend::LoadFormat::Auto,
+            "--load-format dummy: random weights are made on the GPU; this group runs on the CPU backend"
+        );
         let (model, engine_args) = (a.worker.model.clone(), a.worker.engine.clone());
         let kv_blocks = engine_args.kv_blocks_or_default();
         if a.tp.rank > 0 {
