@@ -264,6 +264,8 @@ extern "C" __global__ void wuv_f32_obf16(bf16* __restrict__ out, const float* __
 // MoE routing for one token per block (mirrors mlaserve-cpu's moe::route).
 // method: 0 greedy, 1 group_limited_greedy (group max), 2 noaux_tc (bias for choice only,
 // group = sum of its top 2). scoring: 0 sigmoid, 1 softmax. Ties go to the lower index.
+// Scores by the whole block; group scores, group choice and the top k on warp 0 (lanes
+// over groups, then over slices of the experts), giving the serial rule's picks.
 // Dynamic shared memory: (2 * experts + n_group) floats + (experts + n_group) bytes.
 extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restrict__ weights,
                                          const float* __restrict__ logits, const float* __restrict__ bias,
@@ -293,9 +295,11 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
         taken[e] = 0;
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    // The rest on warp 0. Groups: each lane takes whole groups (their top 2 in order).
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
     const int per = experts / n_group;
-    for (int g = 0; g < n_group; ++g) {
+    for (int g = lane; g < n_group; g += 32) {
         const float* c = choice + g * per;
         float a = -INFINITY, b = -INFINITY;  // the two largest
         for (int i = 0; i < per; ++i) {
@@ -309,7 +313,8 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
         gscore[g] = method == 2 ? (per >= 2 ? a + b : a) : a;
         gkeep[g] = method == 0;
     }
-    if (method != 0) {
+    __syncwarp();
+    if (method != 0 && lane == 0) {
         for (int it = 0; it < topk_group; ++it) {
             int best = -1;
             for (int g = 0; g < n_group; ++g)
@@ -317,24 +322,50 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
             if (best >= 0) gkeep[best] = 1;
         }
     }
+    __syncwarp();
+    // An expert of a dropped group competes at -inf (it can still be taken once nothing
+    // else is left, as in the serial rule).
+    for (int e = lane; e < experts; e += 32)
+        if (!gkeep[e / per]) choice[e] = -INFINITY;
+    __syncwarp();
+    // Top k: each lane keeps the first maximum of its contiguous slice (strictly greater
+    // replaces), lane 0 folds the 32 in slice order by the same rule, which gives the
+    // serial scan's pick (the first maximum, ties to the lower index).
+    __shared__ int cand_e[32];
+    __shared__ float cand_v[32];
+    const int span = (experts + 31) / 32, lo = lane * span, hi = min(experts, lo + span);
     float sum = 0.f;
     int* oi = ids + static_cast<size_t>(blockIdx.x) * k;
     float* ow = weights + static_cast<size_t>(blockIdx.x) * k;
     for (int it = 0; it < k; ++it) {
         int best = -1;
         float bv = -INFINITY;
-        for (int e = 0; e < experts; ++e) {
-            const float v = gkeep[e / per] ? choice[e] : -INFINITY;
-            if (!taken[e] && (best < 0 || v > bv)) {
+        for (int e = lo; e < hi; ++e) {
+            if (!taken[e] && (best < 0 || choice[e] > bv)) {
                 best = e;
-                bv = v;
+                bv = choice[e];
             }
         }
-        taken[best] = 1;
-        oi[it] = best;
-        ow[it] = score[best];
-        sum += score[best];
+        cand_e[lane] = best;
+        cand_v[lane] = bv;
+        __syncwarp();
+        if (lane == 0) {
+            int b = -1;
+            float v = -INFINITY;
+            for (int l = 0; l < 32; ++l) {
+                if (cand_e[l] >= 0 && (b < 0 || cand_v[l] > v)) {
+                    b = cand_e[l];
+                    v = cand_v[l];
+                }
+            }
+            taken[b] = 1;
+            oi[it] = b;
+            ow[it] = score[b];
+            sum += score[b];
+        }
+        __syncwarp();
     }
+    if (lane != 0) return;
     for (int it = 0; it < k; ++it) ow[it] = (normalise ? ow[it] / (sum + 1e-20f) : ow[it]) * scale;
 }
 
@@ -706,10 +737,11 @@ MOE_GROUPED(moe_grouped_staged_bf16_of32, float, true)
 // order follows the atomics (not fixed), which changes no result: every row is computed
 // on its own and the combine finds each slot's row through inv. One block of 1024
 // threads; experts <= 1024; ids must be < experts (moe_route_f32 guarantees it; others
-// are counted as expert 0 to stay in bounds).
+// are counted as expert 0 to stay in bounds). act[..min(experts, slots)]: the experts
+// with rows in ascending order, then -1 (the grouped kernels' compact grid).
 extern "C" __global__ void __launch_bounds__(1024)
     moe_sort(const int* __restrict__ ids, int slots, int k, int experts, int* __restrict__ off, int* __restrict__ perm,
-             int* __restrict__ inv) {
+             int* __restrict__ inv, int* __restrict__ act) {
     __shared__ int cnt[1024];
     for (int e = threadIdx.x; e < experts; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -719,14 +751,16 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int run = 0;
+        int run = 0, active = 0;
         for (int e = 0; e < experts; ++e) {
             const int c = cnt[e];
             off[e] = run;
             cnt[e] = run;  // now each expert's next free row
             run += c;
+            if (c > 0) act[active++] = e;
         }
         off[experts] = run;
+        for (int i = active; i < min(experts, slots); ++i) act[i] = -1;
     }
     __syncthreads();
     for (int sl = threadIdx.x; sl < slots; sl += blockDim.x) {

@@ -9,7 +9,9 @@
 // fp8_grouped_wg*: every routed expert's projection in one launch, for rows sorted by
 // expert (moe_sort): expert e owns rows off[e] .. off[e + 1] of x [rows][k] and y
 // [rows][n] and its weight is rows e·n .. e·n + n of w [E·n][k] with scales ws
-// [E][ceil(n / 128)][k / 128]. grid = (ceil(n / 128), E), 256 threads; a block streams
+// [E][ceil(n / 128)][k / 128]. grid = (ceil(n / 128), E), 256 threads — or, with `act`
+// (the experts that have rows, ascending, then -1s: moe_sort), grid.y = min(E, rows)
+// and block y runs expert act[y], so a step of few rows launches few blocks; a block streams
 // its 128 weight rows of its expert and multiplies them with the expert's rows NT at a
 // time (the same swap-AB wgmma, TMA ring and scale ring as fp8_stream_wg, one ring over
 // (row tile, k stage) so the next tile's loads overlap this tile's last k blocks); an
@@ -21,11 +23,12 @@
 template <typename T, int NT>
 __device__ void fp8_grouped_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y,
                                const float* __restrict__ xs, const float* __restrict__ wsc,
-                               const int* __restrict__ off, int n, int k) {
+                               const int* __restrict__ off, const int* __restrict__ act, int n, int k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace f8g;
     using C = Cfg<NT>;
-    const int e = blockIdx.y;
+    const int e = act ? act[blockIdx.y] : blockIdx.y;
+    if (e < 0) return;
     const int rbeg = off[e], rend = off[e + 1];
     if (rbeg >= rend) return;
     extern __shared__ __align__(1024) unsigned char f8q_smem[];
@@ -124,8 +127,8 @@ __device__ void fp8_grouped_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* 
 #define FP8_GROUPED_WG(NAME, T, NT)                                                                               \
     extern "C" __global__ void __launch_bounds__(f8g::THREADS, f8g::Cfg<NT>::BLOCKS_PER_SM)                       \
         NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
-             const float* ws, const int* off, int n, int k) {                                                     \
-        fp8_grouped_wg<T, NT>(&tx, &tw, y, xs, ws, off, n, k);                                                    \
+             const float* ws, const int* off, const int* act, int n, int k) {                                     \
+        fp8_grouped_wg<T, NT>(&tx, &tw, y, xs, ws, off, act, n, k);                                               \
     }
 FP8_GROUPED_WG(fp8_grouped_wg16_obf16, bf16, 16)
 FP8_GROUPED_WG(fp8_grouped_wg32_obf16, bf16, 32)
@@ -147,10 +150,11 @@ FP8_GROUPED_WG(fp8_grouped_wg64_of32, float, 64)
 template <typename T>
 __device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T* __restrict__ y,
                                  const float* __restrict__ xs, const float* __restrict__ wsc,
-                                 const int* __restrict__ off, int n, int k) {
+                                 const int* __restrict__ off, const int* __restrict__ act, int n, int k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace f8w;
-    const int e = blockIdx.y;
+    const int e = act ? act[blockIdx.y] : blockIdx.y;
+    if (e < 0) return;
     const int rbeg = off[e], rend = off[e + 1];
     if (rbeg >= rend) return;
     extern __shared__ __align__(1024) unsigned char f8t_smem[];
@@ -237,8 +241,8 @@ __device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T
 #define FP8_GROUPED_TILE(NAME, T)                                                                                 \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
         NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
-             const float* ws, const int* off, int n, int k) {                                                     \
-        fp8_grouped_tile<T>(&tx, &tw, y, xs, ws, off, n, k);                                                      \
+             const float* ws, const int* off, const int* act, int n, int k) {                                     \
+        fp8_grouped_tile<T>(&tx, &tw, y, xs, ws, off, act, n, k);                                                 \
     }
 FP8_GROUPED_TILE(fp8_grouped_tile_obf16, bf16)
 FP8_GROUPED_TILE(fp8_grouped_tile_of32, float)

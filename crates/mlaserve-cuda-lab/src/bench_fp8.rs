@@ -323,13 +323,14 @@ pub fn bench_fp8_grouped(gpu: &Gpu, iters: usize, bf16_too: bool) -> Result<Grou
             let mut xs = s.alloc_zeros::<f32>(m * k / FP8_BLOCK)?;
             fp8.act_quant(s, &x, m, k, &mut xq, &mut xs)?;
             let off = s.clone_htod(&route.off)?;
+            let act = s.clone_htod(&route.act_list())?;
             let mut y = s.alloc_zeros::<bf16>(m * n)?;
             let mut time_tile = |t: usize| -> Result<f64> {
                 let v = time_graph(gpu, GRAPH_MIN_CALLS, 2, iters, || {
                     if t == TILED {
-                        g.forward_tiled(s, &set.dev, &xq, &xs, &off, m, &mut y)
+                        g.forward_tiled(s, &set.dev, &xq, &xs, &off, Some(&act), m, &mut y)
                     } else {
-                        g.forward_tile(s, &set.dev, &xq, &xs, &off, m, &mut y, t)
+                        g.forward_tile(s, &set.dev, &xq, &xs, &off, Some(&act), m, &mut y, t)
                     }
                 })?;
                 Ok(median_us(v))

@@ -36,14 +36,15 @@ fn launch<T: mlaserve_cuda::linear::GemmOut>(
     xq: &cudarc::driver::CudaSlice<u8>,
     xs: &cudarc::driver::CudaSlice<f32>,
     off: &cudarc::driver::CudaSlice<i32>,
+    act: Option<&cudarc::driver::CudaSlice<i32>>,
     rows: usize,
     y: &mut cudarc::driver::CudaSlice<T>,
     tile: usize,
 ) -> Result<()> {
     if tile == TILED {
-        g.forward_tiled(s, w, xq, xs, off, rows, y)
+        g.forward_tiled(s, w, xq, xs, off, act, rows, y)
     } else {
-        g.forward_tile(s, w, xq, xs, off, rows, y, tile)
+        g.forward_tile(s, w, xq, xs, off, act, rows, y, tile)
     }
 }
 
@@ -62,6 +63,14 @@ impl Routing {
     /// The expert of sorted row `r`.
     pub fn expert_of(&self, r: usize) -> usize {
         self.off.partition_point(|&o| o as usize <= r) - 1
+    }
+
+    /// What `moe_sort` writes as `act`: the experts with rows, ascending, then -1 up to
+    /// `min(experts, rows)` entries (at least one).
+    pub fn act_list(&self) -> Vec<i32> {
+        let mut v: Vec<i32> = (0..self.experts).filter(|&e| self.off[e + 1] > self.off[e]).map(|e| e as i32).collect();
+        v.resize(self.experts.min(self.rows()).max(1), -1);
+        v
     }
 
     /// Experts with at least one row.
@@ -160,17 +169,19 @@ pub fn gpu_grouped(
     let m = route.rows();
     let tile = tile.unwrap_or_else(|| fp8_plan::grouped_tile(m, w.experts));
     let (xqd, xsd, offd) = (s.clone_htod(xq)?, s.clone_htod(xs)?, s.clone_htod(&route.off)?);
+    // The compact grid the backend launches (moe_sort's list of the experts with rows).
+    let actd = s.clone_htod(&route.act_list())?;
     let elems = m * w.out;
     if out_f32 {
         let mut y = s.alloc_zeros::<f32>(elems.max(1))?;
         util.poison_f32(s, &mut y, NAN_BITS)?;
-        launch(g, s, w, &xqd, &xsd, &offd, m, &mut y, tile)?;
+        launch(g, s, w, &xqd, &xsd, &offd, Some(&actd), m, &mut y, tile)?;
         gpu.sync()?;
         Ok(s.clone_dtoh(&y)?[..elems].to_vec())
     } else {
         let mut y = s.alloc_zeros::<bf16>((elems + elems % 2).max(2))?;
         util.poison_bf16(s, &mut y, NAN_BITS)?;
-        launch(g, s, w, &xqd, &xsd, &offd, m, &mut y, tile)?;
+        launch(g, s, w, &xqd, &xsd, &offd, Some(&actd), m, &mut y, tile)?;
         gpu.sync()?;
         Ok(s.clone_dtoh(&y)?[..elems].iter().map(|v| v.to_f32()).collect())
     }

@@ -346,11 +346,13 @@ fn fp8_grouped_rejects_bad_shapes() {
     let xs = s.alloc_zeros::<f32>(3 * 2).expect("alloc");
     let off = s.clone_htod(&[0i32, 1, 3]).expect("alloc");
     let mut y = s.alloc_zeros::<f32>(2 * 128).expect("alloc");
-    assert!(g.forward(s, &w, &xq, &xs, &off, 3, &mut y).is_err(), "y too short");
+    assert!(g.forward(s, &w, &xq, &xs, &off, None, 3, &mut y).is_err(), "y too short");
     let mut y = s.alloc_zeros::<f32>(3 * 128).expect("alloc");
-    assert!(g.forward_tile(s, &w, &xq, &xs, &off, 3, &mut y, 24).is_err(), "tile 24");
+    assert!(g.forward_tile(s, &w, &xq, &xs, &off, None, 3, &mut y, 24).is_err(), "tile 24");
     let short_off = s.clone_htod(&[0i32, 3]).expect("alloc");
-    assert!(g.forward(s, &w, &xq, &xs, &short_off, 3, &mut y).is_err(), "off too short");
-    g.forward(s, &w, &xq, &xs, &off, 3, &mut y).expect("valid call");
+    assert!(g.forward(s, &w, &xq, &xs, &short_off, None, 3, &mut y).is_err(), "off too short");
+    let no_act = s.alloc_zeros::<i32>(1).expect("act");
+    assert!(g.forward(s, &w, &xq, &xs, &off, Some(&no_act), 3, &mut y).is_err(), "act too short");
+    g.forward(s, &w, &xq, &xs, &off, None, 3, &mut y).expect("valid call");
     gpu.sync().expect("sync");
 }

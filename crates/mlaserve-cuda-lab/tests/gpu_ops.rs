@@ -203,7 +203,8 @@ fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
             s.alloc_zeros::<i32>(slots).expect("perm"),
             s.alloc_zeros::<i32>(slots).expect("inv"),
         );
-        ops.moe_sort(s, &idd, tokens, topk, experts, &mut off, &mut perm, &mut inv).expect("sort");
+        let mut act = s.clone_htod(&vec![i32::MIN; experts.min(slots)]).expect("act");
+        ops.moe_sort(s, &idd, tokens, topk, experts, &mut off, &mut perm, &mut inv, &mut act).expect("sort");
         let mut xs = s.alloc_zeros::<bf16>(slots * k).expect("xs");
         ops.gather_sorted(s, &mut xs, &xd, &perm, slots, k).expect("gather");
         let mut y = s.alloc_zeros::<f32>(slots * n).expect("y");
@@ -240,6 +241,10 @@ fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
             assert_eq!(permh[row] as usize, sl / topk, "row {row} names the wrong token");
         }
         assert_eq!(offh[experts] as usize, slots);
+        // The active list: the experts with rows, ascending, then -1 up to min(experts, slots).
+        let mut want_act: Vec<i32> = (0..experts as i32).filter(|&e| ids.contains(&e)).collect();
+        want_act.resize(experts.min(slots), -1);
+        assert_eq!(s.clone_dtoh(&act).expect("act"), want_act, "moe_sort's active experts");
         // Per slot: the reference, and the invariant GEMM of the token row alone.
         let (mut want, mut same) = (Vec::new(), true);
         let (mut gf, mut gb) = (Vec::new(), Vec::new());
@@ -316,10 +321,14 @@ fn routing_matches_reference_every_variant() {
             Arch::DeepseekV2,
         ),
     ];
-    for (name, c, arch) in cases {
+    // Each case also with coarse logits and bias (steps of 1/2 and 1/4): many exact ties,
+    // which must go to the lower index as the CPU's serial scan sends them.
+    for ((name, c, arch), coarse) in cases.iter().flat_map(|cs| [(cs.clone(), false), (cs.clone(), true)]) {
+        let name = format!("{name}{}", if coarse { ", tied" } else { "" });
         let (e, k, n) = (c.n_routed_experts, c.num_experts_per_tok, 64);
-        let logits = rand(&mut rng, n * e, -4.0, 4.0);
-        let bias = rand(&mut rng, e, 0.0, 0.5);
+        let step = |v: Vec<f32>, q: f32| if coarse { v.into_iter().map(|x| (x * q).round() / q).collect() } else { v };
+        let logits = step(rand(&mut rng, n * e, -4.0, 4.0), 2.0);
+        let bias = step(rand(&mut rng, e, 0.0, 0.5), 4.0);
         let has_bias = c.topk_method == TopkMethod::NoauxTc;
         let p = RouteParams {
             experts: e,

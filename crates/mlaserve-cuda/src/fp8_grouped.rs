@@ -134,7 +134,9 @@ impl Fp8Grouped {
     /// `e`: `xq [rows][inp]` e4m3 bytes and `xs [rows][inp / 128]` scales (sorted by
     /// expert, as from `moe_sort` and `act_quant`), `off` (`experts + 1`, non-decreasing
     /// from 0 to `rows`, on the device and never read here), `y [rows][out]` bf16 or f32.
-    /// The rows per pass over a weight come from [`fp8_plan::grouped_tile`].
+    /// With `act` (moe_sort's list of the experts with rows, then -1s) the grid covers
+    /// `min(experts, rows)` experts instead of all. The rows per pass over a weight come
+    /// from [`fp8_plan::grouped_tile`].
     #[allow(clippy::too_many_arguments)]
     pub fn forward<T: GemmOut>(
         &self,
@@ -143,10 +145,11 @@ impl Fp8Grouped {
         xq: &impl DevicePtr<u8>,
         xs: &impl DevicePtr<f32>,
         off: &CudaSlice<i32>,
+        act: Option<&CudaSlice<i32>>,
         rows: usize,
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        self.forward_tile(s, w, xq, xs, off, rows, y, fp8_plan::grouped_tile(rows, w.experts))
+        self.forward_tile(s, w, xq, xs, off, act, rows, y, fp8_plan::grouped_tile(rows, w.experts))
     }
 
     /// As [`Fp8Grouped::forward`] with `tile` (16, 32 or 64) rows per pass.
@@ -158,6 +161,7 @@ impl Fp8Grouped {
         xq: &impl DevicePtr<u8>,
         xs: &impl DevicePtr<f32>,
         off: &CudaSlice<i32>,
+        act: Option<&CudaSlice<i32>>,
         rows: usize,
         y: &mut impl DevicePtrMut<T>,
         tile: usize,
@@ -171,7 +175,7 @@ impl Fp8Grouped {
         };
         let f = &self.wg[ti][usize::from(!T::BF16)];
         let geometry = Geometry { x_rows: tile, cols: STREAM_COLS, threads: 256, smem: fp8_plan::stream_wg_smem(tile) };
-        launch(K, s, f, geometry, w, xq, xs, off, rows, y)
+        launch(K, s, f, geometry, w, xq, xs, off, act, rows, y)
     }
 
     /// As [`Fp8Grouped::forward`] through `fp8_grouped_tile_*` (128 × 128 tiles: for
@@ -185,13 +189,14 @@ impl Fp8Grouped {
         xq: &impl DevicePtr<u8>,
         xs: &impl DevicePtr<f32>,
         off: &CudaSlice<i32>,
+        act: Option<&CudaSlice<i32>>,
         rows: usize,
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         const K: &str = "fp8_grouped_tile";
         let f = &self.tile[usize::from(!T::BF16)];
         let geometry = Geometry { x_rows: WG_TILE, cols: WG_TILE, threads: 384, smem: WG_SMEM };
-        launch(K, s, f, geometry, w, xq, xs, off, rows, y)
+        launch(K, s, f, geometry, w, xq, xs, off, act, rows, y)
     }
 }
 
@@ -204,8 +209,9 @@ struct Geometry {
     smem: usize,
 }
 
-/// Checks a grouped call and launches `f(tx, tw, y, xs, ws, off, n, k)` on grid
-/// (⌈out / cols⌉, experts); nothing when there are no rows.
+/// Checks a grouped call and launches `f(tx, tw, y, xs, ws, off, act, n, k)` on grid
+/// (⌈out / cols⌉, experts), or (⌈out / cols⌉, min(experts, rows)) with `act`; nothing
+/// when there are no rows.
 #[allow(clippy::too_many_arguments)]
 fn launch<T: GemmOut>(
     k: &'static str,
@@ -216,12 +222,21 @@ fn launch<T: GemmOut>(
     xq: &impl DevicePtr<u8>,
     xs: &impl DevicePtr<f32>,
     off: &CudaSlice<i32>,
+    act: Option<&CudaSlice<i32>>,
     rows: usize,
     y: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     if !check_call(k, w, xq, xs, off, rows, y.len())? {
         return Ok(());
     }
+    let blocks_y = match act {
+        Some(a) => {
+            let n = w.experts.min(rows);
+            need(k, "act", a.len(), n)?;
+            n
+        }
+        None => w.experts,
+    };
     let (ni, ki) = (i32_of(k, w.out)?, i32_of(k, w.inp)?);
     let cols = u32::try_from(w.out.div_ceil(g.cols)).map_err(|_| CudaError::shape(k, "too many columns"))?;
     let (xp, _g1) = xq.device_ptr(s);
@@ -230,16 +245,25 @@ fn launch<T: GemmOut>(
     let (wsp, _g4) = w.scale.device_ptr(s);
     let (op, _g5) = off.device_ptr(s);
     let (yp, _g6) = y.device_ptr_mut(s);
+    let (ap, _g7) = match act {
+        Some(a) => {
+            let (p, g) = a.device_ptr(s);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
     // x [rows][inp] in boxes of 128 bytes × x_rows rows; W [experts·out][inp] in 128 bytes
     // × cols rows.
     let tx = u8_matrix_map(xp, w.inp, rows, g.x_rows as u32)?;
     let tw = u8_matrix_map(wp, w.inp, w.experts * w.out, g.cols as u32)?;
     let cfg = LaunchConfig {
-        grid_dim: (cols, w.experts as u32, 1),
+        grid_dim: (cols, blocks_y as u32, 1),
         block_dim: (g.threads, 1, 1),
         shared_mem_bytes: g.smem as u32,
     };
-    // SAFETY: fp8_grouped_wg* and fp8_grouped_tile_* take (tx, tw, y, xs, ws, off, n, k):
+    // SAFETY: fp8_grouped_wg* and fp8_grouped_tile_* take (tx, tw, y, xs, ws, off, act, n,
+    // k); `act` is null or holds the grid's min(experts, rows) entries (checked), each an
+    // expert < experts or -1 (moe_sort's contract); otherwise:
     // tx covers exactly xq's rows × inp bytes and tw the experts' experts·out × inp bytes
     // (made just above from live buffers; inp % 128 == 0 keeps rows 16-byte aligned);
     // `off` (experts + 1 entries, checked) is non-decreasing from 0 to rows (the caller's
@@ -248,7 +272,17 @@ fn launch<T: GemmOut>(
     // rows < rows, columns < out (rows·out, checked). The kernel's dynamic shared memory
     // was allowed at load; e·out + 128 fits i32 (check_experts).
     unsafe {
-        s.launch_builder(f).arg(&tx).arg(&tw).arg(&yp).arg(&sp).arg(&wsp).arg(&op).arg(&ni).arg(&ki).launch(cfg)
+        s.launch_builder(f)
+            .arg(&tx)
+            .arg(&tw)
+            .arg(&yp)
+            .arg(&sp)
+            .arg(&wsp)
+            .arg(&op)
+            .arg(&ap)
+            .arg(&ni)
+            .arg(&ki)
+            .launch(cfg)
     }?;
     Ok(())
 }

@@ -22,6 +22,18 @@ use crate::{MlaDecode, MlaDecodeShape};
 /// runs no CUDA graphs, see `graphs.rs`).
 pub(crate) const GROUPED_MAX_EXPERTS: usize = 1024;
 
+/// A MoE step's routing slots sorted by expert on the device (`CudaBackend::moe_sort_gather`).
+struct Sorted {
+    /// Each expert's first sorted row (`experts + 1`).
+    off: CudaSlice<i32>,
+    /// Each slot's sorted row.
+    inv: CudaSlice<i32>,
+    /// The experts with rows, ascending, then -1s (the grouped fp8 kernels' compact grid).
+    act: CudaSlice<i32>,
+    /// Each sorted row's input.
+    xs: CudaSlice<bf16>,
+}
+
 /// Rows that take the absorbed form, with the metadata the absorbed kernels read (the
 /// step's own, or a mixed step's compact copy for those rows).
 struct AbsView<'a> {
@@ -370,12 +382,12 @@ impl CudaBackend {
         let inv_d = match &m.grouped {
             // Sorted and run on the device: no host round trip, three expert launches.
             Some(Grouped::Fp8(gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
-                let (off, inv, xs) = self.moe_sort_gather(&ids, xn, n, k, e)?;
-                self.moe_fp8(gate_up, down, &xs, &off, rows, e, &mut ys)?;
+                let Sorted { off, inv, act, xs } = self.moe_sort_gather(&ids, xn, n, k, e)?;
+                self.moe_fp8(gate_up, down, &xs, &off, &act, rows, e, &mut ys)?;
                 inv
             }
             Some(Grouped::Bf16(gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
-                let (off, inv, xs) = self.moe_sort_gather(&ids, xn, n, k, e)?;
+                let Sorted { off, inv, xs, .. } = self.moe_sort_gather(&ids, xn, n, k, e)?;
                 // Tensor cores in fast mode; the invariant mode keeps `linear_inv`'s sums.
                 let variant = GroupedVariant::Auto(self.gemm.mode);
                 let i = gate_up.out / 2;
@@ -437,8 +449,7 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// The `(token, expert)` pairs of `ids` (`[n][k]`) sorted by expert on the device,
-    /// and each sorted row's input gathered from `xn`: (each expert's row offsets, each
-    /// slot's sorted row, the gathered rows).
+    /// and each sorted row's input gathered from `xn`.
     fn moe_sort_gather(
         &self,
         ids: &CudaSlice<i32>,
@@ -446,23 +457,24 @@ impl CudaBackend {
         n: usize,
         k: usize,
         e: usize,
-    ) -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<bf16>)> {
+    ) -> Result<Sorted> {
         let s = &self.gpu.stream;
         let (rows, h) = (n * k, self.cfg.hidden_size);
         let mut off = s.alloc_zeros::<i32>(e + 1)?;
         let mut perm = s.alloc_zeros::<i32>(rows)?;
         let mut inv = s.alloc_zeros::<i32>(rows)?;
-        self.ops.moe_sort(s, ids, n, k, e, &mut off, &mut perm, &mut inv)?;
+        let mut act = s.alloc_zeros::<i32>(e.min(rows).max(1))?;
+        self.ops.moe_sort(s, ids, n, k, e, &mut off, &mut perm, &mut inv, &mut act)?;
         // SAFETY: uninitialised device memory of a plain type; the gather writes all
         // `rows` rows.
         let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
         self.ops.gather_sorted(s, &mut xs, xn, &perm, rows, h)?;
         self.mark("MoE routed experts: sort, gather")?;
-        Ok((off, inv, xs))
+        Ok(Sorted { off, inv, act, xs })
     }
 
     /// The routed experts of an fp8 layer over `rows` gathered rows `xs` (sorted by
-    /// expert, `off` each expert's range): quantised, the grouped fp8 GEMMs (gate_up,
+    /// expert, `off` each expert's range, `act` the experts with rows): quantised, the grouped fp8 GEMMs (gate_up,
     /// SiLU-mul, down) into `ys` (`[rows][h]` f32).
     #[allow(clippy::too_many_arguments)]
     fn moe_fp8(
@@ -471,6 +483,7 @@ impl CudaBackend {
         down: &Fp8Experts,
         xs: &CudaSlice<bf16>,
         off: &CudaSlice<i32>,
+        act: &CudaSlice<i32>,
         rows: usize,
         e: usize,
         ys: &mut CudaSlice<f32>,
@@ -490,22 +503,22 @@ impl CudaBackend {
         let half = gate_up.out / 2;
         let mut gu = unsafe { s.alloc::<bf16>(rows * gate_up.out) }?;
         if tiled {
-            grouped.forward_tiled(s, gate_up, &xq, &xsc, off, rows, &mut gu)?;
+            grouped.forward_tiled(s, gate_up, &xq, &xsc, off, Some(act), rows, &mut gu)?;
         } else {
-            grouped.forward(s, gate_up, &xq, &xsc, off, rows, &mut gu)?;
+            grouped.forward(s, gate_up, &xq, &xsc, off, Some(act), rows, &mut gu)?;
         }
         self.mark("MoE routed experts: gate_up")?;
         let i = down.x_inp;
-        let mut act = unsafe { s.alloc::<bf16>(rows * i) }?;
-        self.silu.launch_padded(s, &mut act, &gu, i, half)?;
+        let mut hid = unsafe { s.alloc::<bf16>(rows * i) }?;
+        self.silu.launch_padded(s, &mut hid, &gu, i, half)?;
         let mut aq = unsafe { s.alloc::<u8>(rows * down.inp) }?;
         let mut asc = unsafe { s.alloc::<f32>(rows * down.inp / fp8_plan::FP8_BLOCK) }?;
-        fp8.gemm.act_quant_padded(s, &act, rows, i, down.inp, &mut aq, &mut asc)?;
+        fp8.gemm.act_quant_padded(s, &hid, rows, i, down.inp, &mut aq, &mut asc)?;
         self.mark("MoE routed experts: SiLU")?;
         if tiled {
-            grouped.forward_tiled(s, down, &aq, &asc, off, rows, ys)?;
+            grouped.forward_tiled(s, down, &aq, &asc, off, Some(act), rows, ys)?;
         } else {
-            grouped.forward(s, down, &aq, &asc, off, rows, ys)?;
+            grouped.forward(s, down, &aq, &asc, off, Some(act), rows, ys)?;
         }
         self.mark("MoE routed experts: down")
     }

@@ -104,7 +104,9 @@ pub(super) const GROUPED_WGT_SMEM: usize = 1024 + 5 * (128 + 192) * 64 * 2 + 5 *
 impl Ops {
     /// Sorts the `tokens × k` routing slots (`ids`, expert per slot) by expert on the
     /// device: `off` (`experts + 1`) each expert's first row, `perm` (`tokens × k`) each
-    /// row's token, `inv` (`tokens × k`) each slot's row.
+    /// row's token, `inv` (`tokens × k`) each slot's row; `act` (at least `min(experts,
+    /// tokens × k)`) the experts with rows in ascending order, then -1s (the grouped fp8
+    /// kernels' compact grid).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_sort(
         &self,
@@ -116,6 +118,7 @@ impl Ops {
         off: &mut CudaSlice<i32>,
         perm: &mut CudaSlice<i32>,
         inv: &mut CudaSlice<i32>,
+        act: &mut CudaSlice<i32>,
     ) -> Result<()> {
         const K: &str = "moe_sort";
         let slots = tokens * k;
@@ -126,9 +129,11 @@ impl Ops {
         need(K, "off", off.len(), experts + 1)?;
         need(K, "perm", perm.len(), slots)?;
         need(K, "inv", inv.len(), slots)?;
+        need(K, "act", act.len(), experts.min(slots))?;
         let (sl, ki, ei) = (i32_of(K, slots)?, i32_of(K, k)?, i32_of(K, experts)?);
-        // SAFETY: one block reads ids[..slots], writes off[..=experts] and perm/inv rows
-        // < slots (the per-expert counts sum to slots; out-of-range ids count as expert 0).
+        // SAFETY: one block reads ids[..slots], writes off[..=experts], perm/inv rows
+        // < slots (the per-expert counts sum to slots; out-of-range ids count as expert 0)
+        // and act[..min(experts, slots)] (at most that many experts have rows).
         unsafe {
             s.launch_builder(&self.moe_sort)
                 .arg(ids)
@@ -138,6 +143,7 @@ impl Ops {
                 .arg(off)
                 .arg(perm)
                 .arg(inv)
+                .arg(act)
                 .launch(rows_cfg(1, 1024, 0))
         }?;
         Ok(())
