@@ -37,6 +37,13 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+// Four consecutive values at p (16-byte aligned for f32, 8-byte for bf16).
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ void store4(bf16* p, float a, float b, float c, float d) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(a, b), pack_bf16x2(c, d));
+}
 }  // namespace bops
 
 // out[r] = table[tokens[r] - lo] (zeros when the token is outside [lo, lo + rows), or when
@@ -47,21 +54,50 @@ extern "C" __global__ void embed_gather_f32(float* __restrict__ out, const bf16*
     const int r = blockIdx.x;
     const int t = tokens[r] - lo;
     const bool zero = t < 0 || t >= rows || (zero_pos0 && positions[r] == 0);
+#pragma unroll 4
     for (int c = threadIdx.x; c < h; c += blockDim.x)
         out[static_cast<size_t>(r) * h + c] = zero ? 0.f : __bfloat162float(table[static_cast<size_t>(t) * h + c]);
 }
 
 // out[r*out_stride + c] = x[r*x_stride + c] / rms(x row) * w[c], c < dim. grid = rows.
+// 16-byte loads (and 8/16-byte stores) when the row, the weight and the output allow,
+// unrolled so that a single row (a decode step's) keeps several loads in flight; the
+// sum's order depends only on the width and the alignment of the rows, never on how
+// many rows the launch has.
 template <typename T>
 __device__ void rmsnorm_rows(T* __restrict__ out, int out_stride, const float* __restrict__ x, int x_stride,
                              const float* __restrict__ w, int dim, float eps) {
     __shared__ float red[32];
     const float* xr = x + static_cast<size_t>(blockIdx.x) * x_stride;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
-    const float inv = rsqrtf(bops::block_sum(ss, red) / dim + eps);
     T* o = out + static_cast<size_t>(blockIdx.x) * out_stride;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) bops::store(o + c, xr[c] * inv * w[c]);
+    const bool vec = dim % 4 == 0 &&
+                     ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(w)) % 16) == 0 &&
+                     reinterpret_cast<uintptr_t>(o) % (4 * sizeof(T)) == 0;
+    float ss = 0.f;
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = x4[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+#pragma unroll 4
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
+    }
+    const float inv = rsqrtf(bops::block_sum(ss, red) / dim + eps);
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = x4[i], g = w4[i];
+            bops::store4(o + 4 * i, v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+        }
+    } else {
+#pragma unroll 4
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) bops::store(o + c, xr[c] * inv * w[c]);
+    }
 }
 extern "C" __global__ void rmsnorm_f32_of32(float* out, int out_stride, const float* x, int x_stride,
                                             const float* w, int dim, float eps) {
@@ -402,6 +438,7 @@ extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float*
     if (h % 4 == 0) {
         for (int c4 = threadIdx.x; c4 < h / 4; c4 += blockDim.x) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
             for (int i = 0; i < cnt; ++i) {
                 const float4 v = reinterpret_cast<const float4*>(y + static_cast<size_t>(rows_s[i]) * h)[c4];
                 const float w = w_s[i];

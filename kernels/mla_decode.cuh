@@ -48,28 +48,36 @@ __device__ __forceinline__ void merge_splits_row(const float* __restrict__ o_acc
         for (int k = lane; k < num_splits; k += 32) sum += __expf(ld_cg_f32(lse_acc + base + k * rstride) - mx);
     sum = warp_sum(sum);
     const float total = sum > 0.f ? mx + __logf(sum) : -MLAS_INF;
-    // 512 dims per pass (DeepSeek's dv: one pass), four float4 loads in flight per split.
+    // 512 dims per pass (DeepSeek's dv: one pass), four float4 loads per split. The
+    // splits' LSEs are read 32 at a time (one per lane) and handed round by shuffles, so
+    // a split's loads wait on no other load and several splits' are in flight at once;
+    // the sum's order (k ascending) is the serial one.
     for (int d0 = 0; d0 < dv; d0 += 512) {
         float4 acc[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int k = 0; k < num_splits; ++k) {
-            const size_t pr = base + k * rstride;
-            const float lk = ld_cg_f32(lse_acc + pr);
-            if (lk == -MLAS_INF) continue;
-            const float w = __expf(lk - total);
-            float4 v[4];
+        for (int k0 = 0; k0 < num_splits; k0 += 32) {
+            const float mine = k0 + lane < num_splits ? ld_cg_f32(lse_acc + base + (k0 + lane) * rstride) : -MLAS_INF;
+            const int nk = min(32, num_splits - k0);
+#pragma unroll 4
+            for (int j = 0; j < nk; ++j) {
+                const float lk = __shfl_sync(0xffffffffu, mine, j);
+                if (lk == -MLAS_INF) continue;
+                const size_t pr = base + (k0 + j) * rstride;
+                const float w = __expf(lk - total);
+                float4 v[4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int d = d0 + 128 * c + 4 * lane;
-                v[c] = d < dv ? ld_cg_f4(o_acc + pr * dv + d) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+                for (int c = 0; c < 4; ++c) {
+                    const int d = d0 + 128 * c + 4 * lane;
+                    v[c] = d < dv ? ld_cg_f4(o_acc + pr * dv + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                acc[c].x += w * v[c].x;
-                acc[c].y += w * v[c].y;
-                acc[c].z += w * v[c].z;
-                acc[c].w += w * v[c].w;
+                for (int c = 0; c < 4; ++c) {
+                    acc[c].x += w * v[c].x;
+                    acc[c].y += w * v[c].y;
+                    acc[c].z += w * v[c].z;
+                    acc[c].w += w * v[c].w;
+                }
             }
         }
 #pragma unroll
