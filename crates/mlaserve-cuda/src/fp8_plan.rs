@@ -171,6 +171,37 @@ pub fn gate_up_half(inter: usize) -> usize {
     inter.next_multiple_of(FP8_BLOCK)
 }
 
+/// How an fp8 weight is stored on the device: `out` rows of `inp` code bytes (`inp` the
+/// input width `x_inp` padded to whole blocks) and the scale grid over them. The one
+/// place the loader and the synthetic weights get their buffer sizes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredFp8 {
+    pub out: usize,
+    pub inp: usize,
+    pub x_inp: usize,
+}
+
+impl StoredFp8 {
+    /// A projection `[out][x_inp]`.
+    pub fn plain(out: usize, x_inp: usize) -> Result<Self, String> {
+        Ok(StoredFp8 { out, inp: padded_inp(x_inp)?, x_inp })
+    }
+    /// A SwiGLU's fused `[gate | up]` of `inter` rows each over `x_inp` inputs, each half
+    /// padded to whole scale rows ([`gate_up_half`]).
+    pub fn gate_up(inter: usize, x_inp: usize) -> Result<Self, String> {
+        Self::plain(2 * gate_up_half(inter), x_inp)
+    }
+    /// Code bytes.
+    pub fn codes(&self) -> usize {
+        self.out * self.inp
+    }
+    /// Scales (`scale_shape(out, inp)`).
+    pub fn scales(&self) -> usize {
+        let (so, si) = scale_shape(self.out, self.inp);
+        so * si
+    }
+}
+
 /// Which grouped expert kernel runs `rows` sorted rows over `experts` experts: the
 /// streaming kernel (`fp8_grouped_wg*`, tile from [`grouped_tile`]) for decode-sized
 /// calls and whenever a row's bits must not depend on the others (`invariant`); the
@@ -351,6 +382,15 @@ mod tests {
         assert_eq!(pad_rows(&[1, 2, 3, 4, 5, 6], 2, 3, 5), vec![1, 2, 3, 0, 0, 4, 5, 6, 0, 0]);
         assert_eq!(gate_up_half(32), 128);
         assert_eq!(gate_up_half(256), 256);
+        // tiny-v3's expert (32 rows over 64 inputs): halves of 128 rows, one 128 block.
+        let g = StoredFp8::gate_up(32, 64).unwrap();
+        assert_eq!((g.out, g.inp, g.x_inp, g.codes(), g.scales()), (256, 128, 64, 256 * 128, 2));
+        // V3 at TP 8: gate_up 2 × 256 over 7168, down 7168 over 256.
+        let g = StoredFp8::gate_up(256, 7168).unwrap();
+        assert_eq!((g.out, g.inp, g.codes(), g.scales()), (512, 7168, 512 * 7168, 4 * 56));
+        let d = StoredFp8::plain(7168, 256).unwrap();
+        assert_eq!((d.codes(), d.scales()), (7168 * 256, 56 * 2));
+        assert!(StoredFp8::plain(10, 6).is_err());
         // Decode-sized (64 × 4 rows × top-8 over 256 experts) streams; prefill tiles
         // unless invariant.
         assert!(!grouped_tiled(64 * 4 * 8, 256, false));

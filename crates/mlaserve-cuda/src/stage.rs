@@ -125,11 +125,13 @@ impl Stager {
 
     /// `src`'s values as bytes, uploaded as [`Stager::upload`] does.
     pub fn upload_f32(&mut self, s: &Arc<CudaStream>, src: &[f32], dst: &mut CudaViewMut<'_, f32>) -> Result<()> {
-        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // SAFETY: f32 is plain data with no padding; the byte slice covers exactly `src`'s
+        // elements, borrowed for this call (the upload copies them into the ring).
+        let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src)) };
         // SAFETY: the byte view covers exactly dst's elements (f32, plain data).
         let mut view = unsafe { dst.transmute_mut::<u8>(dst.len() * 4) }
             .ok_or_else(|| crate::CudaError::shape("stage", "f32 view"))?;
-        self.upload(s, &bytes, &mut view)
+        self.upload(s, bytes, &mut view)
     }
 
     /// Moves to the next buffer of the ring, once the uploads out of it have finished.

@@ -266,6 +266,11 @@ impl Weights {
         Ok(RawView { dtype: info.dtype, shape: &info.shape, data: file.data(info) })
     }
 
+    /// The safetensors files this checkpoint reads (the index's, or the directory's).
+    pub fn files(&self) -> Vec<&Path> {
+        self.files.iter().map(|f| f.path.as_path()).collect()
+    }
+
     /// Sum of the stored sizes of all tensors, in bytes.
     pub fn data_bytes(&self) -> u64 {
         self.files

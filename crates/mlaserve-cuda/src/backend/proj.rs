@@ -12,7 +12,7 @@
 //!
 //! [`CudaOptions::fp8_kernels`]: super::CudaOptions::fp8_kernels
 
-use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::bf16;
 use mlaserve_model::{Fp8Tensor, Shard};
 
@@ -21,7 +21,7 @@ use super::{weights, CudaBackend, CudaOptions, WeightBytes};
 use crate::error::Result;
 use crate::fp8::{Fp8Gemm, Fp8Linear};
 use crate::fp8_grouped::{Fp8Experts, Fp8Grouped};
-use crate::fp8_plan::{self, Fp8Path, FP8_BLOCK};
+use crate::fp8_plan::{self, Fp8Path, StoredFp8, FP8_BLOCK};
 use crate::gpu::Gpu;
 use crate::linear::{GemmOut, Linear};
 
@@ -109,11 +109,10 @@ impl Loader<'_> {
     pub fn proj(&self, name: &str, out: usize, inp: usize, shard: Option<usize>) -> Result<Proj> {
         if self.keeps_fp8(name, [out, inp], shard) {
             let t = self.fp8_tensor(name, [out, inp], shard)?;
-            let ip = fp8_plan::padded_inp(t.inp).map_err(|e| mlerr_s(name, e))?;
-            let mut q = self.s.alloc_zeros::<u8>(t.out * ip)?;
-            let mut sc = self.s.alloc_zeros::<f32>(t.scales.len())?;
-            self.put_fp8(&t, ip, &mut q.as_view_mut(), &mut sc.as_view_mut())?;
-            return Ok(Proj::Fp8(Fp8Linear { q, scale: sc, out: t.out, inp: ip, x_inp: t.inp }));
+            let st = StoredFp8::plain(t.out, t.inp).map_err(|e| mlerr_s(name, e))?;
+            let (mut q, mut sc) = (self.s.alloc_zeros::<u8>(st.codes())?, self.s.alloc_zeros::<f32>(st.scales())?);
+            self.put_fp8(&t, st.inp, &mut q.as_view_mut(), &mut sc.as_view_mut())?;
+            return Ok(Proj::Fp8(fp8_linear(q, sc, st)));
         }
         Ok(Proj::Bf16(self.lin(name, out, inp, shard)?))
     }
@@ -139,25 +138,23 @@ impl Loader<'_> {
     }
 
     /// A SwiGLU's gate and up (`[inter, h]` each, split along rows) as one fp8
-    /// projection `[gate | up]` whose halves start on scale rows
-    /// ([`fp8_plan::gate_up_half`]), written into `q`/`sc` (zeroed, sized by
-    /// [`gate_up_sizes`]) at their starts.
+    /// projection `[gate | up]` stored as `st` ([`StoredFp8::gate_up`]: halves on scale
+    /// rows), written into `q`/`sc` (zeroed, `st`'s sizes) at their starts.
     fn put_gate_up(
         &self,
         prefix: &str,
         h: usize,
         inter: usize,
+        st: StoredFp8,
         q: &mut CudaViewMut<'_, u8>,
         sc: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        let local = inter / self.world;
-        let (half, inp) = (fp8_plan::gate_up_half(local), fp8_plan::padded_inp(h).map_err(|e| mlerr_s(prefix, e))?);
-        let half_scales = (half / FP8_BLOCK) * (inp / FP8_BLOCK);
+        let (half_codes, half_scales) = (st.codes() / 2, st.scales() / 2);
         for (i, part) in ["gate_proj", "up_proj"].iter().enumerate() {
             let t = self.fp8_tensor(&format!("{prefix}.{part}.weight"), [inter, h], Some(0))?;
-            let mut qv = q.slice_mut(i * half * inp..(i + 1) * half * inp);
+            let mut qv = q.slice_mut(i * half_codes..(i + 1) * half_codes);
             let mut sv = sc.slice_mut(i * half_scales..(i + 1) * half_scales);
-            self.put_fp8(&t, inp, &mut qv, &mut sv)?;
+            self.put_fp8(&t, st.inp, &mut qv, &mut sv)?;
         }
         Ok(())
     }
@@ -170,12 +167,10 @@ impl Loader<'_> {
 
     /// A SwiGLU's fused fp8 gate_up (see [`Loader::put_gate_up`]).
     pub fn fp8_gate_up(&self, prefix: &str, h: usize, inter: usize) -> Result<Proj> {
-        let local = inter / self.world;
-        let (qn, sn, out, inp) = gate_up_sizes(local, h);
-        let mut q = self.s.alloc_zeros::<u8>(qn)?;
-        let mut sc = self.s.alloc_zeros::<f32>(sn)?;
-        self.put_gate_up(prefix, h, inter, &mut q.as_view_mut(), &mut sc.as_view_mut())?;
-        Ok(Proj::Fp8(Fp8Linear { q, scale: sc, out, inp, x_inp: h }))
+        let st = StoredFp8::gate_up(inter / self.world, h).map_err(|e| mlerr_s(prefix, e))?;
+        let (mut q, mut sc) = (self.s.alloc_zeros::<u8>(st.codes())?, self.s.alloc_zeros::<f32>(st.scales())?);
+        self.put_gate_up(prefix, h, inter, st, &mut q.as_view_mut(), &mut sc.as_view_mut())?;
+        Ok(Proj::Fp8(fp8_linear(q, sc, st)))
     }
 
     /// Every routed expert of a MoE layer (`prefix.{i}`) as two grouped fp8 weights:
@@ -188,40 +183,42 @@ impl Loader<'_> {
         inter: usize,
     ) -> Result<(Fp8Experts, Fp8Experts)> {
         let local = inter / self.world;
-        let (qn, sn, out, inp) = gate_up_sizes(local, h);
-        let mut gq = self.s.alloc_zeros::<u8>(experts * qn)?;
-        let mut gs = self.s.alloc_zeros::<f32>(experts * sn)?;
-        let dinp = fp8_plan::padded_inp(local).map_err(|e| mlerr_s(prefix, e))?;
-        let (dso, dsi) = fp8_plan::scale_shape(h, dinp);
-        let mut dq = self.s.alloc_zeros::<u8>(experts * h * dinp)?;
-        let mut ds = self.s.alloc_zeros::<f32>(experts * dso * dsi)?;
+        let gu = StoredFp8::gate_up(local, h).map_err(|e| mlerr_s(prefix, e))?;
+        let dn = StoredFp8::plain(h, local).map_err(|e| mlerr_s(prefix, e))?;
+        let (mut gq, mut gs) =
+            (self.s.alloc_zeros::<u8>(experts * gu.codes())?, self.s.alloc_zeros::<f32>(experts * gu.scales())?);
+        let (mut dq, mut ds) =
+            (self.s.alloc_zeros::<u8>(experts * dn.codes())?, self.s.alloc_zeros::<f32>(experts * dn.scales())?);
+        let range = |e: usize, n: usize| e * n..(e + 1) * n;
         for e in 0..experts {
             let p = format!("{prefix}.{e}");
-            let mut q = gq.slice_mut(e * qn..(e + 1) * qn);
-            let mut s = gs.slice_mut(e * sn..(e + 1) * sn);
-            self.put_gate_up(&p, h, inter, &mut q, &mut s)?;
+            let (mut q, mut s) = (gq.slice_mut(range(e, gu.codes())), gs.slice_mut(range(e, gu.scales())));
+            self.put_gate_up(&p, h, inter, gu, &mut q, &mut s)?;
             let t = self.fp8_tensor(&format!("{p}.down_proj.weight"), [h, inter], Some(1))?;
-            let mut q = dq.slice_mut(e * h * dinp..(e + 1) * h * dinp);
-            let mut s = ds.slice_mut(e * dso * dsi..(e + 1) * dso * dsi);
-            self.put_fp8(&t, dinp, &mut q, &mut s)?;
+            let (mut q, mut s) = (dq.slice_mut(range(e, dn.codes())), ds.slice_mut(range(e, dn.scales())));
+            self.put_fp8(&t, dn.inp, &mut q, &mut s)?;
         }
-        Ok((
-            Fp8Experts::from_parts(gq, gs, experts, out, inp, h)?,
-            Fp8Experts::from_parts(dq, ds, experts, h, dinp, local)?,
-        ))
+        Ok((fp8_experts(gq, gs, experts, gu)?, fp8_experts(dq, ds, experts, dn)?))
     }
+}
+
+/// An [`Fp8Linear`] over filled buffers of `st`'s sizes.
+pub(crate) fn fp8_linear(q: CudaSlice<u8>, scale: CudaSlice<f32>, st: StoredFp8) -> Fp8Linear {
+    Fp8Linear { q, scale, out: st.out, inp: st.inp, x_inp: st.x_inp }
+}
+
+/// [`Fp8Experts`] over filled buffers of `experts` × `st`'s sizes.
+pub(crate) fn fp8_experts(
+    q: CudaSlice<u8>,
+    scale: CudaSlice<f32>,
+    experts: usize,
+    st: StoredFp8,
+) -> Result<Fp8Experts> {
+    Fp8Experts::from_parts(q, scale, experts, st.out, st.inp, st.x_inp)
 }
 
 fn mlerr_s(what: &str, e: String) -> crate::CudaError {
     crate::CudaError::Shape { kernel: "load", msg: format!("{what}: {e}") }
-}
-
-/// A fused fp8 gate_up of `local` rows per half over `h` inputs: (code bytes, scales,
-/// rows, stored input width).
-pub(crate) fn gate_up_sizes(local: usize, h: usize) -> (usize, usize, usize, usize) {
-    let half = fp8_plan::gate_up_half(local);
-    let inp = h.next_multiple_of(FP8_BLOCK);
-    (2 * half * inp, (2 * half / FP8_BLOCK) * (inp / FP8_BLOCK), 2 * half, inp)
 }
 
 impl CudaBackend {

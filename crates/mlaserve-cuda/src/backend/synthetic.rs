@@ -13,12 +13,10 @@ use half::bf16;
 use mlaserve_core::{ModelConfig, TopkMethod};
 
 use super::layer::GROUPED_MAX_EXPERTS;
-use super::proj::{gate_up_sizes, Fp8Kernels, Proj};
+use super::proj::{fp8_experts, fp8_linear, Fp8Kernels, Proj};
 use super::weights::{route_params, Attn, Block, Embed, Ffn, Grouped, Mlp, Moe, Mtp};
 use crate::error::Result;
-use crate::fp8::Fp8Linear;
-use crate::fp8_grouped::Fp8Experts;
-use crate::fp8_plan::{self, FP8_BLOCK};
+use crate::fp8_plan::{StoredFp8, FP8_BLOCK};
 use crate::gpu::Gpu;
 use crate::linear::Linear;
 
@@ -89,41 +87,37 @@ impl Synth<'_> {
         self.vec(n, 0.9 * a, 1.1 * a)
     }
 
+    /// An fp8 weight stored as `st`, `count` of them back to back: random codes, and
+    /// scales for `st.x_inp` inputs.
+    fn fp8(&self, k: &Fp8Kernels, st: StoredFp8, count: usize) -> Result<(CudaSlice<u8>, CudaSlice<f32>)> {
+        Ok((self.codes(k, count * st.codes())?, self.scales(count * st.scales(), st.x_inp)?))
+    }
+
     /// A projection `[out][inp]`: fp8 when making fp8 weights, else bf16.
     fn proj(&self, out: usize, inp: usize) -> Result<Proj> {
         let Some(k) = self.fp8 else { return Ok(Proj::Bf16(self.lin(out, inp)?)) };
-        let ip = fp8_plan::padded_inp(inp).map_err(|e| crate::CudaError::shape("synthetic", e))?;
-        let (so, si) = fp8_plan::scale_shape(out, ip);
-        let q = self.codes(k, out * ip)?;
-        Ok(Proj::Fp8(Fp8Linear { q, scale: self.scales(so * si, inp)?, out, inp: ip, x_inp: inp }))
+        let st = StoredFp8::plain(out, inp).map_err(|e| crate::CudaError::shape("synthetic", e))?;
+        let (q, sc) = self.fp8(k, st, 1)?;
+        Ok(Proj::Fp8(fp8_linear(q, sc, st)))
     }
 
     fn mlp(&self, h: usize, inter: usize) -> Result<Mlp> {
         let Some(k) = self.fp8 else {
             return Ok(Mlp { gate_up: Proj::Bf16(self.lin(2 * inter, h)?), down: Proj::Bf16(self.lin(h, inter)?) });
         };
-        let (qn, sn, out, inp) = gate_up_sizes(inter, h);
-        let gate_up = Fp8Linear { q: self.codes(k, qn)?, scale: self.scales(sn, h)?, out, inp, x_inp: h };
-        Ok(Mlp { gate_up: Proj::Fp8(gate_up), down: self.proj(h, inter)? })
+        let st = StoredFp8::gate_up(inter, h).map_err(|e| crate::CudaError::shape("synthetic", e))?;
+        let (q, sc) = self.fp8(k, st, 1)?;
+        Ok(Mlp { gate_up: Proj::Fp8(fp8_linear(q, sc, st)), down: self.proj(h, inter)? })
     }
 
     /// A MoE layer's routed experts: grouped fp8 buffers when making fp8 weights on a GPU
     /// with the grouped kernel, else one MLP per expert (and the bf16 tables).
     fn experts(&self, e: usize, h: usize, inter: usize) -> Result<(Vec<Mlp>, Option<Grouped>)> {
         if let Some(k) = self.fp8.filter(|k| k.grouped.is_some() && e <= GROUPED_MAX_EXPERTS) {
-            let (qn, sn, out, inp) = gate_up_sizes(inter, h);
-            let gu = Fp8Experts::from_parts(self.codes(k, e * qn)?, self.scales(e * sn, h)?, e, out, inp, h)?;
-            let dinp = fp8_plan::padded_inp(inter).map_err(|er| crate::CudaError::shape("synthetic", er))?;
-            let (so, si) = fp8_plan::scale_shape(h, dinp);
-            let dn = Fp8Experts::from_parts(
-                self.codes(k, e * h * dinp)?,
-                self.scales(e * so * si, inter)?,
-                e,
-                h,
-                dinp,
-                inter,
-            )?;
-            return Ok((Vec::new(), Some(Grouped::Fp8(gu, dn))));
+            let bad = |er| crate::CudaError::shape("synthetic", er);
+            let (gu, dn) = (StoredFp8::gate_up(inter, h).map_err(bad)?, StoredFp8::plain(h, inter).map_err(bad)?);
+            let ((gq, gs), (dq, ds)) = (self.fp8(k, gu, e)?, self.fp8(k, dn, e)?);
+            return Ok((Vec::new(), Some(Grouped::Fp8(fp8_experts(gq, gs, e, gu)?, fp8_experts(dq, ds, e, dn)?))));
         }
         let experts = (0..e).map(|_| self.mlp(h, inter)).collect::<Result<Vec<_>>>()?;
         let grouped = Moe::tables(&self.gpu.stream, &experts)?;

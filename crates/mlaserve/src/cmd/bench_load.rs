@@ -30,16 +30,10 @@ pub struct Args {
     threads: usize,
 }
 
-/// The checkpoint's safetensors files.
+/// The checkpoint's safetensors files (as the loader finds them).
 fn files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading --model {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    v.sort();
-    anyhow::ensure!(!v.is_empty(), "--model {}: no *.safetensors files", dir.display());
-    Ok(v)
+    let w = mlaserve_model::Weights::open_unchecked(dir, None).with_context(|| format!("--model {}", dir.display()))?;
+    Ok(w.files().into_iter().map(Path::to_path_buf).collect())
 }
 
 /// Drops the files' clean pages from the page cache.
