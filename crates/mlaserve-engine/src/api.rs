@@ -164,12 +164,26 @@ impl StepTimes {
     }
 }
 
+/// What the speculation policy chose and how well it predicted (see
+/// [`Speculation::Adaptive`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpecStats {
+    /// `steps_per_k[k]`: drafting decisions that chose k drafts for the next step.
+    pub steps_per_k: Vec<u64>,
+    /// Accepted drafts the policy expected for the steps it chose k for.
+    pub expected_accepted: f64,
+    /// Drafts the verifier accepted, over every decode window.
+    pub realised_accepted: u64,
+}
+
 /// Engine statistics: load, totals over finished and running requests, step times.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
     pub load: Load,
-    /// Draft tokens per decode step (k).
+    /// Most draft tokens per decode step (k, or k's maximum when adaptive).
     pub num_speculative_tokens: usize,
+    /// How the steps' k were chosen.
+    pub speculation: SpecStats,
     /// Totals over every request seen (finished ones and the live ones' progress).
     pub totals: Usage,
     pub finished_requests: u64,
@@ -190,12 +204,27 @@ impl EngineStats {
     }
 }
 
+/// How each decode step's number of drafts is chosen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Speculation {
+    /// Every decode step verifies `num_speculative_tokens` drafts.
+    #[default]
+    Fixed,
+    /// Before each drafting pass the engine picks k in `0..=num_speculative_tokens` for
+    /// the next step, maximising expected tokens per second from the acceptance it
+    /// measures per draft position (overall and per request) and the step time it
+    /// measures per (batch size, k). Output does not depend on the choice.
+    Adaptive,
+}
+
 /// How the engine schedules. Defaults suit the CPU backend; the GPU worker sets its own.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
-    /// Draft tokens per decode step, `0..=4`; `None`: 3 when the model has MTP layers,
-    /// else 0.
+    /// Draft tokens per decode step, `0..=4` (the most, with [`Speculation::Adaptive`]);
+    /// `None`: 3 when the model has MTP layers, else 0.
     pub num_speculative_tokens: Option<usize>,
+    /// Fixed k, or adaptive up to `num_speculative_tokens`.
+    pub speculation: Speculation,
     /// Token budget per step (decode windows count `1 + k` each, plus prefill chunks).
     pub max_batch_tokens: usize,
     /// Most prompt tokens one step prefills while other requests decode in it, so a
@@ -219,6 +248,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             num_speculative_tokens: None,
+            speculation: Speculation::Fixed,
             max_batch_tokens: 2048,
             max_prefill_tokens: None,
             max_num_seqs: 256,

@@ -50,6 +50,14 @@ pub(crate) struct MtpMemory<H> {
     spare: Vec<H>,
 }
 
+impl<H> MtpMemory<H> {
+    /// A step without drafting (k = 0 next): the rows kept so far stop matching any
+    /// request's next step.
+    pub fn skip(&mut self) {
+        self.step += 1;
+    }
+}
+
 impl<H> Default for MtpMemory<H> {
     fn default() -> Self {
         MtpMemory { step: 0, prev: Vec::new(), spare: Vec::new() }
@@ -296,9 +304,13 @@ pub(crate) fn draft<B: Backend>(
         let (mut n_hidden, mut n_kept, mut n_logits) = (0usize, 0usize, 0usize);
         let (mut off_prev, mut row) = (0u32, 0u32);
         for (c, ch) in batch.seqs.iter_mut().zip(chunks.iter_mut()) {
-            let ext = if ch.cont && prev_kept.is_some() && ch.ext[d - 1] == d - 1 { d } else { 0 };
+            // With the previous step's row of stage d − 1 at `start − d`, redo that
+            // position too; without it (that step drafted fewer stages), stage d starts
+            // where stage d − 1 did.
+            let with_kept = ch.cont && prev_kept.is_some() && ch.ext[d - 1] == d - 1;
+            let ext = if with_kept { d } else { ch.ext[d - 1] };
             ch.ext[d] = ext;
-            if ext > 0 {
+            if with_kept {
                 hidden_rows[n_hidden] = n_a + n_kept as u32;
                 kept[n_kept] = ch.kept[d - 1];
                 n_hidden += 1;

@@ -3,7 +3,8 @@
 //! [`crate::EngineHandle`] drives it from one thread.
 
 use crate::api::{
-    EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, StepTimes, Usage, MAX_SPECULATIVE_TOKENS,
+    EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, Speculation, StepTimes, Usage,
+    MAX_SPECULATIVE_TOKENS,
 };
 use crate::block::{blocks_for, BlockManager};
 use crate::draft::{chunk_at, draft, DraftJob, DraftScratch, MtpMemory};
@@ -12,6 +13,7 @@ use crate::rng::mix64;
 use crate::sampling::{sample_row, verify_ids_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
+use crate::speculation::{Counts, Policy};
 use mlaserve_core::{Backend, Batch};
 use mlaserve_core::{InvalidField, RequestLimits};
 use std::collections::VecDeque;
@@ -52,6 +54,8 @@ pub struct Engine<B: Backend> {
     scratch: DraftScratch,
     mtp: MtpMemory<B::Hidden>,
     jobs: Vec<DraftJob>,
+    /// Chooses each step's k (fixed, or adaptive up to `lim.k`).
+    policy: Policy,
     /// Why the backend is unusable for good, once a collective failed.
     failed: Option<String>,
 }
@@ -179,10 +183,11 @@ impl<B: Backend> Engine<B> {
             mtp: MtpMemory::default(),
             failed: None,
             jobs: Vec::new(),
+            policy: Policy::new(k, config.speculation == Speculation::Adaptive),
         })
     }
 
-    /// Draft tokens per decode step (k).
+    /// Draft tokens per decode step (k; the most, when adaptive).
     pub fn num_speculative_tokens(&self) -> usize {
         self.lim.k
     }
@@ -288,7 +293,7 @@ impl<B: Backend> Engine<B> {
         if sched.tokens == 0 {
             return events;
         }
-        self.build_batch();
+        let (windows, step_k) = self.build_batch();
         let t1 = Instant::now();
         let fwd = self.backend.forward(&self.batch);
         let t2 = Instant::now();
@@ -324,17 +329,36 @@ impl<B: Backend> Engine<B> {
         self.verify(&out.argmax, &out.sampled, &mut events, &mut finished, &mut jobs);
         let t3 = Instant::now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
+        self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64);
         let mut draft_err = None;
+        let mut drafted = false;
         if !jobs.is_empty() {
-            let (k, n_mtp) = (self.lim.k, self.n_mtp);
-            let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
-            // Drafting gives the block tables back in its last pass, unless it fails.
-            match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc, mem) {
-                Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
-                Err(e) => draft_err = Some(e),
+            // The next step's k, for the requests that will decode in it.
+            let running = &self.running;
+            let decoding = jobs.iter().filter(|j| j.draft_off.is_some()).map(|j| {
+                let s = &running[j.seq];
+                Counts { offered: &s.offered_at, accepted: &s.verified_at }
+            });
+            let k = self.policy.choose(decoding);
+            if k > 0 {
+                let n_mtp = self.n_mtp;
+                let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
+                // Drafting gives the block tables back in its last pass, unless it fails.
+                match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc, mem) {
+                    Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
+                    Err(e) => draft_err = Some(e),
+                }
+                drafted = true;
+            } else {
+                // No MTP layer runs: the next windows hold the last token alone.
+                for j in &jobs {
+                    self.running[j.seq].drafts.clear();
+                }
+                self.mtp.skip();
             }
+            self.policy.drafted(k, t3.elapsed().as_micros() as u64);
         }
-        if jobs.is_empty() || draft_err.is_some() {
+        if !drafted || draft_err.is_some() {
             self.return_tables();
         }
         let t4 = Instant::now();
@@ -359,14 +383,17 @@ impl<B: Backend> Engine<B> {
         events
     }
 
-    /// Fills `self.batch` with the scheduled sequences' chunks, in running order.
+    /// Fills `self.batch` with the scheduled sequences' chunks, in running order, and
+    /// returns its decode windows and the most drafts one holds (all hold as many, but
+    /// for a request left out of the previous step, which keeps older drafts).
     ///
     /// Each chunk borrows its sequence's block table (a swap, not a copy) until
     /// [`Engine::return_tables`]; in between, the tables live in the batch and the
     /// sequences hold empty ones, so nothing may allocate or free blocks.
-    fn build_batch(&mut self) {
+    fn build_batch(&mut self) -> (usize, usize) {
         let b = &mut self.batch;
         let mut n = 0;
+        let (mut windows, mut k) = (0, 0);
         let mut row = 0u32;
         // Only the chosen token of a row comes back (computed by the backend, on the
         // device for the GPU): the argmax for greedy requests, a sample for the others,
@@ -387,6 +414,8 @@ impl<B: Backend> Engine<B> {
                     debug_assert_eq!(s.num_cached + 1, s.tokens.len(), "a decode window starts at the last token");
                     c.tokens.push(s.last_token);
                     c.tokens.extend_from_slice(s.drafts.as_slice());
+                    k = k.max(s.drafts.as_slice().len());
+                    windows += 1;
                     Some((row, s.num_cached + 1, c.tokens.len()))
                 }
                 Some(Sched::Prefill { len, last }) => {
@@ -406,6 +435,7 @@ impl<B: Backend> Engine<B> {
             row += c.tokens.len() as u32;
         }
         b.seqs.truncate(n);
+        (windows, k)
     }
 
     /// Gives the block tables lent by [`Engine::build_batch`] back to their sequences
@@ -428,7 +458,7 @@ impl<B: Backend> Engine<B> {
         finished: &mut Vec<(usize, FinishReason)>,
         jobs: &mut Vec<DraftJob>,
     ) {
-        let k = self.lim.k;
+        let k_max = self.lim.k;
         // Cursors into the argmax ids (greedy requests) and the sampled ids (the others),
         // both in the order `build_batch` asked for them.
         let (mut arow, mut srow) = (0usize, 0usize);
@@ -439,6 +469,7 @@ impl<B: Backend> Engine<B> {
             let mut fin = None;
             let (rows, draft_off) = match sched {
                 Sched::Decode => {
+                    let k = s.drafts.as_slice().len();
                     let emitted = tokens_event(events, s.id, 1 + k);
                     let ids = if s.params.is_greedy() {
                         arow += 1 + k;
@@ -468,6 +499,11 @@ impl<B: Backend> Engine<B> {
                         *v += (j < accepted) as u64;
                         *a += (j < emitted_drafts) as u64;
                     }
+                    // Offered: drafts whose earlier ones were all accepted.
+                    for o in &mut s.offered_at[..k.min(accepted + 1)] {
+                        *o += 1;
+                    }
+                    self.policy.observe(k, accepted);
                     s.num_cached = start + 1 + accepted;
                     (1 + k, Some(accepted))
                 }
@@ -492,7 +528,7 @@ impl<B: Backend> Engine<B> {
             };
             match fin {
                 Some(reason) => finished.push((idx, reason)),
-                None if k > 0 => jobs.push(DraftJob { seq: idx, start, target_row: trow, draft_off }),
+                None if k_max > 0 => jobs.push(DraftJob { seq: idx, start, target_row: trow, draft_off }),
                 None => {}
             }
             trow += rows;
@@ -568,6 +604,7 @@ impl<B: Backend> Engine<B> {
         EngineStats {
             load: self.load(),
             num_speculative_tokens: self.lim.k,
+            speculation: self.policy.stats().clone(),
             totals,
             finished_requests: self.finished_requests,
             times: self.times,
@@ -584,3 +621,7 @@ impl<B: Backend> Engine<B> {
         self.blocks.check(self.running.iter().map(|s| s.block_table.as_slice()))
     }
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -18,11 +18,12 @@ pub mod rng;
 pub mod sampling;
 mod scheduler;
 mod sequence;
+mod speculation;
 pub mod testing;
 
 pub use api::{
-    EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, SamplingParams, StepTimes, StopMatch,
-    Usage, MAX_SPECULATIVE_TOKENS,
+    EngineConfig, EngineStats, Event, FinishReason, Load, Request, RequestId, SamplingParams, SpecStats, Speculation,
+    StepTimes, StopMatch, Usage, MAX_SPECULATIVE_TOKENS,
 };
 pub use bench::{bench_engine, BenchConfig, BenchReport};
 pub use engine::Engine;

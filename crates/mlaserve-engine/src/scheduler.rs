@@ -2,9 +2,10 @@
 //! pool, and preempts by recompute when blocks run out.
 //!
 //! Order of a step (all lists ordered by arrival, oldest first):
-//! 1. running decode requests, `1 + k` tokens each, with blocks for `L + max(1 + k, 2k)`
-//!    positions (`L` = cached tokens): the target window writes `L..=L+k` and the MTP
-//!    chain writes up to `L + a + k − 1 ≤ L + 2k − 1`;
+//! 1. running decode requests, `1 + k` tokens each (k: the drafts the request holds for
+//!    this step), with blocks for `L + max(1 + K, 2K)` positions (`L` = cached tokens,
+//!    `K` the most drafts a step may take): the target window writes `L..=L+k` and the
+//!    MTP chain writes up to `L + a + k − 1 ≤ L + 2k − 1`;
 //! 2. running requests part-way through their prefill, a chunk each from what budget
 //!    is left — while requests decode in the step, at most `max_prefill_tokens` in all,
 //!    so a long prompt cannot stall their streams;
@@ -22,6 +23,7 @@ use std::collections::VecDeque;
 /// Scheduling limits of one engine.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
+    /// The most drafts a decode window holds (blocks are reserved for it).
     pub k: usize,
     pub max_batch_tokens: usize,
     /// Prefill tokens per step while requests decode in it (see `EngineConfig`).
@@ -101,12 +103,12 @@ pub(crate) fn schedule(
         s.sched = None;
     }
     let mut budget = lim.max_batch_tokens;
-    let window = 1 + lim.k;
 
     // 1. Decodes, oldest first.
     let mut i = 0;
     let mut prefilling = false;
     while i < running.len() {
+        let window = 1 + running[i].drafts.as_slice().len();
         if !running[i].decoding || budget < window {
             prefilling |= !running[i].decoding;
             i += 1;
@@ -247,6 +249,7 @@ mod tests {
         assert!(blocks.ensure(&mut d.block_table, 3));
         d.num_cached = 3;
         d.decoding = true;
+        d.drafts.set(&[5, 6, 7]);
         let (mut running, mut waiting) = (vec![d], VecDeque::from([long(1)]));
         let mut prefilled = 0;
         for _ in 0..3 {

@@ -54,7 +54,8 @@ pub(crate) struct Sequence {
     /// The last of `tokens`, inline: a decode window starts with it, and reading it
     /// through `tokens` costs a cache miss per request per step.
     pub last_token: u32,
-    /// True once the prefill of `tokens` finished and `drafts` holds k drafts.
+    /// True once the prefill of `tokens` finished and `drafts` holds the next step's
+    /// drafts (k of them; none when the step runs without).
     pub decoding: bool,
     pub seed: u64,
     /// Prompt followed by every emitted token (appended only by `push_token`).
@@ -66,6 +67,9 @@ pub(crate) struct Sequence {
     pub accepted_at: [u64; MAX_SPECULATIVE_TOKENS],
     /// `Usage::verified_per_position`, inline.
     pub verified_at: [u64; MAX_SPECULATIVE_TOKENS],
+    /// Per draft position, the windows that offered it with every earlier draft
+    /// accepted (`verified_at[j] / offered_at[j]` is the request's conditional rate).
+    pub offered_at: [u64; MAX_SPECULATIVE_TOKENS],
     /// Rows the drafter kept for this request from its last step.
     pub mtp_tail: Option<crate::draft::MtpTail>,
     /// Counters of the request's [`Usage`] but the per-position ones, which live in
@@ -75,7 +79,7 @@ pub(crate) struct Sequence {
     pub params: SamplingParams,
     /// Submission order; lower is older (FCFS admission, newest-first preemption).
     pub arrival: u64,
-    /// k: the length of the per-position counts.
+    /// The most drafts a window holds: the length of the per-position counts.
     positions: usize,
 }
 
@@ -97,6 +101,7 @@ impl Sequence {
             usage,
             accepted_at: [0; MAX_SPECULATIVE_TOKENS],
             verified_at: [0; MAX_SPECULATIVE_TOKENS],
+            offered_at: [0; MAX_SPECULATIVE_TOKENS],
             positions: k,
             sched: None,
             mtp_tail: None,

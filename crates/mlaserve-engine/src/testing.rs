@@ -7,10 +7,28 @@
 //! target's logits at position `p` are a hash of the tokens at `p − 2, p − 1, p`, read
 //! back from the cache. The MTP layers predict the target's greedy choice exactly
 //! except on a hashed fraction of contexts (`mtp_error_pct`), so acceptance is partial.
+//! A [`SynthCost`] makes its calls take wall time, for tests of choices that follow the
+//! measured step times (adaptive speculation).
 
 use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig, BLOCK_SIZE};
 
 const NO_TOKEN: u32 = u32::MAX;
+
+/// How long the synthetic backend's calls take (it sleeps): a fixed part per call and
+/// a part per token of the batch, for the target forward and for an MTP forward.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SynthCost {
+    pub forward_call_us: u64,
+    pub forward_token_us: u64,
+    pub mtp_call_us: u64,
+    pub mtp_token_us: u64,
+}
+
+fn sleep_us(us: u64) {
+    if us > 0 {
+        std::thread::sleep(std::time::Duration::from_micros(us));
+    }
+}
 
 /// Deterministic toy backend (see the module docs).
 #[derive(Debug)]
@@ -29,6 +47,8 @@ pub struct SyntheticBackend {
     pub prefill_tokens: u64,
     pub window_tokens: u64,
     pub longest_window: usize,
+    /// Wall time of each call (none by default).
+    pub cost: SynthCost,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -61,6 +81,7 @@ impl SyntheticBackend {
             prefill_tokens: 0,
             window_tokens: 0,
             longest_window: 0,
+            cost: SynthCost::default(),
         }
     }
 
@@ -116,6 +137,7 @@ impl Backend for SyntheticBackend {
     fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
         batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
         self.forward_calls += 1;
+        sleep_us(self.cost.forward_call_us + self.cost.forward_token_us * batch.num_tokens() as u64);
         if std::mem::take(&mut self.fail_next_forward) {
             return Err(mlaserve_core::Error::Backend("injected failure".into()));
         }
@@ -174,6 +196,7 @@ impl Backend for SyntheticBackend {
             return Err(mlaserve_core::Error::Batch("hidden_rows length != tokens".into()));
         }
         self.mtp_calls += 1;
+        sleep_us(self.cost.mtp_call_us + self.cost.mtp_token_us * batch.num_tokens() as u64);
         let mut hidden = Vec::with_capacity(batch.num_tokens());
         let mut preds = Vec::with_capacity(batch.num_tokens());
         let toks = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied());

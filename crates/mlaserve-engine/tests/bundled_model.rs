@@ -2,13 +2,14 @@
 //! accepted most of the time here, so this is where the multi-token accepted path and
 //! the MTP chain meet real weights.
 //!
-//! - Greedy output with k = 3 equals k = 0 token for token.
+//! - Greedy output with k = 3 equals k = 0 token for token, and so does adaptive k (up
+//!   to 3, chosen from the CPU's measured step times).
 //! - Greedy acceptance per draft position on the 50 held-out prompts the training script
 //!   evaluated (64 new tokens each) is within ±3 points of its teacher-forced figure
 //!   (`eval.json`, conditional form: P(draft d right | drafts before it right)).
 
 use mlaserve_cpu::CpuBackend;
-use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Usage};
+use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Speculation, Usage};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -29,8 +30,12 @@ fn prompts() -> Vec<Vec<u32>> {
 
 /// Runs `prompts` greedily (EOS ignored) and returns tokens per prompt and the usage total.
 fn run(prompts: &[Vec<u32>], k: usize, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
+    run_with(prompts, k, Speculation::Fixed, new_tokens)
+}
+
+fn run_with(prompts: &[Vec<u32>], k: usize, speculation: Speculation, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
     let backend = CpuBackend::load(&model(), 256).expect("load bundled model");
-    let cfg = EngineConfig { num_speculative_tokens: Some(k), max_num_seqs: 64, ..Default::default() };
+    let cfg = EngineConfig { num_speculative_tokens: Some(k), speculation, max_num_seqs: 64, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let params = SamplingParams { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
     let ids: Vec<_> =
@@ -74,4 +79,6 @@ fn bundled_model_acceptance_matches_teacher_forced_and_is_lossless() {
     // Lossless: the same greedy tokens without speculation (first 20 prompts).
     let (plain, _) = run(&prompts[..20], 0, 64);
     assert_eq!(plain, spec[..20].to_vec(), "k = 3 output differs from k = 0");
+    let (adaptive, _) = run_with(&prompts[..20], 3, Speculation::Adaptive, 64);
+    assert_eq!(plain, adaptive, "adaptive k output differs from k = 0");
 }

@@ -12,6 +12,13 @@ const DEFAULT_MAX_BATCH_TOKENS: usize = 2048;
 const DEFAULT_MAX_NUM_SEQS: usize = 256;
 const DEFAULT_MAX_QUEUED: usize = 4096;
 
+/// `--speculation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpeculationMode {
+    Adaptive,
+    Fixed,
+}
+
 /// The engine of a worker group: its KV cache, batching and speculation.
 #[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct EngineArgs {
@@ -31,9 +38,16 @@ pub struct EngineArgs {
     /// one request of this length cannot fit the cache.
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// Draft tokens per decode step (0..=4); default: 3 when the model has MTP layers.
+    /// Draft tokens per decode step (0..=4), the most with `--speculation adaptive`;
+    /// default: 3 when the model has MTP layers.
     #[arg(long)]
     pub speculative_tokens: Option<usize>,
+    /// How many drafts each decode step verifies: `adaptive` picks k in
+    /// 0..=--speculative-tokens before every step, for the most tokens per second by the
+    /// acceptance and step times it measures (output does not depend on it); `fixed`
+    /// always drafts --speculative-tokens.
+    #[arg(long, value_enum, default_value_t = SpeculationMode::Adaptive)]
+    pub speculation: SpeculationMode,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
@@ -57,6 +71,7 @@ impl Default for EngineArgs {
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             max_model_len: None,
             speculative_tokens: None,
+            speculation: SpeculationMode::Adaptive,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             max_prefill_tokens: None,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
@@ -75,6 +90,10 @@ impl EngineArgs {
     pub fn engine_config(&self) -> mlaserve_engine::EngineConfig {
         mlaserve_engine::EngineConfig {
             num_speculative_tokens: self.speculative_tokens,
+            speculation: match self.speculation {
+                SpeculationMode::Adaptive => mlaserve_engine::Speculation::Adaptive,
+                SpeculationMode::Fixed => mlaserve_engine::Speculation::Fixed,
+            },
             max_batch_tokens: self.max_batch_tokens,
             max_prefill_tokens: self.max_prefill_tokens,
             max_num_seqs: self.max_num_seqs,

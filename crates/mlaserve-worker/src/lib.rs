@@ -12,7 +12,7 @@ pub mod load;
 pub mod nccl_id;
 pub mod service;
 
-pub use args::{EngineArgs, WorkerAccess, WorkerArgs};
+pub use args::{EngineArgs, SpeculationMode, WorkerAccess, WorkerArgs};
 
 use mlaserve_cluster::auth::{Keys, OnRefusal, RequireBearer, HEALTH_PATH};
 use mlaserve_cluster::tls::{RefusalLog, ServerTls, TlsIncoming};
@@ -237,5 +237,13 @@ async fn export_stats(engine: EngineHandle, health: tonic_health::server::Health
         {
             metrics::gauge!("mlaserve_engine_step_seconds_total", "phase" => phase).set(us as f64 / 1e6);
         }
+        // Speculation: the k chosen per step (one counter per k), and the accepted drafts
+        // the choices expected beside those verification accepted.
+        let sp = &s.speculation;
+        for (k, n) in sp.steps_per_k.iter().enumerate() {
+            metrics::counter!("mlaserve_speculation_steps_total", "k" => k.to_string()).absolute(*n);
+        }
+        metrics::gauge!("mlaserve_speculation_expected_accepted_tokens_total").set(sp.expected_accepted);
+        metrics::counter!("mlaserve_speculation_accepted_tokens_total").absolute(sp.realised_accepted);
     }
 }

@@ -1,0 +1,430 @@
+//! Adaptive speculation: before each drafting pass the engine picks the next step's k
+//! (0 ..= the configured maximum) that maximises the expected tokens per second.
+//!
+//! - **Acceptance** is measured online per draft position, as the conditional rate
+//!   `a_j = P(draft j accepted | drafts before j accepted)`: overall (decayed, so it
+//!   follows the traffic) and per request (its own counts, shrunk towards the overall
+//!   rate while they are few). A request's expected accepted drafts with k drafts are
+//!   `Σ_{j<k} Π_{i≤j} a_i`. Each decision draws the overall rates from their posterior
+//!   (Thompson sampling), so a rate known from few drafts gets measured again.
+//! - **Cost** is measured per (batch bucket, k): a cycle is the drafting pass that made a
+//!   step's k drafts plus that step's schedule, target forward and verification — what
+//!   choosing k costs, prefill chunks riding in the step included. Samples are kept per
+//!   decode row (the median of the last few), buckets are powers of two of the decode
+//!   rows. A bucket without samples of some k takes that k's cost relative to one it
+//!   measured from the nearest bucket that measured every k (per-row costs shift with
+//!   the batch size, their ratios much less).
+//! - **Choice**: the first bucket tries each k once (a server does so in its first few
+//!   steps); then the best `expected tokens / expected cost`. A neighbour of the best
+//!   (k ± 1) that the bucket never measured is measured at once, and every
+//!   [`EXPLORE_EVERY`]-th decision of a bucket the neighbour whose newest sample there
+//!   is the oldest, so each bucket's costs become its own and stay current as the load
+//!   and the contexts change. Exploring costs a step at a neighbouring k now and then,
+//!   little against the long run a server makes.
+//!
+//! Output never depends on k: verification accepts only what the target would have
+//! emitted. A step at k = 0 runs no MTP layer, so the MTP caches miss those positions
+//! and the first drafts after it may be accepted less often; the measured acceptance
+//! includes that.
+
+use crate::api::{SpecStats, MAX_SPECULATIVE_TOKENS as KMAX};
+
+/// Samples kept per (bucket, k); the estimate is their median.
+const KEEP: usize = 8;
+/// Every this many decisions of a bucket, one re-measures a neighbour of the best k.
+pub(crate) const EXPLORE_EVERY: u64 = 100;
+/// Per-step decay of the overall acceptance counts (a half-life of ~700 steps).
+const DECAY: f64 = 0.999;
+/// Weight, in observations, of the overall rate in a request's own estimate.
+const PRIOR: f64 = 4.0;
+
+/// Recent cost samples of one (bucket, k), in microseconds per decode row.
+#[derive(Debug, Clone, Copy, Default)]
+struct Costs {
+    samples: [f64; KEEP],
+    len: usize,
+    next: usize,
+    /// The bucket's decision count when the newest sample came.
+    at: u64,
+}
+
+impl Costs {
+    fn push(&mut self, v: f64, at: u64) {
+        self.samples[self.next] = v;
+        self.next = (self.next + 1) % KEEP;
+        self.len = (self.len + 1).min(KEEP);
+        self.at = at;
+    }
+
+    fn median(&self) -> f64 {
+        let mut s = self.samples;
+        let s = &mut s[..self.len];
+        s.sort_by(f64::total_cmp);
+        s[s.len() / 2]
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Bucket {
+    per_k: [Costs; KMAX + 1],
+    decisions: u64,
+    /// Which neighbour (below, above) the next exploration tries first.
+    flip: bool,
+}
+
+/// A request's own draft counts: per position, offered (every earlier draft accepted)
+/// and accepted by the verifier.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Counts<'a> {
+    pub offered: &'a [u64; KMAX],
+    pub accepted: &'a [u64; KMAX],
+}
+
+/// The drafting pass whose step has not finished yet.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    k: usize,
+    draft_us: f64,
+}
+
+/// Picks each step's k ([`crate::api::Speculation`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Policy {
+    k_max: usize,
+    adaptive: bool,
+    offered: [f64; KMAX],
+    accepted: [f64; KMAX],
+    /// State of the draws of the acceptance rates.
+    rng: u64,
+    buckets: Vec<Bucket>,
+    pending: Option<Pending>,
+    stats: SpecStats,
+    /// Tests: when set, decision i takes `forced[i % len]` (capped at the maximum).
+    #[cfg(test)]
+    pub forced: Vec<usize>,
+}
+
+/// Bucket index of `n` decode rows: `⌈log2 n⌉`.
+fn bucket_of(n: usize) -> usize {
+    n.max(1).next_power_of_two().trailing_zeros() as usize
+}
+
+impl Policy {
+    pub fn new(k_max: usize, adaptive: bool) -> Self {
+        Policy {
+            k_max,
+            adaptive: adaptive && k_max > 0,
+            offered: [0.0; KMAX],
+            accepted: [0.0; KMAX],
+            rng: 0x5eed_5eed,
+            buckets: Vec::new(),
+            pending: None,
+            stats: SpecStats { steps_per_k: vec![0; k_max + 1], ..Default::default() },
+            #[cfg(test)]
+            forced: Vec::new(),
+        }
+    }
+
+    #[cfg(test)]
+    fn k_max(&self) -> usize {
+        self.k_max
+    }
+
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// One decode window of `k` drafts, `accepted` of them accepted by the verifier.
+    pub fn observe(&mut self, k: usize, accepted: usize) {
+        for j in 0..k.min(accepted + 1) {
+            self.offered[j] += 1.0;
+            self.accepted[j] += (j < accepted) as u64 as f64;
+        }
+        self.stats.realised_accepted += accepted as u64;
+    }
+
+    /// The overall conditional acceptance rate of each position: the mean of its
+    /// posterior (a uniform prior: one in two until drafts are verified).
+    pub fn rates(&self) -> [f64; KMAX] {
+        std::array::from_fn(|j| (self.accepted[j] + 1.0) / (self.offered[j] + 2.0))
+    }
+
+    /// A draw of each rate from (a normal approximation of) its posterior: where few
+    /// drafts were verified lately the draws spread and now and then favour another k,
+    /// which measures it; where many were, they stay close to the mean (Thompson
+    /// sampling).
+    fn draw_rates(&mut self) -> [f64; KMAX] {
+        let mean = self.rates();
+        std::array::from_fn(|j| {
+            let sd = (mean[j] * (1.0 - mean[j]) / (self.offered[j] + 3.0)).sqrt();
+            (mean[j] + sd * self.normal()).clamp(0.0, 1.0)
+        })
+    }
+
+    /// A standard normal variate (Box–Muller over splitmix64).
+    fn normal(&mut self) -> f64 {
+        let mut u = || {
+            self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            ((crate::rng::mix64(self.rng) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        let (u1, u2) = (u(), u());
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// Expected accepted drafts of one request with `k` drafts, for every k at once
+    /// (`out[k]`), from its own counts shrunk towards `overall`.
+    fn expected(overall: &[f64; KMAX], c: Counts, out: &mut [f64; KMAX + 1]) {
+        let mut p = 1.0;
+        out[0] = 0.0;
+        for j in 0..KMAX {
+            let a = (c.accepted[j] as f64 + PRIOR * overall[j]) / (c.offered[j] as f64 + PRIOR);
+            p *= a;
+            out[j + 1] = out[j] + p;
+        }
+    }
+
+    /// The k of the next step, for the requests that will decode in it (their own draft
+    /// counts). Call once per step, before drafting.
+    pub fn choose<'a>(&mut self, requests: impl Iterator<Item = Counts<'a>>) -> usize {
+        for x in self.offered.iter_mut().chain(self.accepted.iter_mut()) {
+            *x *= DECAY;
+        }
+        if !self.adaptive {
+            self.stats.steps_per_k[self.k_max] += 1;
+            return self.k_max;
+        }
+        // Expected tokens per k: by the drawn rates (the choice) and by their means (the
+        // expectation reported beside what verification accepts).
+        let (drawn, mean) = (self.draw_rates(), self.rates());
+        let (mut tokens, mut at_mean) = ([0.0; KMAX + 1], [0.0; KMAX + 1]);
+        let mut one = [0.0; KMAX + 1];
+        let mut n = 0usize;
+        for c in requests {
+            Self::expected(&drawn, c, &mut one);
+            for (t, o) in tokens.iter_mut().zip(&one) {
+                *t += 1.0 + o;
+            }
+            Self::expected(&mean, c, &mut one);
+            for (t, o) in at_mean.iter_mut().zip(&one) {
+                *t += 1.0 + o;
+            }
+            n += 1;
+        }
+        #[cfg(test)]
+        let k = if self.forced.is_empty() {
+            self.pick(n, &tokens)
+        } else {
+            let i = self.stats.steps_per_k.iter().sum::<u64>() as usize;
+            self.forced[i % self.forced.len()].min(self.k_max)
+        };
+        #[cfg(not(test))]
+        let k = self.pick(n, &tokens);
+        self.stats.steps_per_k[k] += 1;
+        self.stats.expected_accepted += at_mean[k] - n as f64;
+        k
+    }
+
+    /// The choice for `n` requests whose expected tokens with k drafts are `tokens[k]`.
+    fn pick(&mut self, n: usize, tokens: &[f64; KMAX + 1]) -> usize {
+        let k_max = self.k_max;
+        let b = bucket_of(n);
+        if self.buckets.len() <= b {
+            self.buckets.resize(b + 1, Bucket::default());
+        }
+        let Some(cost) = self.costs(b) else {
+            // Nothing to compare with yet: try each k here once.
+            let bucket = &mut self.buckets[b];
+            bucket.decisions += 1;
+            return (0..=k_max).find(|&k| bucket.per_k[k].len == 0).unwrap_or(k_max);
+        };
+        let bucket = &mut self.buckets[b];
+        bucket.decisions += 1;
+        let rate = |k: usize| tokens[k] / cost[k];
+        let best = (0..=k_max).fold(0, |b, k| if rate(k) > rate(b) { k } else { b });
+        // A neighbour of the best that this bucket never measured is measured now (its
+        // cost was borrowed): a wrong borrowed cost is corrected within a few steps.
+        let near = [best.checked_sub(1), (best < k_max).then_some(best + 1)];
+        if let Some(k) = near.into_iter().flatten().find(|&k| bucket.per_k[k].len == 0) {
+            return k;
+        }
+        if bucket.decisions.is_multiple_of(EXPLORE_EVERY) {
+            let below = best.checked_sub(1);
+            let above = (best < k_max).then_some(best + 1);
+            let (first, second) = if bucket.flip { (above, below) } else { (below, above) };
+            bucket.flip = !bucket.flip;
+            let stale = |k: Option<usize>| k.map(|k| (bucket.per_k[k].at, k));
+            if let Some((_, k)) = [stale(first), stale(second)].into_iter().flatten().min() {
+                return k;
+            }
+        }
+        best
+    }
+
+    /// The cost per decode row of each k in bucket `b`: its own samples; for a k it has
+    /// none of, the nearest bucket that has samples of every k gives the ratio to a k
+    /// measured here (or, with none measured here, its costs as they are). `None` while
+    /// no bucket has samples of every k.
+    fn costs(&self, b: usize) -> Option<[f64; KMAX + 1]> {
+        let ks = 0..=self.k_max;
+        let own: Vec<Option<f64>> =
+            ks.clone().map(|k| (self.buckets[b].per_k[k].len > 0).then(|| self.buckets[b].per_k[k].median())).collect();
+        let mut cost = [0.0; KMAX + 1];
+        if own.iter().all(Option::is_some) {
+            for (c, o) in cost.iter_mut().zip(&own) {
+                *c = o.unwrap_or(0.0).max(1e-9);
+            }
+            return Some(cost);
+        }
+        let complete = |i: usize| ks.clone().all(|k| self.buckets[i].per_k[k].len > 0);
+        let r = (0..self.buckets.len()).filter(|&i| complete(i)).min_by_key(|&i| (i.abs_diff(b), i))?;
+        let theirs = |k: usize| self.buckets[r].per_k[k].median().max(1e-9);
+        // The k measured most here sets the scale.
+        let scale = ks
+            .clone()
+            .filter(|&k| own[k].is_some())
+            .max_by_key(|&k| self.buckets[b].per_k[k].len)
+            .map_or(1.0, |k| own[k].unwrap_or(0.0).max(1e-9) / theirs(k));
+        for k in ks {
+            cost[k] = own[k].unwrap_or_else(|| theirs(k) * scale).max(1e-9);
+        }
+        Some(cost)
+    }
+
+    /// The drafting pass for a step of `k` drafts took `us` (0 when k = 0: none ran).
+    pub fn drafted(&mut self, k: usize, us: u64) {
+        self.pending = Some(Pending { k, draft_us: us as f64 });
+    }
+
+    /// A step whose `n` decode windows held `k` drafts spent `us` in scheduling, the
+    /// target forward and verification: with its drafting pass, one cost sample.
+    pub fn stepped(&mut self, k: usize, n: usize, us: u64) {
+        let Some(p) = self.pending.take() else { return };
+        if !self.adaptive || n == 0 || p.k != k {
+            return;
+        }
+        let b = bucket_of(n);
+        if self.buckets.len() <= b {
+            self.buckets.resize(b + 1, Bucket::default());
+        }
+        let bucket = &mut self.buckets[b];
+        let at = bucket.decisions;
+        bucket.per_k[k].push((p.draft_us + us as f64) / n as f64, at);
+    }
+
+    /// The cost (µs per decode row) of `k` measured in `n` decode rows' own bucket.
+    #[cfg(test)]
+    fn cost_per_row(&self, n: usize, k: usize) -> Option<f64> {
+        let c = self.buckets.get(bucket_of(n))?.per_k.get(k)?;
+        (c.len > 0).then(|| c.median())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NONE: [u64; KMAX] = [0; KMAX];
+
+    /// Runs `steps` decisions for `n` requests with acceptance `rate` per position, the
+    /// cost of a cycle at k being `cost(k)` µs; returns how often each k was chosen.
+    fn run(p: &mut Policy, n: usize, steps: usize, rate: f64, cost: impl Fn(usize) -> f64) -> Vec<u64> {
+        let mut chosen = vec![0u64; p.k_max() + 1];
+        for step in 0..steps {
+            let k = p.choose((0..n).map(|_| Counts { offered: &NONE, accepted: &NONE }));
+            chosen[k] += 1;
+            // Accepted drafts: deterministic, `rate` of the offers at each position.
+            for r in 0..n {
+                let mut a = 0;
+                while a < k && ((step * n + r) * 7919 + a * 104_729) % 1000 < (rate * 1000.0) as usize {
+                    a += 1;
+                }
+                p.observe(k, a);
+            }
+            p.drafted(k, 0);
+            p.stepped(k, n, cost(k) as u64);
+        }
+        chosen
+    }
+
+    #[test]
+    fn cheap_drafts_and_good_acceptance_choose_the_most_drafts() {
+        // A memory-bound step: the window barely costs more, drafts are cheap.
+        let mut p = Policy::new(3, true);
+        let chosen = run(&mut p, 4, 1000, 0.8, |k| 1000.0 + 50.0 * k as f64);
+        assert!(chosen[3] > 900, "{chosen:?}");
+    }
+
+    #[test]
+    fn a_compute_bound_step_chooses_no_drafts() {
+        // Cost in proportion to the tokens: a window of 1 + k costs 1 + k rows.
+        let mut p = Policy::new(3, true);
+        let chosen = run(&mut p, 64, 1000, 0.7, |k| 64.0 * 100.0 * (1 + k) as f64);
+        assert!(chosen[0] > 900, "{chosen:?}");
+        // Exploration of the others stays rare.
+        assert!(chosen[1] + chosen[2] + chosen[3] < 1000 / EXPLORE_EVERY + 8, "{chosen:?}");
+    }
+
+    #[test]
+    fn poor_acceptance_turns_drafting_off_and_good_acceptance_on() {
+        let cost = |k: usize| 1000.0 + 300.0 * k as f64;
+        let mut p = Policy::new(3, true);
+        let chosen = run(&mut p, 8, 600, 0.05, cost);
+        assert!(chosen[0] > 500, "rarely accepted drafts are not worth 30% a draft: {chosen:?}");
+        let mut p = Policy::new(3, true);
+        let chosen = run(&mut p, 8, 600, 0.9, cost);
+        assert!(chosen[3] > 500, "drafts accepted 9 in 10 are: {chosen:?}");
+    }
+
+    #[test]
+    fn the_middle_k_wins_when_it_should() {
+        // Acceptance 0.9, a third draft dearer than the others (a chained stage): k = 1
+        // gives 1.9 tokens for 1.2, k = 2 2.71 for 1.4, k = 3 3.44 for 2.4 (per unit):
+        // 1.58, 1.94, 1.43 — k = 2.
+        let mut p = Policy::new(3, true);
+        let cost = [1000.0, 1200.0, 1400.0, 2400.0];
+        let chosen = run(&mut p, 16, 1000, 0.9, |k| cost[k]);
+        assert!(chosen[2] > 900, "{chosen:?}");
+    }
+
+    /// A fixed cost per step plus a cost per token (the CPU): drafts pay at one row and
+    /// not at sixteen. The policy meets one row first; its per-row costs there must not
+    /// make k = 0 look dear at sixteen.
+    #[test]
+    fn costs_borrowed_from_another_batch_size_keep_their_ratios() {
+        let mut p = Policy::new(3, true);
+        // Acceptance 0.6: at one row k = 2 gives 1.96 tokens for 800 and k = 3 2.18 for
+        // 900 against 1 for 600; at sixteen k = 0 gives 16 for 2,100, k = 1 25.6 for
+        // 3,700 (9% fewer a second).
+        let cost = |n: usize, k: usize| 500.0 + 100.0 * (n * (1 + k)) as f64;
+        let one = run(&mut p, 1, 200, 0.6, |k| cost(1, k));
+        assert!(one[2] + one[3] >= 150, "one row: {one:?}");
+        let sixteen = run(&mut p, 16, 600, 0.6, |k| cost(16, k));
+        assert!(sixteen[0] > 560, "sixteen rows: {sixteen:?}");
+    }
+
+    #[test]
+    fn a_request_with_its_own_poor_acceptance_lowers_the_expectation() {
+        let overall = [0.8; KMAX];
+        let mut good = [0.0; KMAX + 1];
+        let mut bad = [0.0; KMAX + 1];
+        Policy::expected(&overall, Counts { offered: &NONE, accepted: &NONE }, &mut good);
+        Policy::expected(&overall, Counts { offered: &[100, 5, 1, 0], accepted: &[5, 1, 0, 0] }, &mut bad);
+        assert!((good[1] - 0.8).abs() < 1e-12 && (good[2] - (0.8 + 0.64)).abs() < 1e-12, "{good:?}");
+        assert!(bad[3] < 0.2, "{bad:?}");
+    }
+
+    #[test]
+    fn fixed_always_takes_the_maximum_and_costs_follow_the_bucket() {
+        let mut p = Policy::new(2, false);
+        let chosen = run(&mut p, 4, 10, 0.0, |_| 1.0);
+        assert_eq!(chosen, vec![0, 0, 10]);
+        let mut p = Policy::new(3, true);
+        run(&mut p, 5, 40, 0.5, |k| 500.0 * (1 + k) as f64);
+        assert_eq!(p.cost_per_row(8, 0), Some(100.0), "5 rows: bucket 8, 500 µs / 5 rows");
+        assert_eq!(p.cost_per_row(4, 0), None);
+        assert_eq!(bucket_of(1), 0);
+        assert_eq!(bucket_of(2), 1);
+        assert_eq!(bucket_of(3), 2);
+        assert_eq!(bucket_of(256), 8);
+    }
+}

@@ -1,0 +1,127 @@
+//! Adaptive speculation (`Speculation::Adaptive`) on the synthetic backend made to take
+//! wall time (`SynthCost`): the k it chooses follows the step times it measures — the
+//! most drafts where a step costs the same whatever its window, none where it costs in
+//! proportion to its tokens or where drafts are rarely accepted — and the output is the
+//! fixed k = 0 output whatever it chooses, greedy and seeded sampling alike.
+
+mod common;
+
+use common::{random_arrivals, run_all, Arrival, TestRng};
+use mlaserve_engine::testing::{SynthCost, SyntheticBackend};
+use mlaserve_engine::{Engine, EngineConfig, SamplingParams, SpecStats, Speculation};
+
+const VOCAB: usize = 64;
+
+fn engine(cost: SynthCost, speculation: Speculation, k: usize) -> Engine<SyntheticBackend> {
+    let mut b = SyntheticBackend::new(VOCAB, 2, 2048, 4096);
+    b.cost = cost;
+    let cfg = EngineConfig {
+        num_speculative_tokens: Some(k),
+        speculation,
+        max_batch_tokens: 1024,
+        max_num_seqs: 64,
+        ..Default::default()
+    };
+    Engine::new(b, cfg).expect("engine")
+}
+
+/// 24 requests arriving together, 200 tokens each (EOS ignored): the batch stays at 24
+/// rows for most of the run.
+fn arrivals(sampling: &SamplingParams) -> Vec<Arrival> {
+    let sp = SamplingParams { ignore_eos: true, ..sampling.clone() };
+    random_arrivals(&mut TestRng(7), 24, VOCAB as u32, (4, 40), (200, 200), 0, &sp)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut a)| {
+            a.req.sampling.seed = Some(500 + i as u64);
+            a
+        })
+        .collect()
+}
+
+fn share(st: &SpecStats, k: usize) -> f64 {
+    st.steps_per_k[k] as f64 / st.steps_per_k.iter().sum::<u64>() as f64
+}
+
+#[test]
+fn adaptive_k_follows_the_measured_costs_and_never_changes_the_output() {
+    let greedy = arrivals(&SamplingParams::default());
+    let sampled = arrivals(&SamplingParams { temperature: 1.0, top_k: 20, ..Default::default() });
+    // Memory-bound (a GPU decoding a small batch): a step costs the same whatever its
+    // window, an MTP pass a tenth of it.
+    let flat = SynthCost { forward_call_us: 4000, mtp_call_us: 400, ..Default::default() };
+    // Compute-bound (the CPU): cost in proportion to the tokens, MTP layers included.
+    let per_token = SynthCost { forward_token_us: 150, mtp_token_us: 150, ..Default::default() };
+    // The synthetic drafter predicts the greedy token: sampled tokens rarely match it.
+    for (what, a, want_flat) in [("greedy", &greedy, 3), ("seeded sampling", &sampled, 0)] {
+        let base = run_all(&mut engine(SynthCost::default(), Speculation::Fixed, 0), a);
+        for (cost, want_k) in [(flat, want_flat), (per_token, 0)] {
+            let mut e = engine(cost, Speculation::Adaptive, 3);
+            let out = run_all(&mut e, a);
+            for (i, (x, y)) in base.iter().zip(&out).enumerate() {
+                assert_eq!(x.tokens, y.tokens, "{what}, {cost:?}: request {i} differs from k = 0");
+                assert_eq!(x.reason, y.reason, "{what}, {cost:?}: request {i}");
+            }
+            let st = e.stats().speculation;
+            eprintln!("{what}, {cost:?}: steps per k {:?}", st.steps_per_k);
+            assert!(share(&st, want_k) >= 0.6, "{what}, {cost:?}: k = {want_k} chosen too rarely: {st:?}");
+            if want_k > 0 {
+                // The expectation the choice was made on matches what verification did.
+                let (x, r) = (st.expected_accepted, st.realised_accepted as f64);
+                assert!((x - r).abs() <= 0.25 * r, "{what}: expected {x:.0} accepted drafts, verified {r}");
+            }
+        }
+    }
+}
+
+/// Fixed k takes the maximum at every step, as before.
+#[test]
+fn fixed_k_drafts_every_step() {
+    let a = arrivals(&SamplingParams::default());
+    let mut e = engine(SynthCost::default(), Speculation::Fixed, 2);
+    run_all(&mut e, &a);
+    let st = e.stats().speculation;
+    assert_eq!(st.steps_per_k[..2], [0, 0], "{st:?}");
+    assert!(st.steps_per_k[2] > 0);
+    assert_eq!(e.stats().totals.draft_tokens, 2 * e.stats().totals.decode_steps);
+}
+
+/// k changing from step to step (costs nearly tied between 2 and 3 drafts, so the
+/// choice follows the timing noise), with 1 to 3 MTP layers (the drafter's stages and
+/// the rows it keeps between steps change with k), under preemption and a token budget
+/// that leaves decodes out of some steps (they keep drafts of an older k): the output
+/// is still the k = 0 output, and the block accounting holds at every step (`run_all`).
+#[test]
+fn changing_k_under_preemption_keeps_the_output() {
+    let sp = SamplingParams::default();
+    let a = random_arrivals(&mut TestRng(11), 48, VOCAB as u32, (1, 300), (1, 64), 40, &sp);
+    let small = |n_mtp: usize, cost: SynthCost, speculation: Speculation, k: usize| {
+        let mut b = SyntheticBackend::new(VOCAB, n_mtp, 14, 4096);
+        b.cost = cost;
+        let cfg = EngineConfig {
+            num_speculative_tokens: Some(k),
+            speculation,
+            max_batch_tokens: 128,
+            max_num_seqs: 32,
+            ..Default::default()
+        };
+        Engine::new(b, cfg).expect("engine")
+    };
+    let base = run_all(&mut small(1, SynthCost::default(), Speculation::Fixed, 0), &a);
+    let tied = SynthCost { forward_call_us: 1000, mtp_call_us: 250, ..Default::default() };
+    for n_mtp in 1..=3 {
+        let mut e = small(n_mtp, tied, Speculation::Adaptive, 4);
+        let out = run_all(&mut e, &a);
+        for (i, (x, y)) in base.iter().zip(&out).enumerate() {
+            assert_eq!(x.tokens, y.tokens, "{n_mtp} MTP layers: request {i}");
+            assert_eq!(x.reason, y.reason, "{n_mtp} MTP layers: request {i}");
+        }
+        let st = e.stats();
+        eprintln!(
+            "{n_mtp} MTP layers: steps per k {:?}, preemptions {}",
+            st.speculation.steps_per_k, st.totals.preemptions
+        );
+        assert!(st.totals.preemptions > 0, "the pool is small enough to preempt");
+        assert!(st.speculation.steps_per_k.iter().filter(|&&n| n > 0).count() >= 3, "{:?}", st.speculation);
+    }
+}

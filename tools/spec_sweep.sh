@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Speculation at every load (docs/PERFORMANCE.md, "Adaptive speculation"): three `mlaserve
+# serve` processes on the bundled model — fixed k = 0, fixed k = 3 and adaptive k (at most
+# 3) — and `bench serve` at each concurrency against each, interleaved (each round in a
+# rotated order, so drift of the machine's speed falls on all three alike); one table of
+# the median generated tokens/s, with the k the adaptive server chose (its /metrics).
+#
+#   tools/spec_sweep.sh [MLASERVE_BINARY]      # default: target/release/mlaserve
+#
+# Environment: BACKEND (cpu or cuda; default cpu), CONC (default "1 4 16 64 256"), PROMPT
+# (prompt tokens, default 64), NEW (new tokens, default 128), REQS (requests per stream and
+# run, default 2; at least 8 a run), ROUNDS (runs per server and concurrency, default 3),
+# LOGS (default a temporary directory). The three servers run side by side; with
+# BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of cache.
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="${1:-$repo/target/release/mlaserve}"
+backend="${BACKEND:-cpu}"
+conc="${CONC:-1 4 16 64 256}"
+prompt="${PROMPT:-64}"
+new="${NEW:-128}"
+reqs="${REQS:-2}"
+rounds="${ROUNDS:-3}"
+logs="${LOGS:-$(mktemp -d)}"
+mkdir -p "$logs"
+[[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
+
+modes=(k0 k3 adaptive)
+declare -A port flags
+port[k0]=50458 port[k3]=50468 port[adaptive]=50478
+flags[k0]="--speculative-tokens 0 --speculation fixed"
+flags[k3]="--speculative-tokens 3 --speculation fixed"
+flags[adaptive]="--speculative-tokens 3 --speculation adaptive"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+trap cleanup EXIT
+
+kv=()
+[[ $backend == cuda ]] && kv=(--kv-blocks "${KV_BLOCKS:-2048}")
+for m in "${modes[@]}"; do
+    # shellcheck disable=SC2086
+    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" \
+        --metrics-listen "127.0.0.1:$((port[$m] + 1))" ${flags[$m]} "${kv[@]}" >"$logs/serve-$m.log" 2>&1 &
+    pids+=($!)
+done
+for m in "${modes[@]}"; do
+    t0=$SECONDS
+    until curl -sf "http://127.0.0.1:$((port[$m] + 1))/metrics" >/dev/null; do
+        if ((SECONDS - t0 > 300)); then echo "serve ($m) did not come up:"; tail -20 "$logs/serve-$m.log"; exit 1; fi
+        sleep 0.5
+    done
+done
+
+# The adaptive server's cumulative decisions per k, "k0 k1 k2 k3".
+steps_per_k() {
+    local m v
+    m=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics")
+    for k in 0 1 2 3; do
+        v=$(grep "^mlaserve_speculation_steps_total{k=\"$k\"}" <<<"$m" | awk '{print $2}')
+        printf '%s ' "${v:-0}"
+    done
+}
+
+median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
+
+declare -A tps choice
+for c in $conc; do
+    n=$((reqs * c)); ((n < 8)) && n=8
+    declare -A runs=()
+    before=$(steps_per_k)
+    for ((r = 0; r < rounds; r++)); do
+        for ((i = 0; i < 3; i++)); do
+            m=${modes[$(((i + r) % 3))]}
+            log="$logs/bench-$m-$c-$r.log"
+            "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$c" --requests "$n" \
+                --prompt-tokens "$prompt" --max-new-tokens "$new" >"$log" 2>&1 ||
+                { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
+            runs[$m]+="$(awk '/^throughput/ {print $2}' "$log") "
+        done
+    done
+    for m in "${modes[@]}"; do
+        tps[$m,$c]=$(tr ' ' '\n' <<<"${runs[$m]}" | grep . | median)
+        echo "$m, $c streams: ${runs[$m]}-> ${tps[$m,$c]} tokens/s"
+    done
+    read -r -a a <<<"$before"
+    read -r -a b <<<"$(steps_per_k)"
+    choice[$c]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+done
+
+echo
+echo "backend $backend, $prompt-token prompts, $new new tokens, median of $rounds interleaved runs;"
+echo "generated tokens/s (logs: $logs)"
+echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
+echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
+for c in $conc; do
+    awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[$c]}" \
+        'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", c, z, t, a, a / b, a / z, ch }'
+done
