@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use mlaserve_core::Backend;
 use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
-use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams};
+use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams, Speculation};
 use mlaserve_tp::{LocalGroup, TpLeader};
 
 const BLOCKS: usize = 512;
@@ -52,11 +52,19 @@ fn run<B: Backend>(backend: B, k: usize) -> Vec<Vec<u32>> {
 
 /// The workload's outputs and the preemptions the engine made.
 fn run_counting<B: Backend>(backend: B, k: usize) -> (Vec<Vec<u32>>, u64) {
-    let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
+    let (out, pre, _) = run_with(backend, k, Speculation::Fixed);
+    (out, pre)
+}
+
+/// The workload's outputs, the preemptions, and the decisions per k.
+fn run_with<B: Backend>(backend: B, k: usize, speculation: Speculation) -> (Vec<Vec<u32>>, u64, Vec<u64>) {
+    let cfg =
+        EngineConfig { num_speculative_tokens: Some(k), speculation, max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
     let out = common::run_to_completion(&mut e, &ids);
-    (out, e.stats().totals.preemptions)
+    let st = e.stats();
+    (out, st.totals.preemptions, st.speculation.steps_per_k)
 }
 
 fn gpu_run(dir: &Path, opts: CudaOptions, k: usize) -> Vec<Vec<u32>> {
@@ -142,6 +150,23 @@ fn greedy_k3_equals_k0_fast_batch_invariant_options() {
 }
 
 /// The workload on a group of `world` ranks (GPU r for rank r).
+/// Adaptive k on the GPU (fast batch-invariant options, CUDA graphs captured per window
+/// as k changes), on the bundled trained model, whose drafts are mostly accepted: the
+/// greedy output equals fixed k = 0's.
+#[test]
+fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
+    if !require_gpu() {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let load = || CudaBackend::load_with(&dir, opts).expect("load");
+    let (k0, _, _) = run_with(load(), 0, Speculation::Fixed);
+    let (adaptive, _, decisions) = run_with(load(), 3, Speculation::Adaptive);
+    println!("adaptive k: decisions per k {decisions:?}; differs from k = 0 in {}/64", differing(&adaptive, &k0));
+    assert_eq!(adaptive, k0, "greedy output with adaptive k differs from k = 0 (batch-invariant options)");
+}
+
 fn tp_run(dir: &Path, opts: CudaOptions, world: usize, k: usize) -> Vec<Vec<u32>> {
     let id = TpInit::new_id().expect("NCCL id");
     let init = |rank| TpInit { rank, world, id: id.clone(), timeout: Duration::from_secs(60) };

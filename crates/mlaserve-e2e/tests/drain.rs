@@ -147,6 +147,14 @@ fn on_own_runtime(f: impl std::future::Future<Output = ()> + Send + 'static) {
         .unwrap();
 }
 
+/// The long stream is decoding and has generated a few tokens (so the stop comes while
+/// it streams, however fast the engine decodes it): its outstanding tokens, ~all the
+/// context at the start (`long_stream`: the context less 16), fell by more than 8.
+fn streamed_some(engine: &mlaserve_engine::EngineHandle) -> bool {
+    let l = engine.load();
+    l.running_requests > 0 && l.outstanding_tokens + 8 < engine.info().max_model_len as u64 - 16
+}
+
 /// A request still running when a drain timeout passes ends with an error that says so,
 /// whether the worker group or the router is the one stopping.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,8 +192,7 @@ async fn drain_timeouts_say_what_happened() {
     let c = client(r.get().addr).await;
     let stream = long_stream(&c);
     let engine = a.get().engine.clone();
-    assert!(eventually(Duration::from_secs(10), || engine.load().running_requests > 0).await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(eventually(Duration::from_secs(10), || streamed_some(&engine)).await);
     let h = a.handle.take().unwrap();
     on_own_runtime(h.shutdown());
     let got = stream.await.unwrap();
@@ -206,11 +213,10 @@ async fn drain_timeouts_say_what_happened() {
     let c = client(r.get().addr).await;
     let stream = long_stream(&c);
     let engine = b.get().engine.clone();
-    assert!(eventually(Duration::from_secs(10), || engine.load().running_requests > 0).await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(eventually(Duration::from_secs(10), || streamed_some(&engine)).await);
     let h = r.handle.take().unwrap();
     on_own_runtime(async move {
-        h.drain(Duration::from_millis(100)).await;
+        h.drain(Duration::from_millis(1)).await;
         h.shutdown().await;
     });
     let got = stream.await.unwrap();

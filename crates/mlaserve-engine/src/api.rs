@@ -174,6 +174,12 @@ pub struct SpecStats {
     pub expected_accepted: f64,
     /// Drafts the verifier accepted, over every decode window.
     pub realised_accepted: u64,
+    /// The cost estimates the choices use: per bucket of decode rows (its largest row
+    /// count, a power of two), each k's measured cycle time per decode row in µs (the
+    /// median of its recent samples; `None` where not measured there).
+    pub costs: Vec<(usize, Vec<Option<f64>>)>,
+    /// The overall acceptance rate of each draft position (posterior means).
+    pub rates: Vec<f64>,
 }
 
 /// Engine statistics: load, totals over finished and running requests, step times.

@@ -294,6 +294,7 @@ impl<B: Backend> Engine<B> {
             return events;
         }
         let (windows, step_k) = self.build_batch();
+        let decode_only = windows == self.batch.seqs.len();
         let t1 = Instant::now();
         let fwd = self.backend.forward(&self.batch);
         let t2 = Instant::now();
@@ -329,7 +330,7 @@ impl<B: Backend> Engine<B> {
         self.verify(&out.argmax, &out.sampled, &mut events, &mut finished, &mut jobs);
         let t3 = Instant::now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
-        self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64);
+        self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only);
         let mut draft_err = None;
         let mut drafted = false;
         if !jobs.is_empty() {
@@ -339,7 +340,7 @@ impl<B: Backend> Engine<B> {
                 let s = &running[j.seq];
                 Counts { offered: &s.offered_at, accepted: &s.verified_at }
             });
-            let k = self.policy.choose(decoding);
+            let k = self.policy.choose(decoding, decode_only);
             if k > 0 {
                 let n_mtp = self.n_mtp;
                 let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
@@ -352,11 +353,13 @@ impl<B: Backend> Engine<B> {
             } else {
                 // No MTP layer runs: the next windows hold the last token alone.
                 for j in &jobs {
-                    self.running[j.seq].drafts.clear();
+                    let s = &mut self.running[j.seq];
+                    s.drafts.clear();
+                    s.mtp_gap = true;
                 }
                 self.mtp.skip();
             }
-            self.policy.drafted(k, t3.elapsed().as_micros() as u64);
+            self.policy.drafted(k, t3.elapsed().as_micros() as u64, decode_only);
         }
         if !drafted || draft_err.is_some() {
             self.return_tables();
@@ -503,7 +506,7 @@ impl<B: Backend> Engine<B> {
                     for o in &mut s.offered_at[..k.min(accepted + 1)] {
                         *o += 1;
                     }
-                    self.policy.observe(k, accepted);
+                    self.policy.observe(k, accepted, s.mtp_gap);
                     s.num_cached = start + 1 + accepted;
                     (1 + k, Some(accepted))
                 }
@@ -604,7 +607,7 @@ impl<B: Backend> Engine<B> {
         EngineStats {
             load: self.load(),
             num_speculative_tokens: self.lim.k,
-            speculation: self.policy.stats().clone(),
+            speculation: self.policy.stats(),
             totals,
             finished_requests: self.finished_requests,
             times: self.times,

@@ -70,6 +70,9 @@ pub(crate) struct Sequence {
     /// Per draft position, the windows that offered it with every earlier draft
     /// accepted (`verified_at[j] / offered_at[j]` is the request's conditional rate).
     pub offered_at: [u64; MAX_SPECULATIVE_TOKENS],
+    /// Some of its positions were computed in a step that drafted nothing (adaptive
+    /// k = 0): its MTP caches have holes there, until a recompute.
+    pub mtp_gap: bool,
     /// Rows the drafter kept for this request from its last step.
     pub mtp_tail: Option<crate::draft::MtpTail>,
     /// Counters of the request's [`Usage`] but the per-position ones, which live in
@@ -102,6 +105,7 @@ impl Sequence {
             accepted_at: [0; MAX_SPECULATIVE_TOKENS],
             verified_at: [0; MAX_SPECULATIVE_TOKENS],
             offered_at: [0; MAX_SPECULATIVE_TOKENS],
+            mtp_gap: false,
             positions: k,
             sched: None,
             mtp_tail: None,
@@ -150,6 +154,7 @@ impl Sequence {
         self.num_cached = 0;
         self.decoding = false;
         self.drafts.clear();
+        self.mtp_gap = false;
         self.sched = None;
         self.usage.preemptions += 1;
     }
