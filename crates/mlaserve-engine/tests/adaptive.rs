@@ -12,14 +12,29 @@ use mlaserve_engine::{Engine, EngineConfig, SamplingParams, SpecStats, Speculati
 
 const VOCAB: usize = 64;
 
+/// The MTP layers, block pool, token budget and most running requests of an engine.
+#[derive(Clone, Copy)]
+struct Size {
+    n_mtp: usize,
+    blocks: usize,
+    budget: usize,
+    seqs: usize,
+}
+
+const ROOMY: Size = Size { n_mtp: 2, blocks: 2048, budget: 1024, seqs: 64 };
+
 fn engine(cost: SynthCost, speculation: Speculation, k: usize) -> Engine<SyntheticBackend> {
-    let mut b = SyntheticBackend::new(VOCAB, 2, 2048, 4096);
+    engine_of(ROOMY, cost, speculation, k)
+}
+
+fn engine_of(size: Size, cost: SynthCost, speculation: Speculation, k: usize) -> Engine<SyntheticBackend> {
+    let mut b = SyntheticBackend::new(VOCAB, size.n_mtp, size.blocks, 4096);
     b.cost = cost;
     let cfg = EngineConfig {
         num_speculative_tokens: Some(k),
         speculation,
-        max_batch_tokens: 1024,
-        max_num_seqs: 64,
+        max_batch_tokens: size.budget,
+        max_num_seqs: size.seqs,
         ..Default::default()
     };
     Engine::new(b, cfg).expect("engine")
@@ -96,16 +111,7 @@ fn changing_k_under_preemption_keeps_the_output() {
     let sp = SamplingParams::default();
     let a = random_arrivals(&mut TestRng(11), 48, VOCAB as u32, (1, 300), (1, 64), 40, &sp);
     let small = |n_mtp: usize, cost: SynthCost, speculation: Speculation, k: usize| {
-        let mut b = SyntheticBackend::new(VOCAB, n_mtp, 14, 4096);
-        b.cost = cost;
-        let cfg = EngineConfig {
-            num_speculative_tokens: Some(k),
-            speculation,
-            max_batch_tokens: 128,
-            max_num_seqs: 32,
-            ..Default::default()
-        };
-        Engine::new(b, cfg).expect("engine")
+        engine_of(Size { n_mtp, blocks: 14, budget: 128, seqs: 32 }, cost, speculation, k)
     };
     let base = run_all(&mut small(1, SynthCost::default(), Speculation::Fixed, 0), &a);
     let tied = SynthCost { forward_call_us: 1000, mtp_call_us: 250, ..Default::default() };
