@@ -33,7 +33,7 @@ use crate::api::{SpecStats, MAX_SPECULATIVE_TOKENS as KMAX};
 /// Samples kept per (bucket, k); the estimate is their median.
 const KEEP: usize = 8;
 /// Every this many decisions of a bucket, one re-measures a neighbour of the best k.
-pub(crate) const EXPLORE_EVERY: u64 = 100;
+const EXPLORE_EVERY: u64 = 100;
 /// Per-step decay of the overall acceptance counts (a half-life of ~700 steps).
 const DECAY: f64 = 0.999;
 /// The draws of a rate spread at most as a posterior of this many drafts would: wider
@@ -338,26 +338,23 @@ impl Policy {
     /// no bucket has samples of every k.
     fn costs(&self, b: usize) -> Option<[f64; KMAX + 1]> {
         let ks = 0..=self.k_max;
-        let own: Vec<Option<f64>> =
-            ks.clone().map(|k| (self.buckets[b].per_k[k].len > 0).then(|| self.buckets[b].per_k[k].median())).collect();
-        let mut cost = [0.0; KMAX + 1];
-        if own.iter().all(Option::is_some) {
-            for (c, o) in cost.iter_mut().zip(&own) {
-                *c = o.unwrap_or(0.0).max(1e-9);
-            }
-            return Some(cost);
-        }
+        let median = |i: usize, k: usize| {
+            let c = &self.buckets[i].per_k[k];
+            (c.len > 0).then(|| c.median().max(1e-9))
+        };
+        // The nearest bucket that measured every k: `b` itself once it has.
         let complete = |i: usize| ks.clone().all(|k| self.buckets[i].per_k[k].len > 0);
         let r = (0..self.buckets.len()).filter(|&i| complete(i)).min_by_key(|&i| (i.abs_diff(b), i))?;
-        let theirs = |k: usize| self.buckets[r].per_k[k].median().max(1e-9);
+        let theirs = |k: usize| median(r, k).unwrap_or(1e-9);
         // The k measured most here sets the scale.
         let scale = ks
             .clone()
-            .filter(|&k| own[k].is_some())
+            .filter(|&k| self.buckets[b].per_k[k].len > 0)
             .max_by_key(|&k| self.buckets[b].per_k[k].len)
-            .map_or(1.0, |k| own[k].unwrap_or(0.0).max(1e-9) / theirs(k));
+            .map_or(1.0, |k| median(b, k).unwrap_or(1e-9) / theirs(k));
+        let mut cost = [0.0; KMAX + 1];
         for k in ks {
-            cost[k] = own[k].unwrap_or_else(|| theirs(k) * scale).max(1e-9);
+            cost[k] = median(b, k).unwrap_or_else(|| (theirs(k) * scale).max(1e-9));
         }
         Some(cost)
     }
