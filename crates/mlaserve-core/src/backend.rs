@@ -209,6 +209,12 @@ pub trait Backend {
     /// A new hidden state made of the given rows of each part, in order (the drafter
     /// joins rows kept from the previous step with the current stage's output).
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden>;
+
+    /// The clock the engine times its steps with (adaptive speculation follows these
+    /// times): wall time, unless a test backend keeps a clock of its own.
+    fn now(&self) -> std::time::Instant {
+        std::time::Instant::now()
+    }
 }
 
 /// A mutable borrow of a backend is a backend (so a caller can keep ownership).
@@ -241,5 +247,8 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
         (**self).concat_hidden(parts)
+    }
+    fn now(&self) -> std::time::Instant {
+        (**self).now()
     }
 }

@@ -17,7 +17,6 @@ use crate::speculation::{Counts, Policy};
 use mlaserve_core::{Backend, Batch};
 use mlaserve_core::{InvalidField, RequestLimits};
 use std::collections::VecDeque;
-use std::time::Instant;
 
 /// Appends a `Tokens` event for `id` and returns its (empty) token list, which the step
 /// fills in place: the event, 128 bytes, is not moved after it is built.
@@ -288,16 +287,16 @@ impl<B: Backend> Engine<B> {
         if self.running.is_empty() && self.waiting.is_empty() {
             return events;
         }
-        let t0 = Instant::now();
+        let t0 = self.backend.now();
         let sched = schedule(&mut self.running, &mut self.waiting, &mut self.blocks, &self.lim);
         if sched.tokens == 0 {
             return events;
         }
         let (windows, step_k) = self.build_batch();
         let decode_only = windows == self.batch.seqs.len();
-        let t1 = Instant::now();
+        let t1 = self.backend.now();
         let fwd = self.backend.forward(&self.batch);
-        let t2 = Instant::now();
+        let t2 = self.backend.now();
         self.times.steps += 1;
         self.times.schedule_us += (t1 - t0).as_micros() as u64;
         self.times.forward_us += (t2 - t1).as_micros() as u64;
@@ -328,7 +327,7 @@ impl<B: Backend> Engine<B> {
         let mut jobs = std::mem::take(&mut self.jobs);
         jobs.clear();
         self.verify(&out.argmax, &out.sampled, &mut events, &mut finished, &mut jobs);
-        let t3 = Instant::now();
+        let t3 = self.backend.now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
         self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only);
         let mut draft_err = None;
@@ -359,12 +358,12 @@ impl<B: Backend> Engine<B> {
                 }
                 self.mtp.skip();
             }
-            self.policy.drafted(k, t3.elapsed().as_micros() as u64, decode_only);
+            self.policy.drafted(k, (self.backend.now() - t3).as_micros() as u64, decode_only);
         }
         if !drafted || draft_err.is_some() {
             self.return_tables();
         }
-        let t4 = Instant::now();
+        let t4 = self.backend.now();
         self.times.draft_us += (t4 - t3).as_micros() as u64;
         if let Some(e) = &draft_err {
             tracing::error!(error = %e, "MTP drafting failed; failing the step's requests");
@@ -382,7 +381,7 @@ impl<B: Backend> Engine<B> {
         if let Some(e) = draft_err {
             self.note_backend_error(&e, &mut events);
         }
-        self.times.verify_us += t4.elapsed().as_micros() as u64;
+        self.times.verify_us += (self.backend.now() - t4).as_micros() as u64;
         events
     }
 

@@ -7,27 +7,26 @@
 //! target's logits at position `p` are a hash of the tokens at `p − 2, p − 1, p`, read
 //! back from the cache. The MTP layers predict the target's greedy choice exactly
 //! except on a hashed fraction of contexts (`mtp_error_pct`), so acceptance is partial.
-//! A [`SynthCost`] makes its calls take wall time, for tests of choices that follow the
-//! measured step times (adaptive speculation).
+//! A [`SynthCost`] gives its calls a duration on the backend's own clock
+//! ([`Backend::now`]), for tests of choices that follow the measured step times
+//! (adaptive speculation): the times are the same on a loaded machine as on an idle one.
 
 use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig, BLOCK_SIZE};
+use std::time::{Duration, Instant};
 
 const NO_TOKEN: u32 = u32::MAX;
 
-/// How long the synthetic backend's calls take (it sleeps): a fixed part per call and
-/// a part per token of the batch, for the target forward and for an MTP forward.
+/// How long the synthetic backend's calls take on its clock: a fixed part per call and
+/// a part per token of the batch, for the target forward and for an MTP forward, plus
+/// up to `jitter_us` more per call (a hash of the call's number: timing noise that is
+/// the same on every run). All zero (the default): the clock is wall time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SynthCost {
     pub forward_call_us: u64,
     pub forward_token_us: u64,
     pub mtp_call_us: u64,
     pub mtp_token_us: u64,
-}
-
-fn sleep_us(us: u64) {
-    if us > 0 {
-        std::thread::sleep(std::time::Duration::from_micros(us));
-    }
+    pub jitter_us: u64,
 }
 
 /// Deterministic toy backend (see the module docs).
@@ -47,8 +46,11 @@ pub struct SyntheticBackend {
     pub prefill_tokens: u64,
     pub window_tokens: u64,
     pub longest_window: usize,
-    /// Wall time of each call (none by default).
+    /// Duration of each call on the backend's clock (see [`SynthCost`]).
     pub cost: SynthCost,
+    /// The clock's start and the time its calls have taken since, under a cost.
+    epoch: Instant,
+    clock_us: u64,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -82,7 +84,16 @@ impl SyntheticBackend {
             window_tokens: 0,
             longest_window: 0,
             cost: SynthCost::default(),
+            epoch: Instant::now(),
+            clock_us: 0,
         }
+    }
+
+    /// Advances the clock by one call of `call_us` plus `token_us` per token.
+    fn spend(&mut self, call_us: u64, token_us: u64, tokens: usize) {
+        let calls = self.forward_calls + self.mtp_calls;
+        let jitter = if self.cost.jitter_us > 0 { mix(calls, 0x717) % (self.cost.jitter_us + 1) } else { 0 };
+        self.clock_us += call_us + token_us * tokens as u64 + jitter;
     }
 
     /// Logits of the target for the context (t[p−2], t[p−1], t[p]).
@@ -137,7 +148,8 @@ impl Backend for SyntheticBackend {
     fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
         batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
         self.forward_calls += 1;
-        sleep_us(self.cost.forward_call_us + self.cost.forward_token_us * batch.num_tokens() as u64);
+        let c = self.cost;
+        self.spend(c.forward_call_us, c.forward_token_us, batch.num_tokens());
         if std::mem::take(&mut self.fail_next_forward) {
             return Err(mlaserve_core::Error::Backend("injected failure".into()));
         }
@@ -196,7 +208,8 @@ impl Backend for SyntheticBackend {
             return Err(mlaserve_core::Error::Batch("hidden_rows length != tokens".into()));
         }
         self.mtp_calls += 1;
-        sleep_us(self.cost.mtp_call_us + self.cost.mtp_token_us * batch.num_tokens() as u64);
+        let c = self.cost;
+        self.spend(c.mtp_call_us, c.mtp_token_us, batch.num_tokens());
         let mut hidden = Vec::with_capacity(batch.num_tokens());
         let mut preds = Vec::with_capacity(batch.num_tokens());
         let toks = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied());
@@ -238,5 +251,13 @@ impl Backend for SyntheticBackend {
             }
         }
         Ok(out)
+    }
+
+    fn now(&self) -> Instant {
+        if self.cost == SynthCost::default() {
+            Instant::now()
+        } else {
+            self.epoch + Duration::from_micros(self.clock_us)
+        }
     }
 }
