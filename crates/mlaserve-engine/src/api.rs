@@ -83,6 +83,8 @@ pub struct Usage {
     pub decode_steps: u64,
     /// Times the request was preempted (its cache dropped and recomputed later).
     pub preemptions: u64,
+    /// Prompt tokens found in the prefix cache at admission (not prefilled).
+    pub cached_prompt_tokens: u64,
 }
 
 impl Usage {
@@ -103,6 +105,7 @@ impl Usage {
         self.accepted_tokens += o.accepted_tokens;
         self.decode_steps += o.decode_steps;
         self.preemptions += o.preemptions;
+        self.cached_prompt_tokens += o.cached_prompt_tokens;
         if self.accepted_per_position.len() < o.accepted_per_position.len() {
             self.accepted_per_position.resize(o.accepted_per_position.len(), 0);
         }
@@ -190,6 +193,8 @@ pub struct EngineStats {
     pub num_speculative_tokens: usize,
     /// How the steps' k were chosen.
     pub speculation: SpecStats,
+    /// The prefix cache's counters (zero when it is off).
+    pub prefix: crate::PrefixStats,
     /// Totals over every request seen (finished ones and the live ones' progress).
     pub totals: Usage,
     pub finished_requests: u64,
@@ -248,6 +253,9 @@ pub struct EngineConfig {
     pub max_queued: usize,
     /// Seed of the per-request seeds drawn for requests that give none.
     pub seed: u64,
+    /// Keep full cache blocks indexed by their prefix, so requests that share one
+    /// prefill it once (`docs/engine.md`, "Prefix caching").
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -261,6 +269,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             max_queued: 4096,
             seed: 0x6d6c_6173_6572_7665,
+            enable_prefix_caching: true,
         }
     }
 }

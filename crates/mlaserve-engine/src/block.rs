@@ -1,11 +1,15 @@
-//! The paged KV block manager: a free list of physical cache blocks of
-//! [`BLOCK_SIZE`] tokens, shared by the target layers and the MTP layers (each layer
-//! has its own latent cache indexed by the same block ids, so one table serves all).
+//! The paged KV block manager: a pool of physical cache blocks of [`BLOCK_SIZE`]
+//! tokens, shared by the target layers and the MTP layers (each layer has its own
+//! latent cache indexed by the same block ids, so one table serves all).
 //!
-//! A block belongs to exactly one sequence's table or to the free list; the manager
-//! never hands out more blocks than it has (`allocate` fails instead), and
+//! Every block has a reference count: the block tables that hold it. With prefix
+//! caching ([`crate::prefix`]) a full block whose entries are final can be held by
+//! several tables, and an unreferenced one stays cached (evictable) until the pool
+//! needs it; without, a block belongs to one table or to the free list. The manager
+//! never hands out more blocks than it has (`ensure` fails instead), and
 //! [`BlockManager::check`] verifies the accounting in tests.
 
+use crate::prefix::{extend_chain, PrefixCache, PrefixStats, ROOT};
 use mlaserve_core::{ModelConfig, BLOCK_SIZE};
 
 /// Cache positions per block.
@@ -27,41 +31,72 @@ pub fn blocks_for_bytes(cfg: &ModelConfig, dtype_bytes: usize, bytes: usize) -> 
     bytes / kv_block_bytes(cfg, dtype_bytes).max(1)
 }
 
-/// Free list of physical blocks.
+/// The pool of physical blocks (see the module docs).
 #[derive(Debug, Clone)]
 pub struct BlockManager {
+    /// Unreferenced blocks that hold nothing cached.
     free: Vec<u32>,
     total: usize,
+    refs: Vec<u32>,
+    prefix: Option<PrefixCache>,
 }
 
 impl BlockManager {
-    /// A pool of `total` blocks, ids `0..total`, all free.
+    /// A pool of `total` blocks, ids `0..total`, all free, without prefix caching.
     pub fn new(total: usize) -> Self {
         // Pop order hands out low ids first; it only matters for readable traces.
         let free = (0..total as u32).rev().collect();
-        BlockManager { free, total }
+        BlockManager { free, total, refs: vec![0; total], prefix: None }
+    }
+
+    /// A pool that caches full blocks by prefix, each keyed with the `lookahead`
+    /// tokens after it (the MTP layers drafted with; see [`crate::prefix`]).
+    pub fn with_prefix_caching(total: usize, lookahead: usize) -> Self {
+        BlockManager { prefix: Some(PrefixCache::new(total, lookahead)), ..Self::new(total) }
+    }
+
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix.is_some()
     }
 
     pub fn total(&self) -> usize {
         self.total
     }
 
+    /// Blocks a table can get: the free ones and the unreferenced cached ones.
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.prefix.as_ref().map_or(0, |p| p.evictable())
+    }
+
+    /// Prefix cache counters (zero without prefix caching).
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix
+            .as_ref()
+            .map_or(PrefixStats::default(), |p| PrefixStats { cached_blocks: p.cached_blocks(), ..p.stats })
+    }
+
+    fn take(&mut self) -> Option<u32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => self.prefix.as_mut()?.evict()?,
+        };
+        self.refs[b as usize] = 1;
+        Some(b)
     }
 
     /// Grows `table` so that it covers `positions` positions. Returns false (and
     /// changes nothing) when the pool does not have enough free blocks.
     pub fn ensure(&mut self, table: &mut Vec<u32>, positions: usize) -> bool {
         let need = blocks_for(positions).saturating_sub(table.len());
-        if need == 0 {
-            return true;
-        }
-        if need > self.free.len() {
+        if need > self.num_free() {
             return false;
         }
-        let at = self.free.len() - need;
-        table.extend(self.free.drain(at..));
+        for _ in 0..need {
+            match self.take() {
+                Some(b) => table.push(b),
+                None => unreachable!("num_free counted the blocks"),
+            }
+        }
         true
     }
 
@@ -70,32 +105,109 @@ impl BlockManager {
         blocks_for(positions).saturating_sub(table.len())
     }
 
-    /// Returns every block of `table` to the pool and empties it.
+    /// Drops `table`'s reference to each of its blocks and empties it. A block no table
+    /// holds any more returns to the free list, or, cached, to the LRU list — the
+    /// table's last blocks first, so a prefix's first blocks are evicted last.
     pub fn release(&mut self, table: &mut Vec<u32>) {
-        self.free.append(table);
+        for b in table.drain(..).rev() {
+            let r = &mut self.refs[b as usize];
+            debug_assert!(*r > 0, "block {b} released more often than taken");
+            *r -= 1;
+            if *r == 0 {
+                match &mut self.prefix {
+                    Some(p) if p.is_cached(b) => p.park(b),
+                    _ => self.free.push(b),
+                }
+            }
+        }
     }
 
-    /// Checks that the free list and the given tables partition `0..total` exactly.
+    /// Maps the longest cached prefix of `tokens` (whole blocks, ending before the last
+    /// token and before the last `lookahead` ones) onto the empty `table` and returns
+    /// the blocks mapped. `chain` is the tokens' chained block hash, grown as needed.
+    pub fn match_prefix(&mut self, tokens: &[u32], chain: &mut Vec<u64>, table: &mut Vec<u32>) -> usize {
+        debug_assert!(table.is_empty());
+        let Some(p) = &mut self.prefix else { return 0 };
+        let usable = tokens.len().saturating_sub(p.lookahead().max(1)) / BLOCK_SIZE;
+        extend_chain(chain, tokens, usable);
+        let mut parent = ROOT;
+        for i in 0..usable {
+            let Some(b) = p.find(tokens, chain, i, parent) else { break };
+            let r = &mut self.refs[b as usize];
+            if *r == 0 {
+                p.unpark(b);
+            }
+            *r += 1;
+            table.push(b);
+            parent = b;
+        }
+        p.stats.queried_tokens += tokens.len() as u64;
+        p.stats.hit_tokens += (table.len() * BLOCK_SIZE) as u64;
+        table.len()
+    }
+
+    /// Undoes the counting of a [`BlockManager::match_prefix`] whose request was not
+    /// admitted after all (its blocks go back with [`BlockManager::release`]).
+    pub fn unmatch(&mut self, tokens: usize, blocks: usize) {
+        if let Some(p) = &mut self.prefix {
+            p.stats.queried_tokens -= tokens as u64;
+            p.stats.hit_tokens -= (blocks * BLOCK_SIZE) as u64;
+        }
+    }
+
+    /// Indexes `table`'s blocks `from..to` (their entries are final) and returns how
+    /// many leading blocks of `table` are cached now: `to`, or fewer where another
+    /// block already holds the same content (the rest of the table stays private).
+    pub fn register(&mut self, table: &[u32], tokens: &[u32], chain: &mut Vec<u64>, from: usize, to: usize) -> usize {
+        let Some(p) = &mut self.prefix else { return from };
+        extend_chain(chain, tokens, to);
+        for i in from..to {
+            let parent = if i == 0 { ROOT } else { table[i - 1] };
+            if !p.insert(table[i], tokens, chain, i, parent) {
+                return i;
+            }
+        }
+        to
+    }
+
+    /// Checks the accounting: the reference counts are the tables' holdings (no table
+    /// holds a block twice), every unreferenced block is free or cached (once), and the
+    /// prefix index agrees with both.
     pub fn check<'a>(&self, tables: impl IntoIterator<Item = &'a [u32]>) -> Result<(), String> {
-        let mut seen = vec![false; self.total];
-        let mut mark = |b: u32, owner: &str| -> Result<(), String> {
-            let slot = seen.get_mut(b as usize).ok_or_else(|| format!("block {b} out of range ({owner})"))?;
-            if *slot {
-                return Err(format!("block {b} owned twice ({owner})"));
-            }
-            *slot = true;
-            Ok(())
-        };
-        for &b in &self.free {
-            mark(b, "free list")?;
-        }
+        let mut refs = vec![0u32; self.total];
         for t in tables {
+            let mut mine = std::collections::HashSet::new();
             for &b in t {
-                mark(b, "sequence")?;
+                let r = refs.get_mut(b as usize).ok_or_else(|| format!("block {b} out of range"))?;
+                if !mine.insert(b) {
+                    return Err(format!("block {b} twice in one table"));
+                }
+                *r += 1;
             }
         }
-        match seen.iter().position(|s| !s) {
-            Some(b) => Err(format!("block {b} leaked: neither free nor owned")),
+        if refs != self.refs {
+            let b = (0..self.total).find(|&b| refs[b] != self.refs[b]).unwrap_or(0);
+            return Err(format!("block {b}: {} references counted, tables hold {}", self.refs[b], refs[b]));
+        }
+        let mut free = vec![false; self.total];
+        for &b in &self.free {
+            let slot = free.get_mut(b as usize).ok_or_else(|| format!("free block {b} out of range"))?;
+            if std::mem::replace(slot, true) {
+                return Err(format!("block {b} twice in the free list"));
+            }
+        }
+        for b in 0..self.total {
+            let cached = self.prefix.as_ref().is_some_and(|p| p.is_cached(b as u32));
+            let held = refs[b] > 0;
+            if free[b] && (held || cached) {
+                return Err(format!("block {b} free but referenced ({}) or cached ({cached})", refs[b]));
+            }
+            if !free[b] && !held && !cached {
+                return Err(format!("block {b} leaked: neither free, referenced nor cached"));
+            }
+        }
+        match &self.prefix {
+            Some(p) => p.check(&self.refs),
             None => Ok(()),
         }
     }
@@ -123,5 +235,37 @@ mod tests {
         assert_eq!(m.num_free(), 2);
         assert!(m.check([b.as_slice()]).is_ok());
         assert!(m.check(std::iter::empty::<&[u32]>()).is_err());
+    }
+
+    /// Registered blocks are shared by a later request with the same prefix, survive
+    /// their owner, and are evicted last-block-first only when the pool runs out.
+    #[test]
+    fn cached_blocks_are_shared_kept_and_evicted_in_order() {
+        let mut m = BlockManager::with_prefix_caching(4, 1);
+        let toks: Vec<u32> = (0..3 * BLOCK_SIZE as u32).collect();
+        let (mut ca, mut cb) = (Vec::new(), Vec::new());
+        let mut a = Vec::new();
+        assert!(m.ensure(&mut a, toks.len()));
+        assert_eq!(m.register(&a, &toks, &mut ca, 0, 2), 2);
+        let mut b = Vec::new();
+        assert_eq!(m.match_prefix(&toks, &mut cb, &mut b), 2, "two full blocks before the last token");
+        assert_eq!(b, a[..2]);
+        m.check([a.as_slice(), b.as_slice()]).expect("shared");
+        m.release(&mut a);
+        m.release(&mut b);
+        assert_eq!(m.num_free(), 4);
+        m.check(std::iter::empty::<&[u32]>()).expect("cached, unreferenced");
+        // A shorter request shares the first block only (the second needs one more
+        // token after it).
+        let mut c = Vec::new();
+        assert_eq!(m.match_prefix(&toks[..2 * BLOCK_SIZE], &mut Vec::new(), &mut c), 1);
+        // Two free blocks, then the cached second block goes before the held first one.
+        let mut d = Vec::new();
+        assert!(m.ensure(&mut d, 3 * BLOCK_SIZE));
+        assert_eq!(m.prefix_stats().evictions, 1);
+        assert!(!m.ensure(&mut d, 4 * BLOCK_SIZE), "the held block is never evicted");
+        m.check([c.as_slice(), d.as_slice()]).expect("after eviction");
+        let s = m.prefix_stats();
+        assert_eq!((s.cached_blocks, s.hit_tokens), (1, 3 * BLOCK_SIZE as u64));
     }
 }

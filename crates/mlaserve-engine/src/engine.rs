@@ -14,7 +14,7 @@ use crate::sampling::{sample_row, verify_ids_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
 use crate::speculation::{Counts, Policy};
-use mlaserve_core::{Backend, Batch};
+use mlaserve_core::{Backend, Batch, BLOCK_SIZE};
 use mlaserve_core::{InvalidField, RequestLimits};
 use std::collections::VecDeque;
 
@@ -164,7 +164,11 @@ impl<B: Backend> Engine<B> {
             vocab: m.vocab_size,
             eos: m.eos_token_ids.clone(),
             n_mtp,
-            blocks: BlockManager::new(backend.num_blocks()),
+            blocks: if config.enable_prefix_caching {
+                BlockManager::with_prefix_caching(backend.num_blocks(), n_mtp.min(k))
+            } else {
+                BlockManager::new(backend.num_blocks())
+            },
             backend,
             lim,
             max_model_len,
@@ -340,6 +344,7 @@ impl<B: Backend> Engine<B> {
                 Counts { offered: &s.offered_at, accepted: &s.verified_at }
             });
             let k = self.policy.choose(decoding, decode_only);
+            self.mark_mtp_holes(&jobs, k);
             if k > 0 {
                 let n_mtp = self.n_mtp;
                 let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
@@ -378,11 +383,47 @@ impl<B: Backend> Engine<B> {
         }
         self.jobs = jobs;
         self.finish(finished, &mut events);
+        self.register_prefixes();
         if let Some(e) = draft_err {
             self.note_backend_error(&e, &mut events);
         }
         self.times.verify_us += (self.backend.now() - t4).as_micros() as u64;
         events
+    }
+
+    /// Notes where the step leaves MTP entries that are not final, before it drafts
+    /// with `k` drafts: every position from the chunk on when it runs fewer MTP layers
+    /// than the engine uses, and the last positions drafted from in the previous step
+    /// when the drafter cannot redo them (the request was left out of a step).
+    fn mark_mtp_holes(&mut self, jobs: &[DraftJob], k: usize) {
+        let used = self.n_mtp.min(self.lim.k);
+        let step = self.mtp.step;
+        for j in jobs {
+            let s = &mut self.running[j.seq];
+            let redone = s.mtp_tail.is_some_and(|t| t.step == step && t.next_start == j.start);
+            let decode = matches!(s.sched, Some(Sched::Decode));
+            if k < used || (decode && !redone) {
+                s.holes_from = s.holes_from.min(j.start.saturating_sub(used));
+            }
+        }
+    }
+
+    /// Indexes the full blocks of the step's requests whose entries are final: below
+    /// the cached positions, less what the drafter may still rewrite (the last `2K`
+    /// MTP entries), and below any hole. A registered block is never written again.
+    fn register_prefixes(&mut self) {
+        if !self.blocks.prefix_caching() {
+            return;
+        }
+        let margin = if self.n_mtp.min(self.lim.k) > 0 { 2 * MAX_SPECULATIVE_TOKENS } else { 0 };
+        for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
+            let end = s.num_cached.saturating_sub(margin).min(s.holes_from);
+            let to = (end / BLOCK_SIZE).min(s.block_table.len());
+            if s.registered < to {
+                let got = self.blocks.register(&s.block_table, &s.tokens, &mut s.prefix_chain, s.registered, to);
+                s.registered = if got < to { usize::MAX } else { got };
+            }
+        }
     }
 
     /// Fills `self.batch` with the scheduled sequences' chunks, in running order, and
@@ -607,6 +648,7 @@ impl<B: Backend> Engine<B> {
             load: self.load(),
             num_speculative_tokens: self.lim.k,
             speculation: self.policy.stats(),
+            prefix: self.blocks.prefix_stats(),
             totals,
             finished_requests: self.finished_requests,
             times: self.times,

@@ -79,3 +79,115 @@ fn k_changing_every_step_keeps_the_output() {
         }
     }
 }
+
+/// Runs request A under the k `pattern`, then request B — A's whole history and 20
+/// more tokens — at k = 3, and returns B's drafts verified per position and its
+/// cached prompt tokens.
+fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
+    let b = SyntheticBackend::new(VOCAB as usize, 2, 256, 4096);
+    let cfg = EngineConfig {
+        num_speculative_tokens: Some(3),
+        speculation: Speculation::Adaptive,
+        enable_prefix_caching: prefix,
+        ..Default::default()
+    };
+    let mut e = Engine::new(b, cfg).expect("engine");
+    e.policy.forced = pattern.to_vec();
+    let prompt: Vec<u32> = (0..150u64).map(|i| 2 + (mix64(i) % (VOCAB - 2)) as u32).collect();
+    let sp = SamplingParams { max_new_tokens: 200, ignore_eos: true, ..Default::default() };
+    let mut history = prompt.clone();
+    let mut usage = None;
+    for round in 0..2 {
+        e.add_request(Request::new(history.clone(), sp.clone())).expect("valid");
+        while e.has_work() {
+            for (_, ev) in e.step() {
+                match ev {
+                    Event::Tokens(t) => history.extend(t),
+                    Event::Finished { usage: u, .. } => usage = Some(u),
+                }
+            }
+            e.check_invariants().expect("block accounting");
+        }
+        if round == 0 {
+            e.policy.forced = vec![3];
+            history.extend((0..20u64).map(|i| 2 + (mix64(i + 1000) % (VOCAB - 2)) as u32));
+        }
+    }
+    let u = usage.expect("finished");
+    (u.verified_per_position, u.cached_prompt_tokens)
+}
+
+/// Steps that draft nothing, or with fewer MTP layers than the engine uses, leave MTP
+/// entries missing; no block reaching one is cached, so a request that extends the
+/// whole history drafts exactly as without the cache (and still reuses the blocks
+/// before the first hole).
+#[test]
+fn blocks_with_mtp_holes_are_not_shared() {
+    for pattern in [&[3, 3, 3, 3, 3, 3, 0][..], &[3, 3, 3, 1]] {
+        let (off, _) = extend_after_holes(pattern, false);
+        let (on, cached) = extend_after_holes(pattern, true);
+        assert_eq!(off, on, "k pattern {pattern:?}: drafts after a hit");
+        assert!(cached >= 128, "k pattern {pattern:?}: the blocks before the first hole are reused ({cached})");
+    }
+}
+
+/// Runs 6 requests together under a token budget that leaves decodes out of some
+/// steps (their last drafted MTP entries cannot be redone), then, one at a time, each
+/// one's whole history and 20 more tokens at k = 3; returns the second round's drafts
+/// and the prompt tokens they found cached.
+fn extend_after_skips(prefix: bool) -> (Vec<Vec<u64>>, u64) {
+    let b = SyntheticBackend::new(VOCAB as usize, 2, 512, 4096);
+    let cfg = EngineConfig {
+        num_speculative_tokens: Some(3),
+        speculation: Speculation::Adaptive,
+        max_batch_tokens: 7,
+        enable_prefix_caching: prefix,
+        ..Default::default()
+    };
+    let mut e = Engine::new(b, cfg).expect("engine");
+    // Windows of 4 and 3 tokens: two of 4 do not fit the budget, so the second request
+    // waits a step with its drafts of k = 3.
+    e.policy.forced = vec![3, 2];
+    let sp = SamplingParams { max_new_tokens: 120, ignore_eos: true, ..Default::default() };
+    let mut ids = HashMap::new();
+    let mut hist: Vec<Vec<u32>> = (0..6u64)
+        .map(|r| (0..100 + 20 * r).map(|i| 2 + (mix64(i ^ (r << 32)) % (VOCAB - 2)) as u32).collect())
+        .collect();
+    for (r, h) in hist.iter().enumerate() {
+        ids.insert(e.add_request(Request::new(h.clone(), sp.clone())).expect("valid"), r);
+    }
+    while e.has_work() {
+        for (id, ev) in e.step() {
+            if let Event::Tokens(t) = ev {
+                hist[ids[&id]].extend(t);
+            }
+        }
+        e.check_invariants().expect("block accounting");
+    }
+    e.lim.max_batch_tokens = 2048;
+    e.policy.forced = vec![3];
+    let (mut drafts, mut cached) = (Vec::new(), 0);
+    for (r, h) in hist.iter().enumerate() {
+        let mut p = h.clone();
+        p.extend((0..20u64).map(|i| 2 + (mix64(i + 1000 * r as u64) % (VOCAB - 2)) as u32));
+        e.add_request(Request::new(p, sp.clone())).expect("valid");
+        while e.has_work() {
+            for (_, ev) in e.step() {
+                if let Event::Finished { usage, .. } = ev {
+                    cached += usage.cached_prompt_tokens;
+                    drafts.push(usage.verified_per_position);
+                }
+            }
+        }
+    }
+    (drafts, cached)
+}
+
+/// Decodes left out of a step keep MTP entries drafted from guesses that the next
+/// step cannot redo: no block reaching them is cached.
+#[test]
+fn blocks_with_entries_left_unredone_are_not_shared() {
+    let ((off, _), (on, cached)) = (extend_after_skips(false), extend_after_skips(true));
+    assert_eq!(off, on);
+    assert!(cached >= 6 * 64, "blocks before the holes are reused ({cached})");
+}

@@ -10,7 +10,9 @@
 //!    is left — while requests decode in the step, at most `max_prefill_tokens` in all,
 //!    so a long prompt cannot stall their streams;
 //! 3. admission of waiting requests, FCFS, while the budget, `max_num_seqs` and the
-//!    free blocks allow; the head of the queue is never skipped (no starvation).
+//!    free blocks allow; the head of the queue is never skipped (no starvation). A
+//!    request first maps the longest prefix the prefix cache holds for its tokens
+//!    (`crate::prefix`) and prefills from there.
 //!
 //! When a running request lacks blocks it preempts the newest running request not yet
 //! scheduled in this step (or, being the newest, itself): its blocks are freed and it
@@ -185,17 +187,26 @@ pub(crate) fn schedule(
         }
     }
 
-    // 3. Admission, FCFS.
+    // 3. Admission, FCFS, each request's prefill starting after its cached prefix.
     while budget > 0 && running.len() < lim.max_num_seqs {
-        let Some(front) = waiting.front() else { break };
-        let avail = blocks.num_free() * BLOCK_POSITIONS;
+        let Some(front) = waiting.front_mut() else { break };
+        let hit = blocks.match_prefix(&front.tokens, &mut front.prefix_chain, &mut front.block_table);
+        front.num_cached = hit * BLOCK_POSITIONS;
+        let avail = (hit + blocks.num_free()) * BLOCK_POSITIONS;
         let Some((n, last)) = lim.fit_chunk(front, budget, avail) else {
+            blocks.release(&mut front.block_table);
+            blocks.unmatch(front.tokens.len(), hit);
+            front.num_cached = 0;
             break;
         };
         let Some(mut s) = waiting.pop_front() else {
             break;
         };
-        let ok = blocks.ensure(&mut s.block_table, lim.prefill_positions(n, last));
+        s.registered = hit;
+        if s.usage.preemptions == 0 {
+            s.usage.cached_prompt_tokens = s.num_cached.min(s.prompt_len) as u64;
+        }
+        let ok = blocks.ensure(&mut s.block_table, lim.prefill_positions(s.num_cached + n, last));
         debug_assert!(ok, "chunk was fitted to the free blocks");
         s.sched = Some(Sched::Prefill { len: n, last });
         budget -= n;

@@ -75,6 +75,16 @@ pub(crate) struct Sequence {
     pub mtp_gap: bool,
     /// Rows the drafter kept for this request from its last step.
     pub mtp_tail: Option<crate::draft::MtpTail>,
+    /// Positions from here on may hold MTP entries that are not final (a step drafted
+    /// with fewer MTP layers than the engine uses, or could not redo the entries the
+    /// last one drafted from): no block reaching past it is cached. `usize::MAX`: none.
+    pub holes_from: usize,
+    /// Leading blocks of `block_table` that are in the prefix cache (found there at
+    /// admission, or registered since); `usize::MAX` once one could not be registered
+    /// (its content was cached in another block: the rest of the table stays private).
+    pub registered: usize,
+    /// The chained hash of `tokens`' full blocks (`crate::prefix::extend_chain`).
+    pub prefix_chain: Vec<u64>,
     /// Counters of the request's [`Usage`] but the per-position ones, which live in
     /// `accepted_at` and `verified_at` (inline, for the verify loop's sake) until
     /// [`Sequence::usage`] puts them together.
@@ -109,6 +119,9 @@ impl Sequence {
             positions: k,
             sched: None,
             mtp_tail: None,
+            holes_from: usize::MAX,
+            registered: 0,
+            prefix_chain: Vec::new(),
         }
     }
 
@@ -155,6 +168,9 @@ impl Sequence {
         self.decoding = false;
         self.drafts.clear();
         self.mtp_gap = false;
+        self.mtp_tail = None;
+        self.holes_from = usize::MAX;
+        self.registered = 0;
         self.sched = None;
         self.usage.preemptions += 1;
     }

@@ -6,7 +6,9 @@
 //! block tables), so a block-table or cache-accounting bug changes its outputs. The
 //! target's logits at position `p` are a hash of the tokens at `p − 2, p − 1, p`, read
 //! back from the cache. The MTP layers predict the target's greedy choice exactly
-//! except on a hashed fraction of contexts (`mtp_error_pct`), so acceptance is partial.
+//! except on a hashed fraction of contexts (`mtp_error_pct`), so acceptance is partial;
+//! the fraction also hashes the MTP layer's own cache entries before the row, so a
+//! wrong MTP cache entry changes drafts.
 //! A [`SynthCost`] gives its calls a duration on the backend's own clock
 //! ([`Backend::now`]), for tests of choices that follow the measured step times
 //! (adaptive speculation): the times are the same on a loaded machine as on an idle one.
@@ -51,6 +53,8 @@ pub struct SyntheticBackend {
     /// The clock's start and the time its calls have taken since, under a cost.
     epoch: Instant,
     clock_us: u64,
+    /// Per MTP layer, an entry per cache slot (see `mtp_forward`).
+    mtp_cache: Vec<Vec<u64>>,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -86,6 +90,7 @@ impl SyntheticBackend {
             cost: SynthCost::default(),
             epoch: Instant::now(),
             clock_us: 0,
+            mtp_cache: vec![vec![0; num_blocks * BLOCK_SIZE]; n_mtp],
         }
     }
 
@@ -210,17 +215,37 @@ impl Backend for SyntheticBackend {
         self.mtp_calls += 1;
         let c = self.cost;
         self.spend(c.mtp_call_us, c.mtp_token_us, batch.num_tokens());
+        // The layer's own cache: every row writes an entry at its position (a hash of
+        // its inputs), then reads every entry before it (attention), which decides
+        // whether its prediction errs — so an entry that is not what the row's tokens
+        // would have written (stale, or from another prefix) changes drafts, as it would
+        // in a model.
+        let slot = |c: &mlaserve_core::SeqChunk, p: usize| {
+            c.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE
+        };
+        let mut row_in = Vec::with_capacity(batch.num_tokens());
+        let mut r = 0;
+        for c in &batch.seqs {
+            for (i, &emb) in c.tokens.iter().enumerate() {
+                let hr = hidden_rows[r];
+                let h = *prev
+                    .get(hr as usize)
+                    .ok_or_else(|| mlaserve_core::Error::Batch(format!("hidden row {hr} out of range")))?;
+                self.mtp_cache[layer][slot(c, c.start_pos + i)] = mix(h, emb as u64);
+                row_in.push((h, emb));
+                r += 1;
+            }
+        }
         let mut hidden = Vec::with_capacity(batch.num_tokens());
         let mut preds = Vec::with_capacity(batch.num_tokens());
-        let toks = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied());
-        for (&hr, emb) in hidden_rows.iter().zip(toks) {
-            let h = *prev
-                .get(hr as usize)
-                .ok_or_else(|| mlaserve_core::Error::Batch(format!("hidden row {hr} out of range")))?;
+        let rows = batch.seqs.iter().flat_map(|c| (0..c.tokens.len()).map(move |i| (c, c.start_pos + i)));
+        for ((c, p), (h, emb)) in rows.zip(row_in) {
+            let cache = &self.mtp_cache[layer];
+            let before = (0..p).fold(0u64, |acc, q| acc.wrapping_add(cache[slot(c, q)]));
             let (a, b) = ((h >> 32) as u32, h as u32);
             let ctx = Self::ctx(a, b, emb);
             let mut pred = self.greedy(ctx);
-            if mix(ctx, 0x5eed) % 100 < self.mtp_error_pct {
+            if mix(ctx ^ before, 0x5eed) % 100 < self.mtp_error_pct {
                 pred = (pred + 1) % self.config.vocab_size as u32;
             }
             preds.push(pred);

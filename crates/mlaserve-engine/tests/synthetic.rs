@@ -10,11 +10,16 @@ use mlaserve_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, Re
 const VOCAB: usize = 64;
 
 fn engine(k: usize, blocks: usize, budget: usize) -> Engine<SyntheticBackend> {
+    engine_with(k, blocks, budget, true)
+}
+
+fn engine_with(k: usize, blocks: usize, budget: usize, prefix: bool) -> Engine<SyntheticBackend> {
     let b = SyntheticBackend::new(VOCAB, 2, blocks, 4096);
     let cfg = EngineConfig {
         num_speculative_tokens: Some(k),
         max_batch_tokens: budget,
         max_num_seqs: 64,
+        enable_prefix_caching: prefix,
         ..Default::default()
     };
     Engine::new(b, cfg).expect("engine")
@@ -68,7 +73,8 @@ fn sampled_outputs_independent_of_k_and_batch() {
 /// The engine marks prompt chunks (`SeqChunk::prefill`, which the CUDA backend's
 /// batch-invariant options route by): every prompt token goes through a marked chunk once,
 /// decode windows (at most k + 1 tokens) are unmarked; a preempted sequence prefills its
-/// prompt again in marked chunks and its generated tokens in unmarked ones.
+/// prompt again in marked chunks and its generated tokens in unmarked ones (prefix
+/// caching off, so a recomputed prompt is prefilled from its start).
 #[test]
 fn prefill_chunks_are_marked() {
     let a = arrivals(4, 32, &SamplingParams::default());
@@ -79,7 +85,7 @@ fn prefill_chunks_are_marked() {
     let b = e.backend();
     assert_eq!(b.prefill_tokens, prompts, "each prompt token prefilled once, in marked chunks");
     assert!(b.window_tokens > 0 && b.longest_window <= 4, "windows of 1 + k tokens at most, unmarked");
-    let mut small = engine(3, 24, 96);
+    let mut small = engine_with(3, 16, 96, false);
     let out = run_all(&mut small, &a);
     assert!(out.iter().map(|o| o.usage.preemptions).sum::<u64>() > 0, "the small pool must preempt");
     assert!(small.backend().prefill_tokens > prompts, "a recomputed prompt is prefilled again");
