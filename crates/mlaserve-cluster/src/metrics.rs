@@ -128,6 +128,16 @@ pub fn describe() {
         Unit::Seconds,
         "Estimated time left of the worker's model load (0 when done)"
     );
+    describe_counter!(
+        "mlaserve_router_routed_total",
+        "Requests sent to a group, by why the balancer chose it (affinity, overloaded, least_loaded)"
+    );
+    describe_counter!("mlaserve_cached_prompt_tokens_total", "Prompt tokens found in the groups' prefix caches");
+    describe_counter!("mlaserve_prefix_cache_queried_tokens_total", "Tokens looked up in the prefix cache (worker)");
+    describe_counter!("mlaserve_prefix_cache_hit_tokens_total", "Tokens found in the prefix cache (worker)");
+    describe_counter!("mlaserve_prefix_cache_evictions_total", "Cached blocks evicted for new content (worker)");
+    describe_gauge!("mlaserve_prefix_cache_blocks", "KV blocks indexed by the prefix cache (worker)");
+    describe_gauge!("mlaserve_prefix_cache_hit_rate", "Hit tokens over queried tokens since start (worker)");
     describe_counter!("mlaserve_engine_steps_total", "Engine steps (worker)");
     describe_counter!(
         "mlaserve_engine_step_seconds_total",
@@ -140,6 +150,7 @@ pub fn describe() {
 fn register_unlabelled() {
     for name in [
         "mlaserve_prompt_tokens_total",
+        "mlaserve_cached_prompt_tokens_total",
         "mlaserve_generation_tokens_total",
         "mlaserve_draft_tokens_total",
         "mlaserve_accepted_tokens_total",

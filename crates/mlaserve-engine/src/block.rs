@@ -39,6 +39,8 @@ pub struct BlockManager {
     total: usize,
     refs: Vec<u32>,
     prefix: Option<PrefixCache>,
+    /// Tests: match only blocks with complete MTP entries.
+    pub(crate) complete_only: bool,
 }
 
 impl BlockManager {
@@ -46,7 +48,7 @@ impl BlockManager {
     pub fn new(total: usize) -> Self {
         // Pop order hands out low ids first; it only matters for readable traces.
         let free = (0..total as u32).rev().collect();
-        BlockManager { free, total, refs: vec![0; total], prefix: None }
+        BlockManager { free, total, refs: vec![0; total], prefix: None, complete_only: false }
     }
 
     /// A pool that caches full blocks by prefix, each keyed with the `lookahead`
@@ -57,6 +59,12 @@ impl BlockManager {
 
     pub fn prefix_caching(&self) -> bool {
         self.prefix.is_some()
+    }
+
+    /// The tokens after a block that its cache identity includes; `None` without
+    /// prefix caching.
+    pub fn lookahead(&self) -> Option<usize> {
+        self.prefix.as_ref().map(|p| p.lookahead())
     }
 
     pub fn total(&self) -> usize {
@@ -123,16 +131,32 @@ impl BlockManager {
     }
 
     /// Maps the longest cached prefix of `tokens` (whole blocks, ending before the last
-    /// token and before the last `lookahead` ones) onto the empty `table` and returns
-    /// the blocks mapped. `chain` is the tokens' chained block hash, grown as needed.
-    pub fn match_prefix(&mut self, tokens: &[u32], chain: &mut Vec<u64>, table: &mut Vec<u32>) -> usize {
+    /// token and before the last `lookahead` ones) onto the empty `table`: blocks with
+    /// complete MTP entries as far as they go, then target-only ones. Returns the
+    /// blocks mapped and, when some are target-only, the index of the first.
+    /// `chain` is the tokens' chained block hash, grown as needed.
+    pub fn match_prefix(
+        &mut self,
+        tokens: &[u32],
+        chain: &mut Vec<u64>,
+        table: &mut Vec<u32>,
+    ) -> (usize, Option<usize>) {
         debug_assert!(table.is_empty());
-        let Some(p) = &mut self.prefix else { return 0 };
+        let complete_only = self.complete_only;
+        let Some(p) = &mut self.prefix else { return (0, None) };
         let usable = tokens.len().saturating_sub(p.lookahead().max(1)) / BLOCK_SIZE;
         extend_chain(chain, tokens, usable);
-        let mut parent = ROOT;
+        let (mut parent, mut partial) = (ROOT, None);
         for i in 0..usable {
-            let Some(b) = p.find(tokens, chain, i, parent) else { break };
+            let found = match partial {
+                None => p.find(tokens, chain, i, parent, true).or_else(|| {
+                    let b = if complete_only { None } else { p.find(tokens, chain, i, parent, false) };
+                    partial = b.map(|_| i);
+                    b
+                }),
+                Some(_) => p.find(tokens, chain, i, parent, false),
+            };
+            let Some(b) = found else { break };
             let r = &mut self.refs[b as usize];
             if *r == 0 {
                 p.unpark(b);
@@ -143,7 +167,7 @@ impl BlockManager {
         }
         p.stats.queried_tokens += tokens.len() as u64;
         p.stats.hit_tokens += (table.len() * BLOCK_SIZE) as u64;
-        table.len()
+        (table.len(), partial)
     }
 
     /// Undoes the counting of a [`BlockManager::match_prefix`] whose request was not
@@ -155,15 +179,23 @@ impl BlockManager {
         }
     }
 
-    /// Indexes `table`'s blocks `from..to` (their entries are final) and returns how
-    /// many leading blocks of `table` are cached now: `to`, or fewer where another
-    /// block already holds the same content (the rest of the table stays private).
-    pub fn register(&mut self, table: &[u32], tokens: &[u32], chain: &mut Vec<u64>, from: usize, to: usize) -> usize {
+    /// Indexes `table`'s blocks `from..to` (their target entries are final; their MTP
+    /// entries too in the blocks before `complete_to`) and returns how many leading
+    /// blocks of `table` are cached now: `to`, or fewer where another block already
+    /// holds the same content (the rest of the table stays private).
+    pub fn register(
+        &mut self,
+        table: &[u32],
+        tokens: &[u32],
+        chain: &mut Vec<u64>,
+        (from, to): (usize, usize),
+        complete_to: usize,
+    ) -> usize {
         let Some(p) = &mut self.prefix else { return from };
         extend_chain(chain, tokens, to);
         for i in from..to {
             let parent = if i == 0 { ROOT } else { table[i - 1] };
-            if !p.insert(table[i], tokens, chain, i, parent) {
+            if !p.insert(table[i], tokens, chain, i, parent, i < complete_to) {
                 return i;
             }
         }
@@ -246,9 +278,9 @@ mod tests {
         let (mut ca, mut cb) = (Vec::new(), Vec::new());
         let mut a = Vec::new();
         assert!(m.ensure(&mut a, toks.len()));
-        assert_eq!(m.register(&a, &toks, &mut ca, 0, 2), 2);
+        assert_eq!(m.register(&a, &toks, &mut ca, (0, 2), 1), 2);
         let mut b = Vec::new();
-        assert_eq!(m.match_prefix(&toks, &mut cb, &mut b), 2, "two full blocks before the last token");
+        assert_eq!(m.match_prefix(&toks, &mut cb, &mut b), (2, Some(1)), "two blocks, the second target-only");
         assert_eq!(b, a[..2]);
         m.check([a.as_slice(), b.as_slice()]).expect("shared");
         m.release(&mut a);
@@ -258,7 +290,7 @@ mod tests {
         // A shorter request shares the first block only (the second needs one more
         // token after it).
         let mut c = Vec::new();
-        assert_eq!(m.match_prefix(&toks[..2 * BLOCK_SIZE], &mut Vec::new(), &mut c), 1);
+        assert_eq!(m.match_prefix(&toks[..2 * BLOCK_SIZE], &mut Vec::new(), &mut c), (1, None));
         // Two free blocks, then the cached second block goes before the held first one.
         let mut d = Vec::new();
         assert!(m.ensure(&mut d, 3 * BLOCK_SIZE));

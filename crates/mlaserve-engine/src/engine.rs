@@ -410,19 +410,40 @@ impl<B: Backend> Engine<B> {
 
     /// Indexes the full blocks of the step's requests whose entries are final: below
     /// the cached positions, less what the drafter may still rewrite (the last `2K`
-    /// MTP entries), and below any hole. A registered block is never written again.
+    /// MTP entries); those that reach an MTP hole as target-only. A registered block
+    /// is never written again.
     fn register_prefixes(&mut self) {
         if !self.blocks.prefix_caching() {
             return;
         }
         let margin = if self.n_mtp.min(self.lim.k) > 0 { 2 * MAX_SPECULATIVE_TOKENS } else { 0 };
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
-            let end = s.num_cached.saturating_sub(margin).min(s.holes_from);
-            let to = (end / BLOCK_SIZE).min(s.block_table.len());
+            let to = (s.num_cached.saturating_sub(margin) / BLOCK_SIZE).min(s.block_table.len());
             if s.registered < to {
-                let got = self.blocks.register(&s.block_table, &s.tokens, &mut s.prefix_chain, s.registered, to);
+                let span = (s.registered, to);
+                let got = self.blocks.register(
+                    &s.block_table,
+                    &s.tokens,
+                    &mut s.prefix_chain,
+                    span,
+                    s.holes_from / BLOCK_SIZE,
+                );
                 s.registered = if got < to { usize::MAX } else { got };
             }
+        }
+    }
+
+    /// Indexes a request that finished normally up to its last cached position: nothing
+    /// writes its blocks any more, so no margin is kept (its last MTP entries were
+    /// marked as holes when it finished).
+    fn register_finished(&mut self, s: &mut Sequence) {
+        let Some(lookahead) = self.blocks.lookahead() else { return };
+        let end = s.num_cached.min(s.tokens.len().saturating_sub(lookahead.max(1)));
+        let to = (end / BLOCK_SIZE).min(s.block_table.len());
+        if s.registered < to {
+            let span = (s.registered, to);
+            s.registered =
+                self.blocks.register(&s.block_table, &s.tokens, &mut s.prefix_chain, span, s.holes_from / BLOCK_SIZE);
         }
     }
 
@@ -502,6 +523,7 @@ impl<B: Backend> Engine<B> {
         jobs: &mut Vec<DraftJob>,
     ) {
         let k_max = self.lim.k;
+        let used = self.n_mtp.min(k_max);
         // Cursors into the argmax ids (greedy requests) and the sampled ids (the others),
         // both in the order `build_batch` asked for them.
         let (mut arow, mut srow) = (0usize, 0usize);
@@ -570,7 +592,12 @@ impl<B: Backend> Engine<B> {
                 }
             };
             match fin {
-                Some(reason) => finished.push((idx, reason)),
+                Some(reason) => {
+                    // It rides along in this step's drafting as padding: its MTP entries
+                    // from the last redone ones on are not final.
+                    s.holes_from = s.holes_from.min(start.saturating_sub(used));
+                    finished.push((idx, reason))
+                }
                 None if k_max > 0 => jobs.push(DraftJob { seq: idx, start, target_row: trow, draft_off }),
                 None => {}
             }
@@ -619,7 +646,10 @@ impl<B: Backend> Engine<B> {
         // Descending indices keep the remaining ones valid while removing.
         let mut evs = Vec::with_capacity(finished.len());
         for (idx, reason) in finished {
-            let seq = self.running.remove(idx);
+            let mut seq = self.running.remove(idx);
+            if matches!(reason, FinishReason::Stop(_) | FinishReason::Length) {
+                self.register_finished(&mut seq);
+            }
             evs.push(self.retire(seq, reason));
         }
         evs.reverse();

@@ -92,6 +92,7 @@ fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
         ..Default::default()
     };
     let mut e = Engine::new(b, cfg).expect("engine");
+    e.blocks.complete_only = true;
     e.policy.forced = pattern.to_vec();
     let prompt: Vec<u32> = (0..150u64).map(|i| 2 + (mix64(i) % (VOCAB - 2)) as u32).collect();
     let sp = SamplingParams { max_new_tokens: 200, ignore_eos: true, ..Default::default() };
@@ -118,9 +119,9 @@ fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
 }
 
 /// Steps that draft nothing, or with fewer MTP layers than the engine uses, leave MTP
-/// entries missing; no block reaching one is cached, so a request that extends the
-/// whole history drafts exactly as without the cache (and still reuses the blocks
-/// before the first hole).
+/// entries missing; no block reaching one is cached as complete, so a request that
+/// extends the whole history and reuses only complete blocks drafts exactly as without
+/// the cache (and still reuses the blocks before the first hole).
 #[test]
 fn blocks_with_mtp_holes_are_not_shared() {
     for pattern in [&[3, 3, 3, 3, 3, 3, 0][..], &[3, 3, 3, 1]] {
@@ -145,6 +146,7 @@ fn extend_after_skips(prefix: bool) -> (Vec<Vec<u64>>, u64) {
         ..Default::default()
     };
     let mut e = Engine::new(b, cfg).expect("engine");
+    e.blocks.complete_only = true;
     // Windows of 4 and 3 tokens: two of 4 do not fit the budget, so the second request
     // waits a step with its drafts of k = 3.
     e.policy.forced = vec![3, 2];
@@ -184,10 +186,50 @@ fn extend_after_skips(prefix: bool) -> (Vec<Vec<u64>>, u64) {
 }
 
 /// Decodes left out of a step keep MTP entries drafted from guesses that the next
-/// step cannot redo: no block reaching them is cached.
+/// step cannot redo: no block reaching them is cached as complete.
 #[test]
 fn blocks_with_entries_left_unredone_are_not_shared() {
     let ((off, _), (on, cached)) = (extend_after_skips(false), extend_after_skips(true));
     assert_eq!(off, on);
     assert!(cached >= 6 * 64, "blocks before the holes are reused ({cached})");
+}
+
+/// Blocks past an MTP hole are still reused for the target layers (the request then
+/// has the holes as its own): outputs equal, the reuse reaches past the first hole.
+#[test]
+fn target_only_blocks_are_reused_with_the_same_output() {
+    for pattern in [&[0][..], &[3, 3, 3, 3, 3, 3, 0]] {
+        let run = |prefix: bool| {
+            let b = SyntheticBackend::new(VOCAB as usize, 2, 256, 4096);
+            let cfg = EngineConfig {
+                num_speculative_tokens: Some(3),
+                speculation: Speculation::Adaptive,
+                enable_prefix_caching: prefix,
+                ..Default::default()
+            };
+            let mut e = Engine::new(b, cfg).expect("engine");
+            e.policy.forced = pattern.to_vec();
+            let mut history: Vec<u32> = (0..150u64).map(|i| 2 + (mix64(i) % (VOCAB - 2)) as u32).collect();
+            let sp = SamplingParams { max_new_tokens: 100, ignore_eos: true, ..Default::default() };
+            let mut cached = Vec::new();
+            for turn in 0..3u64 {
+                history.extend((0..10).map(|i| 2 + (mix64(i + 100 * turn + 7) % (VOCAB - 2)) as u32));
+                e.add_request(Request::new(history.clone(), sp.clone())).expect("valid");
+                while e.has_work() {
+                    for (_, ev) in e.step() {
+                        match ev {
+                            Event::Tokens(t) => history.extend(t),
+                            Event::Finished { usage, .. } => cached.push(usage.cached_prompt_tokens),
+                        }
+                    }
+                    e.check_invariants().expect("block accounting");
+                }
+            }
+            (history, cached)
+        };
+        let ((off, _), (on, cached)) = (run(false), run(true));
+        assert_eq!(off, on, "k pattern {pattern:?}");
+        // Turn 2 reuses turn 1's prompt and most of its reply, holes or not.
+        assert!(cached[1] >= 192 && cached[2] >= 320, "k pattern {pattern:?}: {cached:?}");
+    }
 }

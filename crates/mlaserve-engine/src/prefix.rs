@@ -17,6 +17,12 @@
 //! token: nothing is shared between requests that differ anywhere in the prefix, even
 //! on a hash collision.
 //!
+//! A block is indexed as *complete* when its MTP layers' entries are final too, and
+//! as target-only when some may not be (a step drafted with fewer MTP layers than the
+//! engine uses — adaptive k = 0 on a CPU, say): a request reuses the complete chain as
+//! far as it goes, then target-only blocks, whose MTP holes it then has as its own
+//! (its drafts may be worse; its output is the same).
+//!
 //! Unreferenced cached blocks wait in an LRU list and are evicted (oldest first) only
 //! when the pool has no never-cached free block left. A referenced block is never
 //! evicted; the engine never writes one it shares (see `Engine::register_prefixes`).
@@ -40,9 +46,11 @@ pub(crate) fn extend_chain(chain: &mut Vec<u64>, tokens: &[u32], blocks: usize) 
     }
 }
 
-/// The index key of a block: its chained hash and the tokens after it.
-fn key_of(chain: u64, lookahead: &[u32]) -> u64 {
-    lookahead.iter().fold(mix64(chain ^ 0x4c41), |h, &t| mix64(h ^ t as u64))
+/// The index key of a block: its chained hash, the tokens after it, and whether its
+/// MTP entries are complete.
+fn key_of(chain: u64, lookahead: &[u32], complete: bool) -> u64 {
+    let seed = mix64(chain ^ 0x4c41 ^ ((!complete) as u64) << 40);
+    lookahead.iter().fold(seed, |h, &t| mix64(h ^ t as u64))
 }
 
 /// Counters of the prefix cache.
@@ -69,6 +77,8 @@ pub(crate) struct PrefixCache {
     gen: Vec<u32>,
     /// Per block: (parent block, parent's generation), `NO_BLOCK` for a first block.
     parent: Vec<(u32, u32)>,
+    /// Per block: every MTP layer's entries are final (else only the target's are).
+    complete: Vec<bool>,
     /// Per block: its tokens and the `lookahead` tokens after it.
     content: Vec<u32>,
     /// Unreferenced cached blocks by release tick (oldest first).
@@ -86,6 +96,7 @@ impl PrefixCache {
             key: vec![None; total],
             gen: vec![0; total],
             parent: vec![(NO_BLOCK, 0); total],
+            complete: vec![false; total],
             content: vec![0; total * (BLOCK_SIZE + lookahead)],
             lru: BTreeMap::new(),
             tick_of: vec![0; total],
@@ -117,13 +128,15 @@ impl PrefixCache {
         &self.content[b as usize * n..(b as usize + 1) * n]
     }
 
-    /// The cached block holding block `i` of `tokens` after `parent`, if any.
-    pub fn find(&self, tokens: &[u32], chain: &[u64], i: usize, parent: u32) -> Option<u32> {
+    /// The cached block holding block `i` of `tokens` after `parent`, with complete
+    /// MTP entries or not, if any.
+    pub fn find(&self, tokens: &[u32], chain: &[u64], i: usize, parent: u32, complete: bool) -> Option<u32> {
         let (from, to) = (i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE + self.lookahead);
-        let k = key_of(chain[i], &tokens[(i + 1) * BLOCK_SIZE..to]);
+        let k = key_of(chain[i], &tokens[(i + 1) * BLOCK_SIZE..to], complete);
         let &b = self.map.get(&k)?;
         let want_parent = if parent == NO_BLOCK { (NO_BLOCK, 0) } else { (parent, self.gen[parent as usize]) };
-        (self.parent[b as usize] == want_parent && self.content(b) == &tokens[from..to]).then_some(b)
+        let same = self.parent[b as usize] == want_parent && self.complete[b as usize] == complete;
+        (same && self.content(b) == &tokens[from..to]).then_some(b)
     }
 
     /// A block leaves the LRU list (it is referenced again).
@@ -157,17 +170,19 @@ impl PrefixCache {
         self.gen[b as usize] = self.gen[b as usize].wrapping_add(1);
     }
 
-    /// Indexes block `b`, holding block `i` of `tokens` after `parent`. False when
-    /// another block already holds that content (`b` then stays private).
-    pub fn insert(&mut self, b: u32, tokens: &[u32], chain: &[u64], i: usize, parent: u32) -> bool {
+    /// Indexes block `b`, holding block `i` of `tokens` after `parent`, with complete
+    /// MTP entries or not. False when another block already holds that content (`b`
+    /// then stays private).
+    pub fn insert(&mut self, b: u32, tokens: &[u32], chain: &[u64], i: usize, parent: u32, complete: bool) -> bool {
         let (from, to) = (i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE + self.lookahead);
-        let k = key_of(chain[i], &tokens[(i + 1) * BLOCK_SIZE..to]);
+        let k = key_of(chain[i], &tokens[(i + 1) * BLOCK_SIZE..to], complete);
         if self.map.contains_key(&k) || self.key[b as usize].is_some() {
             return false;
         }
         self.map.insert(k, b);
         self.key[b as usize] = Some(k);
         self.parent[b as usize] = if parent == NO_BLOCK { (NO_BLOCK, 0) } else { (parent, self.gen[parent as usize]) };
+        self.complete[b as usize] = complete;
         let n = BLOCK_SIZE + self.lookahead;
         self.content[b as usize * n..(b as usize + 1) * n].copy_from_slice(&tokens[from..to]);
         true
@@ -218,26 +233,27 @@ mod tests {
         let a = toks(1, 3 * BLOCK_SIZE);
         let mut ch = Vec::new();
         extend_chain(&mut ch, &a, 2);
-        assert!(c.insert(5, &a, &ch, 0, ROOT));
-        assert!(c.insert(6, &a, &ch, 1, 5));
-        assert!(!c.insert(7, &a, &ch, 1, 5), "the same content is indexed once");
-        assert_eq!(c.find(&a, &ch, 0, ROOT), Some(5));
-        assert_eq!(c.find(&a, &ch, 1, 5), Some(6));
-        assert_eq!(c.find(&a, &ch, 1, 4), None, "another parent");
+        assert!(c.insert(5, &a, &ch, 0, ROOT, true));
+        assert!(c.insert(6, &a, &ch, 1, 5, false));
+        assert!(!c.insert(7, &a, &ch, 1, 5, false), "the same content is indexed once");
+        assert_eq!(c.find(&a, &ch, 0, ROOT, true), Some(5));
+        assert_eq!(c.find(&a, &ch, 0, ROOT, false), None, "complete and incomplete blocks are told apart");
+        assert_eq!(c.find(&a, &ch, 1, 5, false), Some(6));
+        assert_eq!(c.find(&a, &ch, 1, 4, false), None, "another parent");
         // The same first block with another token right after it (the lookahead).
         let mut b = a.clone();
         b[BLOCK_SIZE + 1] += 1;
         let mut chb = Vec::new();
         extend_chain(&mut chb, &b, 2);
-        assert_eq!(c.find(&b, &chb, 0, ROOT), None);
+        assert_eq!(c.find(&b, &chb, 0, ROOT, true), None);
         // Evicting the parent orphans the child, even if the id comes back with it.
         c.park(6);
         c.park(5);
         assert_eq!(c.evict(), Some(6));
         assert_eq!(c.evict(), Some(5));
-        assert!(c.insert(5, &a, &ch, 0, ROOT));
-        assert_eq!(c.find(&a, &ch, 0, ROOT), Some(5));
-        assert_eq!(c.find(&a, &ch, 1, 5), None);
+        assert!(c.insert(5, &a, &ch, 0, ROOT, true));
+        assert_eq!(c.find(&a, &ch, 0, ROOT, true), Some(5));
+        assert_eq!(c.find(&a, &ch, 1, 5, false), None);
         assert_eq!(c.stats.evictions, 2);
     }
 
@@ -250,10 +266,10 @@ mod tests {
         let (mut cha, mut chb) = (Vec::new(), Vec::new());
         extend_chain(&mut cha, &a, 1);
         extend_chain(&mut chb, &b, 1);
-        assert!(c.insert(0, &a, &cha, 0, ROOT));
+        assert!(c.insert(0, &a, &cha, 0, ROOT, true));
         // Make b's key point at a's block, as a collision would.
-        let kb = key_of(chb[0], &[]);
+        let kb = key_of(chb[0], &[], true);
         c.map.insert(kb, 0);
-        assert_eq!(c.find(&b, &chb, 0, ROOT), None);
+        assert_eq!(c.find(&b, &chb, 0, ROOT, true), None);
     }
 }

@@ -190,7 +190,7 @@ pub(crate) fn schedule(
     // 3. Admission, FCFS, each request's prefill starting after its cached prefix.
     while budget > 0 && running.len() < lim.max_num_seqs {
         let Some(front) = waiting.front_mut() else { break };
-        let hit = blocks.match_prefix(&front.tokens, &mut front.prefix_chain, &mut front.block_table);
+        let (hit, partial) = blocks.match_prefix(&front.tokens, &mut front.prefix_chain, &mut front.block_table);
         front.num_cached = hit * BLOCK_POSITIONS;
         let avail = (hit + blocks.num_free()) * BLOCK_POSITIONS;
         let Some((n, last)) = lim.fit_chunk(front, budget, avail) else {
@@ -203,6 +203,11 @@ pub(crate) fn schedule(
             break;
         };
         s.registered = hit;
+        if let Some(i) = partial {
+            // Target-only blocks: their MTP holes are the request's own now.
+            s.holes_from = i * BLOCK_POSITIONS;
+            s.mtp_gap = true;
+        }
         if s.usage.preemptions == 0 {
             s.usage.cached_prompt_tokens = s.num_cached.min(s.prompt_len) as u64;
         }

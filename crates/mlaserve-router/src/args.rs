@@ -1,7 +1,11 @@
 //! Settings of `mlaserve router` (and the router half of `mlaserve serve`).
 
+use crate::balance::RoutingPolicy;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+
+/// `--affinity-slack-tokens` by default: a few long prompts' worth.
+pub const DEFAULT_AFFINITY_SLACK_TOKENS: u64 = 8192;
 
 /// Router settings (clap derives the CLI flags; defaults suit one node).
 #[derive(Debug, Clone, clap::Args)]
@@ -34,6 +38,16 @@ pub struct RouterArgs {
     /// On SIGTERM/Ctrl-C: seconds to let in-flight requests finish before stopping.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// How a request's group is chosen: `prefix-affinity` sends it where this router
+    /// sent the longest prefix of its prompt (that group's prefix cache likely holds
+    /// it) unless that group is overloaded; `least-loaded`, the fewest outstanding
+    /// tokens.
+    #[arg(long, value_enum, default_value_t = RoutingPolicy::PrefixAffinity)]
+    pub routing_policy: RoutingPolicy,
+    /// Prefix affinity's load bound: a group holding the prefix is passed over when
+    /// its outstanding tokens exceed twice the least loaded group's plus this many.
+    #[arg(long, default_value_t = DEFAULT_AFFINITY_SLACK_TOKENS)]
+    pub affinity_slack_tokens: u64,
     #[command(flatten)]
     pub access: PublicAccess,
     #[command(flatten)]
@@ -103,6 +117,8 @@ impl RouterArgs {
             queue_size: 2048,
             max_message_bytes: 4 << 20,
             drain_timeout_s: 30,
+            routing_policy: RoutingPolicy::PrefixAffinity,
+            affinity_slack_tokens: DEFAULT_AFFINITY_SLACK_TOKENS,
             access: PublicAccess::default(),
             link: WorkerLink::default(),
         }

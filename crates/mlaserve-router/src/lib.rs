@@ -2,7 +2,8 @@
 //!
 //! A request flows: [`admission`] (bounded, RESOURCE_EXHAUSTED when full) →
 //! [`validate`] (INVALID_ARGUMENT naming the field; the prompt is tokenized here) →
-//! [`pool`] picks the ready group with the least outstanding tokens → [`group`] hands it
+//! [`pool`] picks a ready group by the [`balance`] policy (prefix affinity within a load
+//! bound, or the least outstanding tokens) → [`group`] hands it
 //! to the group's leader over one batched session → token events come back and are
 //! turned into text by [`detok`] and cut by [`stop`] → streamed to the client by
 //! [`service`]. Dropping the client stream aborts the request in the group. Groups come
@@ -11,6 +12,7 @@
 
 pub mod admission;
 pub mod args;
+pub mod balance;
 pub mod deadline;
 pub mod detok;
 pub mod discovery;

@@ -2,16 +2,17 @@
 //! group: connect, serve the session, and on failure mark the group down and reconnect
 //! with backoff until discovery removes it.
 //!
-//! Picking a group: the ready group with the fewest outstanding tokens (prompt tokens
-//! not yet prefilled plus new tokens still allowed), ties broken by fewer in-flight
-//! requests. Tokens, not requests, because one 8k-token prompt costs more than fifty
-//! short chats. A group that reports it is draining is never picked, though it stays
-//! in the pool until its session ends (its requests are still streaming).
+//! Picking a group: among the ready groups that take work, the one the pool's
+//! [`Balancer`] names (`crate::balance`: prefix affinity within a load bound, or the
+//! fewest outstanding tokens). A group that reports it is draining is never picked,
+//! though it stays in the pool until its session ends (its requests are still
+//! streaming).
 //!
 //! A group must serve this router's model ([`ModelIdentity`]): one whose `GetInfo`
 //! differs (config or tokenizer fingerprint, vocabulary, EOS ids) is logged and kept out
 //! of the pool; its supervisor looks again every few seconds, in case it is replaced.
 
+use crate::balance::{Balancer, Candidate, LeastLoaded, Reason};
 use crate::group::{Group, Link};
 use mlaserve_proto::worker::GroupInfo;
 use std::collections::BTreeMap;
@@ -75,6 +76,7 @@ pub struct Pool {
     /// The model every group must serve; `None` takes any (tests of the pool alone).
     expect: Option<Arc<ModelIdentity>>,
     link: Arc<Link>,
+    balancer: Arc<dyn Balancer>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -85,7 +87,13 @@ impl std::fmt::Debug for Pool {
 
 impl Default for Pool {
     fn default() -> Self {
-        Pool { inner: Arc::default(), ready_tx: Arc::new(watch::channel(0).0), expect: None, link: Arc::default() }
+        Pool {
+            inner: Arc::default(),
+            ready_tx: Arc::new(watch::channel(0).0),
+            expect: None,
+            link: Arc::default(),
+            balancer: Arc::new(LeastLoaded),
+        }
     }
 }
 
@@ -93,6 +101,11 @@ impl Pool {
     /// A pool that admits only groups serving `model`.
     pub fn expecting(model: ModelIdentity) -> Self {
         Pool { expect: Some(Arc::new(model)), ..Pool::default() }
+    }
+
+    /// The same pool choosing groups by `balancer` (the least loaded by default).
+    pub fn with_balancer(self, balancer: Box<dyn Balancer>) -> Self {
+        Pool { balancer: Arc::from(balancer), ..self }
     }
 
     /// The same pool reaching its groups over `link` (TLS, group secret).
@@ -114,12 +127,32 @@ impl Pool {
         lock(&self.inner).values().filter_map(|e| e.ready.clone()).filter(|g| g.is_alive()).collect()
     }
 
-    /// The least loaded ready group not in `exclude` that takes work (not draining).
-    pub fn pick(&self, exclude: &[String]) -> Option<Arc<Group>> {
-        self.ready_groups()
-            .into_iter()
-            .filter(|g| g.accepts_work() && !exclude.contains(&g.name))
-            .min_by_key(|g| (g.score(), g.inflight()))
+    /// The ready group not in `exclude` that takes work (not draining) the balancer
+    /// picks for a request with `prompt`, and why; the balancer learns where it went.
+    pub fn pick(&self, exclude: &[String], prompt: &[u32]) -> Option<(Arc<Group>, Reason)> {
+        let groups: Vec<Arc<Group>> =
+            self.ready_groups().into_iter().filter(|g| g.accepts_work() && !exclude.contains(&g.name)).collect();
+        if groups.is_empty() {
+            return None;
+        }
+        let loads: Vec<(u64, usize, u32)> =
+            groups.iter().map(|g| (g.score(), g.inflight(), g.load().kv_blocks_total)).collect();
+        let candidates: Vec<Candidate<'_>> = groups
+            .iter()
+            .zip(&loads)
+            .map(|(g, &(outstanding, inflight, kv_blocks))| Candidate {
+                name: &g.name,
+                outstanding,
+                inflight,
+                kv_blocks,
+            })
+            .collect();
+        let (i, why) = self.balancer.pick(prompt, &candidates);
+        let i = i.min(groups.len() - 1);
+        self.balancer.routed(prompt, &groups[i].name, loads[i].2);
+        metrics::counter!("mlaserve_router_routed_total", "group" => groups[i].name.clone(), "reason" => why.label())
+            .increment(1);
+        Some((groups[i].clone(), why))
     }
 
     /// Adds (or re-points) group `name` at `addr`; a supervisor keeps it connected.
@@ -145,6 +178,7 @@ impl Pool {
     /// Forgets group `name`; its in-flight requests end as lost, told `why`.
     pub fn remove_because(&self, name: &str, why: &str) {
         let old = lock(&self.inner).remove(name);
+        self.balancer.forget(name);
         if let Some(old) = old {
             tracing::warn!(group = name, reason = why, "worker group removed");
             shut(old, why);

@@ -110,7 +110,8 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
         config_fingerprint: fingerprints.config,
         tokenizer_fingerprint: fingerprints.tokenizer,
     })
-    .with_link(link);
+    .with_link(link)
+    .with_balancer(crate::balance::balancer(args.routing_policy, args.affinity_slack_tokens));
     crate::metrics::ready_groups(pool.ready_count());
     let state = Arc::new(RouterState::new(tokenizer, model_name, limits, pool.clone(), args.queue_size));
 

@@ -273,7 +273,7 @@ impl<'a> Run<'a> {
         let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
         let (until, budget) = deadline.unwrap_or((far, Duration::ZERO));
         loop {
-            let Some(group) = self.st.pool.pick(&tried) else {
+            let Some((group, _)) = self.st.pool.pick(&tried, &self.v.prompt) else {
                 return Err(match (last_refusal, tried.last()) {
                     (Some(e), _) => e,
                     (None, None) => RouterError::NoGroup,
@@ -420,6 +420,7 @@ impl<'a> Run<'a> {
 
     fn finish(&self, reason: FinishReason, usage: Option<wire::Usage>, matched: String) -> Finish {
         let u = usage.unwrap_or_default();
+        metrics::counter!("mlaserve_cached_prompt_tokens_total").increment(u.cached_prompt_tokens as u64);
         if u.draft_tokens > 0 {
             metrics::counter!("mlaserve_draft_tokens_total").increment(u.draft_tokens as u64);
             metrics::counter!("mlaserve_accepted_tokens_total").increment(u.accepted_tokens as u64);
@@ -445,6 +446,7 @@ impl<'a> Run<'a> {
                 time_to_first_token_s: self.first_token.map(|t| (t - self.arrival).as_secs_f32()).unwrap_or(0.0),
                 total_time_s: self.arrival.elapsed().as_secs_f32(),
                 accepted_per_position: u.accepted_per_position,
+                cached_prompt_tokens: u.cached_prompt_tokens,
             }),
         }
     }

@@ -62,6 +62,14 @@ pub struct EngineArgs {
     /// Requests waiting in the engine beyond which submissions are refused.
     #[arg(long, default_value_t = DEFAULT_MAX_QUEUED)]
     pub max_queued: usize,
+    /// Prefix caching (the default): full KV blocks stay indexed by the tokens before
+    /// them, so requests sharing a prefix (a system prompt, a conversation's history)
+    /// prefill it once; unreferenced blocks are evicted least recently used first.
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turns prefix caching off: every request prefills its whole prompt.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
 }
 
 impl Default for EngineArgs {
@@ -76,6 +84,8 @@ impl Default for EngineArgs {
             max_prefill_tokens: None,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             max_queued: DEFAULT_MAX_QUEUED,
+            enable_prefix_caching: false,
+            no_enable_prefix_caching: false,
         }
     }
 }
@@ -99,6 +109,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             max_queued: self.max_queued,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
             ..Default::default()
         }
     }
@@ -207,5 +218,18 @@ mod tests {
         assert_eq!((set.max_model_len, set.kv_blocks), (Some(1000), Some(7)));
         assert_eq!(parsed.kv_blocks_or_default(), DEFAULT_KV_BLOCKS);
         assert_eq!(set.engine_config().max_model_len, Some(1000));
+    }
+
+    /// Prefix caching is on unless turned off; the last of the two flags wins.
+    #[test]
+    fn prefix_caching_flags() {
+        let on = |args: &[&str]| {
+            Cli::try_parse_from([&["mlaserve"], args].concat()).expect("parses").e.engine_config().enable_prefix_caching
+        };
+        assert!(on(&[]));
+        assert!(on(&["--enable-prefix-caching"]));
+        assert!(!on(&["--no-enable-prefix-caching"]));
+        assert!(!on(&["--enable-prefix-caching", "--no-enable-prefix-caching"]));
+        assert!(on(&["--no-enable-prefix-caching", "--enable-prefix-caching"]));
     }
 }

@@ -245,5 +245,13 @@ async fn export_stats(engine: EngineHandle, health: tonic_health::server::Health
         }
         metrics::gauge!("mlaserve_speculation_expected_accepted_tokens_total").set(sp.expected_accepted);
         metrics::counter!("mlaserve_speculation_accepted_tokens_total").absolute(sp.realised_accepted);
+        // Prefix cache: rate(hit) / rate(queried) is the hit rate over a window.
+        let pc = &s.prefix;
+        metrics::counter!("mlaserve_prefix_cache_queried_tokens_total").absolute(pc.queried_tokens);
+        metrics::counter!("mlaserve_prefix_cache_hit_tokens_total").absolute(pc.hit_tokens);
+        metrics::counter!("mlaserve_prefix_cache_evictions_total").absolute(pc.evictions);
+        metrics::gauge!("mlaserve_prefix_cache_blocks").set(pc.cached_blocks as f64);
+        let rate = if pc.queried_tokens == 0 { 0.0 } else { pc.hit_tokens as f64 / pc.queried_tokens as f64 };
+        metrics::gauge!("mlaserve_prefix_cache_hit_rate").set(rate);
     }
 }

@@ -274,6 +274,7 @@ async fn forward(
                     decode_steps: usage.decode_steps as u32,
                     time_to_first_token_s: first_token.unwrap_or(0.0),
                     accepted_per_position: usage.accepted_per_position.iter().map(|&n| n as u32).collect(),
+                    cached_prompt_tokens: usage.cached_prompt_tokens as u32,
                 };
                 let finished = Finished { reason: reason as i32, usage: Some(usage), error, status_code: code as i32 };
                 let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(finished) });

@@ -193,6 +193,42 @@ pub struct BenchArgs {
     /// Vocabulary ids are drawn below this bound.
     #[arg(long, default_value_t = 256)]
     pub vocab: u32,
+    /// `random`: every prompt its own random ids. `shared-prefix`: conversations of
+    /// --turns turns, each opening with one of --system-prompts system prompts; a turn's
+    /// prompt is the conversation so far (system prompt, earlier user messages and
+    /// replies) and a new user message of --prompt-tokens ids. Closed loop: --concurrency
+    /// conversations at once, --requests turns in all.
+    #[arg(long, value_enum, default_value_t = Workload::Random)]
+    pub workload: Workload,
+    /// shared-prefix: distinct system prompts.
+    #[arg(long, default_value_t = 8)]
+    pub system_prompts: usize,
+    /// shared-prefix: system prompt lengths are drawn from MIN..=MAX tokens.
+    #[arg(long, value_parser = parse_range, default_value = "1024..=2048")]
+    pub system_prompt_tokens: (usize, usize),
+    /// shared-prefix: turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    pub turns: usize,
+}
+
+/// `bench serve --workload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    Random,
+    SharedPrefix,
+}
+
+/// `MIN..=MAX` (or a single number).
+fn parse_range(s: &str) -> Result<(usize, usize), String> {
+    let num = |x: &str| x.trim().parse::<usize>().map_err(|e| format!("{x:?}: {e}"));
+    let (lo, hi) = match s.split_once("..=") {
+        Some((a, b)) => (num(a)?, num(b)?),
+        None => (num(s)?, num(s)?),
+    };
+    if lo > hi {
+        return Err(format!("{lo} > {hi}"));
+    }
+    Ok((lo, hi))
 }
 
 impl BenchArgs {
@@ -207,6 +243,10 @@ impl BenchArgs {
             connections: 8,
             time_limit_s: 600,
             vocab: 256,
+            workload: Workload::Random,
+            system_prompts: 8,
+            system_prompt_tokens: (1024, 2048),
+            turns: 4,
         }
     }
 }
@@ -221,6 +261,12 @@ pub struct Sample {
     /// Final messages seen (must be exactly 1 for a successful request).
     pub finals: u32,
     pub error: Option<tonic::Code>,
+    /// The generated ids.
+    pub output: Vec<u32>,
+    /// From the final message's usage: the prompt's tokens, and those the group found
+    /// in its prefix cache.
+    pub prompt_tokens: u32,
+    pub cached_prompt_tokens: u32,
 }
 
 /// Percentiles of one quantity, in milliseconds.
@@ -254,12 +300,20 @@ pub struct BenchReport {
     pub e2e: Pcts,
     pub wall: Duration,
     pub tokens: u64,
+    /// Prompt tokens of the successful requests, and of those the prefix caches held.
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
     pub samples: Vec<Sample>,
 }
 
 impl BenchReport {
     pub fn tokens_per_s(&self) -> f64 {
         self.tokens as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// Fraction of prompt tokens found in the groups' prefix caches.
+    pub fn cached_ratio(&self) -> f64 {
+        self.cached_prompt_tokens as f64 / (self.prompt_tokens as f64).max(1.0)
     }
 }
 
@@ -278,6 +332,12 @@ impl std::fmt::Display for BenchReport {
             "throughput {:.1} generated tokens/s, {:.2} requests/s",
             self.tokens_per_s(),
             self.ok as f64 / self.wall.as_secs_f64().max(1e-9)
+        )?;
+        writeln!(
+            f,
+            "prompt tokens {}, {:.1}% of them in the prefix cache",
+            self.prompt_tokens,
+            100.0 * self.cached_ratio()
         )?;
         for (name, p) in [("TTFT", self.ttft), ("inter-token", self.itl), ("end-to-end", self.e2e)] {
             writeln!(f, "{name:>12} ms: p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1}", p.p50, p.p90, p.p99, p.max)?;
@@ -327,9 +387,13 @@ pub async fn timed_request(
                             }
                             last = Some(now);
                             s.tokens += m.token_ids.len() as u32;
+                            s.output.extend_from_slice(&m.token_ids);
                         }
-                        if m.finish.is_some() {
+                        if let Some(f) = &m.finish {
                             s.finals += 1;
+                            if let Some(u) = &f.usage {
+                                (s.prompt_tokens, s.cached_prompt_tokens) = (u.prompt_tokens, u.cached_prompt_tokens);
+                            }
                         }
                     }
                 }
@@ -342,6 +406,9 @@ pub async fn timed_request(
 
 /// `mlaserve bench serve`.
 pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
+    if args.workload == Workload::SharedPrefix {
+        return crate::workload::conversations(args).await;
+    }
     let mut clients = Vec::new();
     for _ in 0..args.connections.max(1) {
         clients.push(connect(&args.server).await?);
@@ -439,6 +506,8 @@ pub fn report(samples: Vec<Sample>, wall: Duration) -> BenchReport {
         e2e: Pcts::of(ok.iter().map(|s| s.e2e).collect()),
         wall,
         tokens: ok.iter().map(|s| s.tokens as u64).sum(),
+        prompt_tokens: ok.iter().map(|s| s.prompt_tokens as u64).sum(),
+        cached_prompt_tokens: ok.iter().map(|s| s.cached_prompt_tokens as u64).sum(),
         samples,
     }
 }
