@@ -1,0 +1,149 @@
+//! Prefix caching on the GPU backend: 64 concurrent requests over 4 shared system
+//! prompts, after a first wave that leaves those prompts cached. With the
+//! batch-invariant options, every request's output with cache hits equals its output
+//! with prefix caching off, greedy and seeded sampling — on one GPU (the bundled trained
+//! model, whose drafts are mostly accepted, so the reused MTP entries matter) and on a
+//! tensor-parallel group of 2 ranks (tiny-v3; every rank maps the same block ids).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{require_gpu, require_gpus};
+use mlaserve_core::Backend;
+use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
+use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
+use mlaserve_tp::{LocalGroup, TpLeader};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+const BLOCKS: usize = 512;
+
+fn ids(seed: u64, n: usize, vocab: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            2 + (s % (vocab - 2)) as u32
+        })
+        .collect()
+}
+
+/// The two waves: one request per system prompt, then 64 over the same prompts.
+fn waves(sampling: &SamplingParams, vocab: u64) -> [Vec<Request>; 2] {
+    let systems: Vec<Vec<u32>> = (0..4).map(|i| ids(100 + i, 130 + 40 * i as usize, vocab)).collect();
+    let req = |i: usize, user: usize| {
+        let mut p = systems[i % 4].clone();
+        p.extend(ids(1000 + i as u64, user, vocab));
+        let sp = SamplingParams { max_new_tokens: 24, ignore_eos: true, seed: Some(7 + i as u64), ..sampling.clone() };
+        Request::new(p, sp)
+    };
+    [(0..4).map(|i| req(i, 5)).collect(), (0..64).map(|i| req(i, 1 + i % 37)).collect()]
+}
+
+/// Runs the waves one after the other; the second wave's tokens and cached tokens.
+fn run<B: Backend>(backend: B, prefix: bool, waves: &[Vec<Request>; 2]) -> (Vec<Vec<u32>>, u64) {
+    let cfg = EngineConfig {
+        num_speculative_tokens: Some(3),
+        max_batch_tokens: 512,
+        enable_prefix_caching: prefix,
+        ..Default::default()
+    };
+    let mut e = Engine::new(backend, cfg).expect("engine");
+    let mut last = (Vec::new(), 0);
+    for wave in waves {
+        let ids: Vec<_> = wave.iter().map(|r| e.add_request(r.clone()).expect("admit")).collect();
+        let mut out: HashMap<_, Vec<u32>> = HashMap::new();
+        let (mut done, mut cached) = (0, 0);
+        while done < ids.len() {
+            for (id, ev) in e.step() {
+                match ev {
+                    Event::Tokens(t) => out.entry(id).or_default().extend(t),
+                    Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
+                    Event::Finished { usage, .. } => {
+                        cached += usage.cached_prompt_tokens;
+                        done += 1;
+                    }
+                }
+            }
+            e.check_invariants().expect("block accounting");
+        }
+        last = (ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), cached);
+    }
+    last
+}
+
+fn samplings() -> [(&'static str, SamplingParams); 2] {
+    [
+        ("greedy", SamplingParams::default()),
+        ("seeded sampling", SamplingParams { temperature: 0.8, top_p: 0.95, ..Default::default() }),
+    ]
+}
+
+#[test]
+fn cache_hits_keep_every_output_one_gpu() {
+    if !require_gpu() {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    for (what, sp) in samplings() {
+        let w = waves(&sp, 4096);
+        let (off, _) = run(CudaBackend::load_with(&dir, opts).expect("load"), false, &w);
+        let (on, cached) = run(CudaBackend::load_with(&dir, opts).expect("load"), true, &w);
+        let differ = off.iter().zip(&on).filter(|(a, b)| a != b).count();
+        println!("TP=1 {what}: {cached} prompt tokens cached in the second wave; {differ}/64 outputs differ");
+        assert!(cached >= 64 * 128, "every request of the second wave reuses its system prompt ({cached})");
+        assert_eq!(on, off, "TP=1 {what}: outputs differ with cache hits");
+    }
+}
+
+/// The waves on a TP group of `world` ranks (GPU r for rank r).
+fn tp_run(dir: &Path, opts: CudaOptions, world: usize, prefix: bool, w: &[Vec<Request>; 2]) -> (Vec<Vec<u32>>, u64) {
+    let id = TpInit::new_id().expect("NCCL id");
+    let init = |rank| TpInit { rank, world, id: id.clone(), timeout: Duration::from_secs(60) };
+    std::thread::scope(|s| {
+        let mut plans = LocalGroup::new(world, Duration::from_secs(120));
+        let followers: Vec<_> = plans
+            .drain(1..)
+            .enumerate()
+            .map(|(i, p)| {
+                let init = init(i + 1);
+                s.spawn(move || {
+                    let o = CudaOptions { ordinal: init.rank, ..opts };
+                    let mut be = CudaBackend::load_tp(dir, o, Some(&init)).expect("load follower");
+                    mlaserve_tp::run_follower(&mut be, &p)
+                })
+            })
+            .collect();
+        let be = CudaBackend::load_tp(dir, opts, Some(&init(0))).expect("load leader");
+        let mut leader = TpLeader::new(be, plans.pop().expect("rank 0")).expect("leader");
+        let out = run(&mut leader, prefix, w);
+        leader.shutdown().expect("shutdown");
+        for f in followers {
+            f.join().expect("follower thread").expect("follower");
+        }
+        out
+    })
+}
+
+#[test]
+fn cache_hits_keep_every_output_tp2() {
+    if !require_gpus(2) {
+        return;
+    }
+    let t = tempfile::tempdir().expect("tempdir");
+    mlaserve_model::presets::generate("tiny-v3", t.path()).expect("preset");
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores();
+    for (what, sp) in samplings() {
+        let w = waves(&sp, 512);
+        let (off, _) = tp_run(t.path(), opts, 2, false, &w);
+        let (on, cached) = tp_run(t.path(), opts, 2, true, &w);
+        let differ = off.iter().zip(&on).filter(|(a, b)| a != b).count();
+        println!("TP=2 {what}: {cached} prompt tokens cached in the second wave; {differ}/64 outputs differ");
+        assert!(cached >= 64 * 128, "every request of the second wave reuses its system prompt ({cached})");
+        assert_eq!(on, off, "TP=2 {what}: outputs differ with cache hits");
+    }
+}
