@@ -194,10 +194,8 @@ async fn read_session(
         t.abort();
         if stopped {
             // Say what happened: the client sees this, not a broken session.
-            let why = "aborted: the worker group is stopping and its drain timeout (--drain-timeout-s) \
-                       passed before this request finished";
-            let _ =
-                ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refusal(Code::Unavailable, why.into())) });
+            let why = DRAIN_TIMEOUT_ABORT.to_string();
+            let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refusal(Code::Unavailable, why)) });
         }
     }
     if stopped {
@@ -208,6 +206,10 @@ async fn read_session(
         writer.abort();
     }
 }
+
+/// What a request still running when the drain timeout passes ends with.
+const DRAIN_TIMEOUT_ABORT: &str =
+    "aborted: the worker group is stopping and its drain timeout (--drain-timeout-s) passed before this request finished";
 
 /// A request's final event when the group could not run it.
 fn refusal(code: Code, error: String) -> Finished {
@@ -220,7 +222,7 @@ async fn forward(
     s: wire::Submit,
     ev_tx: mpsc::UnboundedSender<Event>,
     live: Live,
-    _live_guard: LiveGuard,
+    live_guard: LiveGuard,
 ) {
     let id = s.id;
     let submitted = Instant::now();
@@ -262,6 +264,11 @@ async fn forward(
                 let (reason, error, code) = match reason {
                     FinishReason::Stop(_) => (wire::FinishReason::StopToken, String::new(), Code::Ok),
                     FinishReason::Length => (wire::FinishReason::Length, String::new(), Code::Ok),
+                    // The engine stopping under a drain timeout aborts what it still runs;
+                    // that may reach here before the session says why: say it here too.
+                    FinishReason::Abort if live_guard.0.phase() == Phase::Stopped => {
+                        (wire::FinishReason::Error, DRAIN_TIMEOUT_ABORT.to_string(), Code::Unavailable)
+                    }
                     FinishReason::Abort => (wire::FinishReason::Aborted, String::new(), Code::Ok),
                     FinishReason::Error(m) => (wire::FinishReason::Error, m, Code::Internal),
                     FinishReason::Unavailable(m) => (wire::FinishReason::Error, m, Code::Unavailable),
