@@ -23,7 +23,6 @@ use std::time::Duration;
 use mlaserve_core::Backend;
 use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
 use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams, Speculation};
-use mlaserve_tp::{LocalGroup, TpLeader};
 
 const BLOCKS: usize = 512;
 
@@ -168,32 +167,8 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
 }
 
 fn tp_run(dir: &Path, opts: CudaOptions, world: usize, k: usize) -> Vec<Vec<u32>> {
-    let id = TpInit::new_id().expect("NCCL id");
-    let init = |rank| TpInit { rank, world, id: id.clone(), timeout: Duration::from_secs(60) };
     let t0 = Instant::now();
-    let out = std::thread::scope(|s| {
-        let mut plans = LocalGroup::new(world, Duration::from_secs(120));
-        let followers: Vec<_> = plans
-            .drain(1..)
-            .enumerate()
-            .map(|(i, p)| {
-                let init = init(i + 1);
-                s.spawn(move || {
-                    let o = CudaOptions { ordinal: init.rank, ..opts };
-                    let mut be = CudaBackend::load_tp(dir, o, Some(&init)).expect("load follower");
-                    mlaserve_tp::run_follower(&mut be, &p)
-                })
-            })
-            .collect();
-        let be = CudaBackend::load_tp(dir, opts, Some(&init(0))).expect("load leader");
-        let mut leader = TpLeader::new(be, plans.pop().expect("rank 0")).expect("leader");
-        let out = run(&mut leader, k);
-        leader.shutdown().expect("shutdown");
-        for f in followers {
-            f.join().expect("follower thread").expect("follower");
-        }
-        out
-    });
+    let out = common::with_tp_group(dir, opts, world, |leader| run(leader, k));
     let n: usize = out.iter().map(Vec::len).sum();
     println!("  TP={world} k={k} {opts:?}: {n} tokens in {:.2}s", t0.elapsed().as_secs_f64());
     out

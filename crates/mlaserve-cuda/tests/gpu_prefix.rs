@@ -10,12 +10,10 @@ mod common;
 
 use common::{require_gpu, require_gpus};
 use mlaserve_core::Backend;
-use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
+use mlaserve_cuda::{CudaBackend, CudaOptions};
 use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
-use mlaserve_tp::{LocalGroup, TpLeader};
 use std::collections::HashMap;
 use std::path::Path;
-use std::time::Duration;
 
 const BLOCKS: usize = 512;
 
@@ -100,35 +98,6 @@ fn cache_hits_keep_every_output_one_gpu() {
     }
 }
 
-/// The waves on a TP group of `world` ranks (GPU r for rank r).
-fn tp_run(dir: &Path, opts: CudaOptions, world: usize, prefix: bool, w: &[Vec<Request>; 2]) -> (Vec<Vec<u32>>, u64) {
-    let id = TpInit::new_id().expect("NCCL id");
-    let init = |rank| TpInit { rank, world, id: id.clone(), timeout: Duration::from_secs(60) };
-    std::thread::scope(|s| {
-        let mut plans = LocalGroup::new(world, Duration::from_secs(120));
-        let followers: Vec<_> = plans
-            .drain(1..)
-            .enumerate()
-            .map(|(i, p)| {
-                let init = init(i + 1);
-                s.spawn(move || {
-                    let o = CudaOptions { ordinal: init.rank, ..opts };
-                    let mut be = CudaBackend::load_tp(dir, o, Some(&init)).expect("load follower");
-                    mlaserve_tp::run_follower(&mut be, &p)
-                })
-            })
-            .collect();
-        let be = CudaBackend::load_tp(dir, opts, Some(&init(0))).expect("load leader");
-        let mut leader = TpLeader::new(be, plans.pop().expect("rank 0")).expect("leader");
-        let out = run(&mut leader, prefix, w);
-        leader.shutdown().expect("shutdown");
-        for f in followers {
-            f.join().expect("follower thread").expect("follower");
-        }
-        out
-    })
-}
-
 #[test]
 fn cache_hits_keep_every_output_tp2() {
     if !require_gpus(2) {
@@ -139,8 +108,8 @@ fn cache_hits_keep_every_output_tp2() {
     let opts = CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores();
     for (what, sp) in samplings() {
         let w = waves(&sp, 512);
-        let (off, _) = tp_run(t.path(), opts, 2, false, &w);
-        let (on, cached) = tp_run(t.path(), opts, 2, true, &w);
+        let (off, _) = common::with_tp_group(t.path(), opts, 2, |l| run(l, false, &w));
+        let (on, cached) = common::with_tp_group(t.path(), opts, 2, |l| run(l, true, &w));
         let differ = off.iter().zip(&on).filter(|(a, b)| a != b).count();
         println!("TP=2 {what}: {cached} prompt tokens cached in the second wave; {differ}/64 outputs differ");
         assert!(cached >= 64 * 128, "every request of the second wave reuses its system prompt ({cached})");

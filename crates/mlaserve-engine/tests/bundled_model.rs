@@ -8,25 +8,12 @@
 //!   evaluated (64 new tokens each) is within ±3 points of its teacher-forced figure
 //!   (`eval.json`, conditional form: P(draft d right | drafts before it right)).
 
+mod common;
+
+use common::{bundled_eval_prompts, bundled_model};
 use mlaserve_cpu::CpuBackend;
 use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Speculation, Usage};
 use std::collections::HashMap;
-use std::path::PathBuf;
-
-fn model() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code")
-}
-
-fn prompts() -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(model().join("eval_prompts.jsonl")).expect("eval_prompts.jsonl");
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            v["prompt_ids"].as_array().expect("prompt_ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
-        })
-        .collect()
-}
 
 /// Runs `prompts` greedily (EOS ignored) and returns tokens per prompt and the usage total.
 fn run(prompts: &[Vec<u32>], k: usize, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
@@ -34,7 +21,7 @@ fn run(prompts: &[Vec<u32>], k: usize, new_tokens: u32) -> (Vec<Vec<u32>>, Usage
 }
 
 fn run_with(prompts: &[Vec<u32>], k: usize, speculation: Speculation, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
-    let backend = CpuBackend::load(&model(), 256).expect("load bundled model");
+    let backend = CpuBackend::load(&bundled_model(), 256).expect("load bundled model");
     let cfg = EngineConfig { num_speculative_tokens: Some(k), speculation, max_num_seqs: 64, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let params = SamplingParams { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
@@ -55,11 +42,12 @@ fn run_with(prompts: &[Vec<u32>], k: usize, speculation: Speculation, new_tokens
 
 #[test]
 fn bundled_model_acceptance_matches_teacher_forced_and_is_lossless() {
-    let prompts = prompts();
+    let prompts = bundled_eval_prompts();
     assert_eq!(prompts.len(), 50);
     let (spec, usage) = run(&prompts, 3, 64);
     let eval: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model().join("eval.json")).expect("eval.json")).expect("json");
+        serde_json::from_str(&std::fs::read_to_string(bundled_model().join("eval.json")).expect("eval.json"))
+            .expect("json");
     let want: Vec<f64> = eval["acceptance"]["conditional_acceptance"]
         .as_array()
         .expect("conditional_acceptance")

@@ -14,12 +14,11 @@
 
 mod common;
 
-use common::{run_all, Arrival, Outcome, TestRng};
+use common::{bundled_eval_prompts, bundled_model, run_all, Arrival, Outcome, TestRng};
 use mlaserve_cpu::CpuBackend;
 use mlaserve_engine::testing::SyntheticBackend;
 use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, RequestId, SamplingParams, Usage};
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 const VOCAB: usize = 64;
 
@@ -199,25 +198,10 @@ fn random_operations_with_aborts_leak_nothing() {
     }
 }
 
-fn model() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code")
-}
-
-fn eval_prompts() -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(model().join("eval_prompts.jsonl")).expect("eval_prompts.jsonl");
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            v["prompt_ids"].as_array().expect("prompt_ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
-        })
-        .collect()
-}
-
 /// Runs `waves` of requests one wave after the other (a wave is submitted once the
 /// previous one finished) and returns each request's tokens and usage.
 fn run_waves(prefix: bool, waves: &[Vec<Request>]) -> (Vec<(Vec<u32>, Usage)>, mlaserve_engine::PrefixStats) {
-    let backend = CpuBackend::load(&model(), 64).expect("load bundled model");
+    let backend = CpuBackend::load(&bundled_model(), 64).expect("load bundled model");
     let cfg = EngineConfig { num_speculative_tokens: Some(3), enable_prefix_caching: prefix, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let mut out = Vec::new();
@@ -243,7 +227,7 @@ fn run_waves(prefix: bool, waves: &[Vec<Request>]) -> (Vec<(Vec<u32>, Usage)>, m
 
 #[test]
 fn bundled_model_output_and_drafts_are_the_same_with_hits() {
-    let p = eval_prompts();
+    let p = bundled_eval_prompts();
     // A 194-token "system prompt" (three full blocks), then a different user part.
     let system: Vec<u32> = p[0].iter().chain(&p[1]).copied().collect();
     for (what, sp) in [

@@ -108,3 +108,20 @@ pub fn run_all<B: Backend>(engine: &mut Engine<B>, arrivals: &[Arrival]) -> Vec<
         })
         .collect()
 }
+
+/// The bundled trained model (`models/mla-tiny-code`).
+pub fn bundled_model() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code")
+}
+
+/// The 50 held-out prompts the bundled model's training script evaluated.
+pub fn bundled_eval_prompts() -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(bundled_model().join("eval_prompts.jsonl")).expect("eval_prompts.jsonl");
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            v["prompt_ids"].as_array().expect("prompt_ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+        })
+        .collect()
+}
