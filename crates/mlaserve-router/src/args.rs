@@ -16,6 +16,10 @@ pub struct RouterArgs {
     /// Address of the Prometheus `/metrics` endpoint; none when unset.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
+    /// Address of the OpenAI-compatible HTTP API (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`, `/ready`); none when unset.
+    #[arg(long)]
+    pub http_listen: Option<SocketAddr>,
     /// Model directory: the router reads `tokenizer.json` and `config.json` from it.
     #[arg(long)]
     pub model: PathBuf,
@@ -110,6 +114,7 @@ impl RouterArgs {
         RouterArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             metrics_listen: None,
+            http_listen: None,
             model: model.into(),
             workers: Vec::new(),
             etcd: Vec::new(),

@@ -19,6 +19,7 @@ pub mod discovery;
 pub mod error;
 pub mod group;
 pub mod health;
+pub mod http;
 mod limit;
 pub mod metrics;
 pub mod pool;

@@ -30,6 +30,9 @@ pub enum StartError {
     /// A TLS or key setting (names the flag and file).
     #[error("{0}")]
     Access(String),
+    /// The HTTP API's setting or the model's chat template (names the flag or file).
+    #[error("{0}")]
+    Http(String),
 }
 
 /// The public API's keys and TLS, and the link to the workers, from the flags (files
@@ -80,6 +83,9 @@ fn access(args: &RouterArgs) -> Result<(Keys, Option<Arc<ServerConfig>>, Link), 
 pub struct RouterHandle {
     /// Where the public API listens.
     pub addr: SocketAddr,
+    /// Where the OpenAI-compatible HTTP API listens, when enabled.
+    pub http_addr: Option<SocketAddr>,
+    http: Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
     /// Where `/metrics` is served, when enabled.
     pub metrics_addr: Option<SocketAddr>,
     /// Where the plain-text health endpoint listens, when enabled.
@@ -181,7 +187,37 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
         }
     };
     tracing::info!(%addr, tls = secured, api_keys = !keys.is_empty(), "router listening");
+    let (http_addr, http) = match args.http_listen {
+        None => (None, None),
+        Some(_) if secured => {
+            return Err(StartError::Http(
+                "--http-listen serves plain HTTP and cannot serve TLS yet; leave it unset with --tls-cert, or put \
+                 the HTTP API behind a TLS-terminating proxy"
+                    .into(),
+            ))
+        }
+        Some(a) => {
+            let template = crate::http::chat::ChatTemplate::load(&args.model).map_err(StartError::Http)?;
+            let st = Arc::new(crate::http::HttpState::new(GenerationService { state: state.clone() }, template, keys));
+            let listener = tokio::net::TcpListener::bind(a).await.map_err(|e| StartError::Bind(a, e))?;
+            let bound = listener.local_addr().map_err(|e| StartError::Bind(a, e))?;
+            let (tx, rx) = oneshot::channel::<()>();
+            let app = crate::http::router(st);
+            let task = tokio::spawn(async move {
+                let stopped = async {
+                    let _ = rx.await;
+                };
+                if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stopped).await {
+                    tracing::error!(error = %e, "HTTP API stopped");
+                }
+            });
+            tracing::info!(addr = %bound, "OpenAI-compatible HTTP API listening");
+            (Some(bound), Some((tx, task)))
+        }
+    };
     Ok(RouterHandle {
+        http_addr,
+        http,
         addr,
         metrics_addr,
         health_addr,
@@ -225,6 +261,11 @@ impl RouterHandle {
         if let Some(tx) = self.shutdown_tx.take() {
             let _ = tx.send(());
         }
+        if let Some((tx, mut task)) = self.http.take() {
+            let _ = tx.send(());
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut task).await;
+            task.abort();
+        }
         let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
         self.server.abort();
     }
@@ -236,6 +277,9 @@ pub async fn run(args: RouterArgs) -> Result<(), StartError> {
     let drain = Duration::from_secs(args.drain_timeout_s);
     let h = start(args).await?;
     println!("mlaserve router listening on {}", h.addr);
+    if let Some(a) = h.http_addr {
+        println!("OpenAI-compatible HTTP API on http://{a}/v1");
+    }
     if let Some(m) = h.metrics_addr {
         println!("metrics on http://{m}/metrics");
     }

@@ -24,6 +24,10 @@ pub struct ServeArgs {
     /// Address of the Prometheus `/metrics` endpoint; none when unset.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
+    /// Address of the OpenAI-compatible HTTP API (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`, `/ready`); `off` serves none.
+    #[arg(long, default_value = "127.0.0.1:8000", value_parser = parse_http_listen)]
+    pub http_listen: HttpListen,
     /// Model directory (default: the bundled model; a relative path is taken from the
     /// working directory, so the default works from the repository root).
     #[arg(long, default_value = DEFAULT_MODEL)]
@@ -48,6 +52,19 @@ pub struct ServeArgs {
 }
 
 /// 32 random bytes as hex.
+/// `--http-listen`: an address, or none (`off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpListen(pub Option<SocketAddr>);
+
+fn parse_http_listen(s: &str) -> Result<HttpListen, String> {
+    if s == "off" {
+        return Ok(HttpListen(None));
+    }
+    s.parse()
+        .map(|a| HttpListen(Some(a)))
+        .map_err(|e| format!("{s:?}: {e} (an address such as 127.0.0.1:8000, or off)"))
+}
+
 fn link_secret() -> String {
     use std::io::Read;
     let mut b = [0u8; 32];
@@ -65,6 +82,7 @@ impl ServeArgs {
         ServeArgs {
             listen: r.listen,
             metrics_listen: None,
+            http_listen: HttpListen(None),
             model: r.model,
             engine: EngineArgs::default(),
             queue_size: r.queue_size,
@@ -90,6 +108,7 @@ impl ServeArgs {
         RouterArgs {
             listen: self.listen,
             metrics_listen: self.metrics_listen,
+            http_listen: self.http_listen.0,
             workers: vec![format!("http://{worker}")],
             queue_size: self.queue_size,
             max_message_bytes: self.max_message_bytes,
@@ -158,6 +177,9 @@ pub async fn run_with_engine(args: ServeArgs, engine: EngineHandle) -> Result<()
 
 fn announce(h: &ServeHandle) {
     println!("mlaserve serving on {} (gRPC: mlaserve.v1.Generation, grpc.health.v1, reflection)", h.router.addr);
+    if let Some(a) = h.router.http_addr {
+        println!("OpenAI-compatible HTTP API on http://{a}/v1");
+    }
     if let Some(m) = h.router.metrics_addr {
         println!("metrics on http://{m}/metrics");
     }

@@ -1,0 +1,308 @@
+//! The OpenAI-compatible HTTP API (`--http-listen`), beside gRPC on the same router:
+//! `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, and `GET
+//! /health` (the process is up) and `GET /ready` (it takes requests: a group is ready
+//! and it is not draining) for HTTP load balancers.
+//!
+//! Every generation goes through the gRPC service in-process ([`GenerationService`]):
+//! the same admission, validation, group picking, detokenization, stop strings and
+//! metrics. Streaming is server-sent events (`stream: true`, with
+//! `stream_options.include_usage`); a client that goes away drops the stream, which
+//! aborts the request in its group. Errors are OpenAI's error object with its status
+//! codes (400 naming the parameter, 401, 404 for another model, 429 when the router's
+//! queue is full, 503 when no group can serve, 504 past a deadline).
+
+pub mod chat;
+pub mod openai;
+
+use crate::service::GenerationService;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use chat::ChatTemplate;
+use mlaserve_cluster::auth::Keys;
+use mlaserve_proto::v1::generation_server::Generation;
+use mlaserve_proto::v1::{self as pb, generate_request::Prompt};
+use openai::{ApiError, ChatRequest, Common, CompletionRequest};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio_stream::{Stream, StreamExt};
+
+/// What the HTTP handlers share.
+#[derive(Debug)]
+pub struct HttpState {
+    pub svc: GenerationService,
+    pub template: Option<ChatTemplate>,
+    pub keys: Keys,
+    next_id: AtomicU64,
+}
+
+impl HttpState {
+    pub fn new(svc: GenerationService, template: Option<ChatTemplate>, keys: Keys) -> Self {
+        HttpState { svc, template, keys, next_id: AtomicU64::new(0) }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// The routes (see the module docs).
+pub fn router(st: Arc<HttpState>) -> axum::Router {
+    axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(st)
+}
+
+async fn ready(State(st): State<Arc<HttpState>>) -> Response {
+    let s = &st.svc.state;
+    if s.draining.load(Ordering::Acquire) {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()
+    } else if s.pool.ready_count() == 0 {
+        (StatusCode::SERVICE_UNAVAILABLE, "no worker group is ready").into_response()
+    } else {
+        "ready".into_response()
+    }
+}
+
+fn authorize(st: &HttpState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if st.keys.is_empty() || st.keys.accepts(headers.get("authorization").map(|v| v.as_bytes())) {
+        return Ok(());
+    }
+    Err(ApiError::from_status(&tonic::Status::unauthenticated("a valid API key is required"), false))
+}
+
+fn now_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+async fn models(State(st): State<Arc<HttpState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    authorize(&st, &headers)?;
+    let s = &st.svc.state;
+    let card = openai::ModelCard {
+        id: s.model_name.clone(),
+        object: "model",
+        created: now_s(),
+        owned_by: "mlaserve",
+        max_model_len: s.limits().max_context,
+    };
+    Ok(Json(json!({"object": "list", "data": [card]})))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("the request body is not a valid request: {e}"),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    })
+}
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = async {
+        authorize(&st, &headers)?;
+        let req: CompletionRequest = parse(&body)?;
+        req.common.check(&st.svc.state.model_name)?;
+        let prompt = req.prompt.into_prompt()?;
+        Ok::<_, ApiError>((req.common, prompt))
+    };
+    match run.await {
+        Ok((common, prompt)) => respond(st, Kind::Completion, common, prompt).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = async {
+        authorize(&st, &headers)?;
+        let req: ChatRequest = parse(&body)?;
+        req.common.check(&st.svc.state.model_name)?;
+        let messages = req.messages()?;
+        let Some(t) = &st.template else {
+            return Err(ApiError::invalid(
+                "messages",
+                "the served model has no chat template (tokenizer_config.json chat_template); use /v1/completions",
+            ));
+        };
+        let text = t.render(&messages, true).map_err(|e| ApiError::invalid("messages", e))?;
+        // The template writes the special tokens itself.
+        let tok = st.svc.state.tokenizer.clone();
+        let ids = tokio::task::spawn_blocking(move || tok.encode(&text, false))
+            .await
+            .map_err(|e| ApiError::from_status(&tonic::Status::internal(e.to_string()), true))?
+            .map_err(|e| ApiError::invalid("messages", format!("cannot tokenize: {e}")))?;
+        Ok::<_, ApiError>((req.common, Prompt::TokenIds(pb::TokenIds { ids })))
+    };
+    match run.await {
+        Ok((common, prompt)) => respond(st, Kind::Chat, common, prompt).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Runs the request through the generation service and answers as JSON or SSE.
+async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt) -> Response {
+    let messages = kind == Kind::Chat;
+    let req = common.request(prompt);
+    let stream = match st.svc.generate(tonic::Request::new(req)).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return ApiError::from_status(&s, messages).into_response(),
+    };
+    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let meta = Meta {
+        id: match kind {
+            Kind::Completion => format!("cmpl-{n}"),
+            Kind::Chat => format!("chatcmpl-{n}"),
+        },
+        created: now_s(),
+        model: st.svc.state.model_name.clone(),
+        kind,
+    };
+    if common.stream {
+        Sse::new(events(meta, stream, common.include_usage())).into_response()
+    } else {
+        whole(meta, stream).await
+    }
+}
+
+/// The fields every response object carries.
+#[derive(Debug, Clone)]
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Meta {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn with(&self, chunk: bool, choices: Value, usage: Value) -> Value {
+        json!({
+            "id": self.id, "object": self.object(chunk), "created": self.created, "model": self.model,
+            "choices": choices, "usage": usage,
+        })
+    }
+
+    /// One streamed choice: a text delta and the finish reason once known.
+    fn choice(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+        match self.kind {
+            Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]),
+            Kind::Chat => {
+                let delta = if first {
+                    json!({"role": "assistant", "content": text})
+                } else if text.is_empty() && finish.is_some() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
+            }
+        }
+    }
+}
+
+/// The whole response as one JSON object.
+async fn whole(
+    meta: Meta,
+    mut stream: impl Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Unpin,
+) -> Response {
+    let mut text = String::new();
+    while let Some(msg) = stream.next().await {
+        let msg = match msg {
+            Ok(m) => m,
+            Err(s) => return ApiError::from_status(&s, meta.kind == Kind::Chat).into_response(),
+        };
+        text.push_str(&msg.text);
+        if let Some(f) = msg.finish {
+            let reason = openai::finish_reason(&f);
+            let usage = f.usage.as_ref().map(openai::usage).unwrap_or(Value::Null);
+            let choice = match meta.kind {
+                Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
+                Kind::Chat => json!({
+                    "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
+                    "finish_reason": reason,
+                }),
+            };
+            return Json(meta.with(false, json!([choice]), usage)).into_response();
+        }
+    }
+    ApiError::from_status(&tonic::Status::internal("the stream ended without a finish"), false).into_response()
+}
+
+/// The response as server-sent events: chunks, the usage chunk when asked for, `[DONE]`.
+fn events(
+    meta: Meta,
+    mut stream: impl Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Unpin + Send + 'static,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, std::convert::Infallible>> + Send + 'static {
+    async_stream(move |tx| async move {
+        let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
+        let mut first = meta.kind == Kind::Chat;
+        if first {
+            // The assistant's role first, as OpenAI streams it.
+            if send(meta.with(true, meta.choice("", None, true), Value::Null)).await.is_err() {
+                return;
+            }
+            first = false;
+        }
+        while let Some(msg) = stream.next().await {
+            let msg = match msg {
+                Ok(m) => m,
+                Err(s) => {
+                    let _ = send(ApiError::from_status(&s, meta.kind == Kind::Chat).body()).await;
+                    return;
+                }
+            };
+            let finish = msg.finish.as_ref().map(openai::finish_reason);
+            if (!msg.text.is_empty() || finish.is_some())
+                && send(meta.with(true, meta.choice(&msg.text, finish, first), Value::Null)).await.is_err()
+            {
+                return; // the client went away: dropping `stream` aborts the request
+            }
+            if let Some(f) = msg.finish {
+                if include_usage {
+                    let usage = f.usage.as_ref().map(openai::usage).unwrap_or(Value::Null);
+                    let _ = send(meta.with(true, json!([]), usage)).await;
+                }
+                let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                return;
+            }
+        }
+    })
+}
+
+/// A stream fed by the task `f` runs (bounded: the task waits while the client reads).
+fn async_stream<T, F, Fut>(f: F) -> impl Stream<Item = T> + Send + 'static
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(f(tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}

@@ -1,0 +1,340 @@
+//! The OpenAI API's request and response bodies, and their translation to and from
+//! `mlaserve.v1` (`GenerateRequest` / `GenerateResponse`): the HTTP front drives the
+//! same generation service as gRPC.
+
+use axum::http::StatusCode;
+use mlaserve_proto::v1::{self as pb, generate_request::Prompt};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// An OpenAI error: its HTTP status and `{"error": {...}}` body.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400 naming the request parameter.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("{param}: {}", message.into()),
+            kind: "invalid_request_error",
+            param: Some(param.to_string()),
+            code: None,
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+
+    /// A gRPC status of the generation service, in OpenAI's terms: INVALID_ARGUMENT →
+    /// 400 naming the parameter (the status message starts with the gRPC field),
+    /// RESOURCE_EXHAUSTED → 429, UNAVAILABLE → 503, DEADLINE_EXCEEDED → 504.
+    pub fn from_status(s: &tonic::Status, messages: bool) -> ApiError {
+        use tonic::Code;
+        let (status, kind, code) = match s.code() {
+            Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            Code::ResourceExhausted => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded")),
+            Code::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("unavailable")),
+            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout_error", Some("timeout")),
+            Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "authentication_error", Some("invalid_api_key")),
+            Code::Cancelled => (StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST), "cancelled", None),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        let param = (s.code() == Code::InvalidArgument)
+            .then(|| s.message().split(':').next().map(|f| openai_param(f, messages)))
+            .flatten();
+        ApiError { status, message: s.message().to_string(), kind, param, code }
+    }
+}
+
+/// The OpenAI parameter a `mlaserve.v1` field comes from.
+fn openai_param(field: &str, messages: bool) -> String {
+    let base = field.split('[').next().unwrap_or(field);
+    match base {
+        "prompt.text" | "prompt.token_ids" | "prompt" => (if messages { "messages" } else { "prompt" }).into(),
+        "stopping.max_new_tokens" => "max_tokens".into(),
+        "stopping.stop" => "stop".into(),
+        "stopping.stop_token_ids" => "stop_token_ids".into(),
+        other => other.trim_start_matches("sampling.").to_string(),
+    }
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The parameters both endpoints share (sampling, stopping, streaming).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// vLLM's extension: keep the k most likely tokens (0: no cut).
+    pub top_k: Option<i32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    /// vLLM's extension: token ids that end the generation.
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    /// vLLM's extension: keep generating past EOS.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u32>,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub min_p: Option<f32>,
+    pub logit_bias: Option<Value>,
+    pub best_of: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub tools: Option<Value>,
+    pub response_format: Option<Value>,
+}
+
+impl Common {
+    /// Refuses what is not served yet (never silently ignored) and a model that is not
+    /// the served one.
+    pub fn check(&self, served: &str) -> Result<(), ApiError> {
+        if let Some(m) = &self.model {
+            if m != served {
+                return Err(ApiError {
+                    status: StatusCode::NOT_FOUND,
+                    message: format!("model `{m}` does not exist; this server serves `{served}`"),
+                    kind: "invalid_request_error",
+                    param: Some("model".into()),
+                    code: Some("model_not_found"),
+                });
+            }
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid("n", "only n = 1 is served"));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid("best_of", "only best_of = 1 is served"));
+        }
+        let unsupported: [(&str, bool); 11] = [
+            ("logprobs", self.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != json!(false))),
+            ("top_logprobs", self.top_logprobs.as_ref().is_some_and(|v| !v.is_null())),
+            ("presence_penalty", self.presence_penalty.is_some_and(|p| p != 0.0)),
+            ("frequency_penalty", self.frequency_penalty.is_some_and(|p| p != 0.0)),
+            ("repetition_penalty", self.repetition_penalty.is_some_and(|p| p != 1.0)),
+            ("min_p", self.min_p.is_some_and(|p| p != 0.0)),
+            ("logit_bias", self.logit_bias.as_ref().is_some_and(|v| v.as_object().is_some_and(|o| !o.is_empty()))),
+            ("echo", self.echo == Some(true)),
+            ("suffix", self.suffix.as_ref().is_some_and(|s| !s.is_empty())),
+            ("tools", self.tools.as_ref().is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()))),
+            ("response_format", self.response_format.as_ref().is_some_and(|v| v["type"] != "text")),
+        ];
+        match unsupported.iter().find(|(_, set)| *set) {
+            Some((name, _)) => Err(ApiError::invalid(name, "not supported by this server yet")),
+            None => Ok(()),
+        }
+    }
+
+    /// The `mlaserve.v1` request for `prompt`.
+    pub fn request(&self, prompt: Prompt) -> pb::GenerateRequest {
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        pb::GenerateRequest {
+            prompt: Some(prompt),
+            sampling: Some(pb::SamplingParams {
+                // OpenAI's default temperature is 1; 0 is greedy.
+                temperature: Some(self.temperature.unwrap_or(1.0)),
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+            }),
+            stopping: Some(pb::StoppingCriteria {
+                max_new_tokens: self.max_completion_tokens.or(self.max_tokens),
+                stop,
+                stop_token_ids: self.stop_token_ids.clone(),
+                ignore_eos: self.ignore_eos,
+            }),
+            ..Default::default()
+        }
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+/// `prompt` of `/v1/completions`: a string, token ids, or a list of one of those.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptIn {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+impl PromptIn {
+    pub fn into_prompt(self) -> Result<Prompt, ApiError> {
+        let one = |n: usize| if n == 1 { Ok(()) } else { Err(ApiError::invalid("prompt", "one prompt per request")) };
+        Ok(match self {
+            PromptIn::Text(t) => Prompt::Text(t),
+            PromptIn::Ids(ids) => Prompt::TokenIds(pb::TokenIds { ids }),
+            PromptIn::Texts(mut v) => {
+                one(v.len())?;
+                Prompt::Text(v.remove(0))
+            }
+            PromptIn::IdLists(mut v) => {
+                one(v.len())?;
+                Prompt::TokenIds(pb::TokenIds { ids: v.remove(0) })
+            }
+        })
+    }
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptIn,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// A chat message's `content`: a string, or parts of which the text ones are joined.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessageIn>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+impl ChatRequest {
+    /// The messages as the template sees them; a part that is not text is refused.
+    pub fn messages(&self) -> Result<Vec<super::chat::Message>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid("messages", "must not be empty"));
+        }
+        let mut out = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p["type"].as_str(), p["text"].as_str()) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::invalid(
+                                    &format!("messages[{i}].content[{j}]"),
+                                    "only text parts are served",
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            out.push(super::chat::Message { role: m.role.clone(), content });
+        }
+        Ok(out)
+    }
+}
+
+/// OpenAI's `finish_reason` of a `mlaserve.v1` finish.
+pub fn finish_reason(f: &pb::Finish) -> &'static str {
+    match pb::FinishReason::try_from(f.reason) {
+        Ok(pb::FinishReason::Length) => "length",
+        _ => "stop",
+    }
+}
+
+/// OpenAI's `usage` of a `mlaserve.v1` usage.
+pub fn usage(u: &pb::Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    })
+}
+
+/// `GET /v1/models`'s entry for the served model.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_openai_errors_naming_the_parameter() {
+        let e = ApiError::from_status(&tonic::Status::invalid_argument("sampling.top_p: must be in (0, 1]"), false);
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("top_p")));
+        let e = ApiError::from_status(&tonic::Status::invalid_argument("stopping.max_new_tokens: too many"), true);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let e = ApiError::from_status(&tonic::Status::invalid_argument("prompt.token_ids[3]: id 9 too big"), true);
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = ApiError::from_status(&tonic::Status::resource_exhausted("full"), false);
+        assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(ApiError::from_status(&tonic::Status::unavailable("x"), false).status.as_u16(), 503);
+        assert_eq!(ApiError::from_status(&tonic::Status::deadline_exceeded("x"), false).status.as_u16(), 504);
+    }
+
+    #[test]
+    fn unsupported_parameters_are_refused_by_name() {
+        let c: Common = serde_json::from_value(json!({"presence_penalty": 0.5})).expect("parses");
+        assert_eq!(c.check("m").unwrap_err().param.as_deref(), Some("presence_penalty"));
+        let c: Common =
+            serde_json::from_value(json!({"presence_penalty": 0.0, "n": 1, "logprobs": null})).expect("parses");
+        assert!(c.check("m").is_ok());
+        let c: Common = serde_json::from_value(json!({"n": 3})).expect("parses");
+        assert_eq!(c.check("m").unwrap_err().param.as_deref(), Some("n"));
+        let c: Common = serde_json::from_value(json!({"model": "other"})).expect("parses");
+        assert_eq!(c.check("m").unwrap_err().status, StatusCode::NOT_FOUND);
+    }
+}

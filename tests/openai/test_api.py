@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP API, through the official `openai` Python client, against a
+real `mlaserve serve` on the CPU backend with the bundled model.
+
+    python tests/openai/test_api.py [MLASERVE_BINARY]     (default: target/debug/mlaserve)
+
+Run by `.ci/run` with the venv of tools/ci/install-openai.sh. Starts the server on free
+ports, runs every check (each asserts the response, not only that a call returned),
+stops the server, and exits non-zero on the first failure.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = "mla-tiny-code"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None, ""
+
+
+def kv_in_use(metrics_url):
+    """The group's fraction of KV blocks in use, from the router's /metrics."""
+    _, text = get(metrics_url)
+    for line in text.splitlines():
+        if line.startswith("mlaserve_kv_cache_usage_ratio{"):
+            return float(line.split()[-1])
+    raise AssertionError("no mlaserve_kv_cache_usage_ratio in /metrics")
+
+
+def expect_error(cls, param, call):
+    try:
+        call()
+    except cls as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        got = body.get("param")
+        assert got == param, f"{cls.__name__}: param {got!r}, want {param!r} ({e})"
+        return e
+    raise AssertionError(f"expected {cls.__name__} naming {param!r}")
+
+
+def checks(client, http, metrics):
+    # /health, /ready, /v1/models.
+    assert get(f"{http}/health") == (200, "ok")
+    assert get(f"{http}/ready")[0] == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL], models
+
+    # Completions, greedy: deterministic, exactly max_tokens, usage adds up.
+    a = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    b = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert a.object == "text_completion" and a.choices[0].text, a
+    assert a.choices[0].text == b.choices[0].text, (a, b)
+    assert a.choices[0].finish_reason == "length", a
+    u = a.usage
+    assert u.completion_tokens == 16 and u.prompt_tokens > 0 and u.total_tokens == u.prompt_tokens + 16, u
+
+    # Streaming completions give the same text, then a usage chunk when asked.
+    chunks = list(client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == a.choices[0].text, (text, a.choices[0].text)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16, chunks[-1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    # Token-id prompts.
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 4, ids.usage
+
+    # Stop strings: the text ends before the match, finish_reason "stop".
+    cut = a.choices[0].text[: max(2, len(a.choices[0].text) // 2)][-2:]
+    s = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=0, stop=[cut])
+    assert s.choices[0].finish_reason == "stop", s
+    assert cut not in s.choices[0].text and a.choices[0].text.startswith(s.choices[0].text), (cut, s)
+
+    # A seed makes sampling repeatable.
+    x = [client.completions.create(model=MODEL, prompt="import", max_tokens=12, temperature=1.0, seed=7).choices[0].text
+         for _ in range(2)]
+    assert x[0] == x[1], x
+
+    # Chat, through the bundled model's template; streamed deltas add up to the message.
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant", c
+    assert c.choices[0].message.content, c
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    parts = list(stream)
+    assert parts[0].choices[0].delta.role == "assistant", parts[0]
+    content = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert content == c.choices[0].message.content, (content, c.choices[0].message.content)
+    assert parts[-1].usage.prompt_tokens == c.usage.prompt_tokens, (parts[-1].usage, c.usage)
+
+    # The prefix cache: the same long system prompt again is found cached.
+    long_sys = [{"role": "system", "content": "You write Python. " * 60}, {"role": "user", "content": "def f():"}]
+    first = client.chat.completions.create(model=MODEL, messages=long_sys, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=long_sys, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 128, first.usage
+    assert again.usage.prompt_tokens_details.cached_tokens >= 128, again.usage
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    # Bad input: 400 naming the parameter, 404 for another model; the server goes on.
+    expect_error(openai.BadRequestError, "top_p",
+                 lambda: client.completions.create(model=MODEL, prompt="x", top_p=2.0, max_tokens=2))
+    expect_error(openai.BadRequestError, "temperature",
+                 lambda: client.completions.create(model=MODEL, prompt="x", temperature=-1, max_tokens=2))
+    expect_error(openai.BadRequestError, "max_tokens",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=0))
+    expect_error(openai.BadRequestError, "max_tokens",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=100000))
+    expect_error(openai.BadRequestError, "prompt",
+                 lambda: client.completions.create(model=MODEL, prompt=[999999], max_tokens=2))
+    expect_error(openai.BadRequestError, "prompt",
+                 lambda: client.completions.create(model=MODEL, prompt="", max_tokens=2))
+    expect_error(openai.BadRequestError, "messages",
+                 lambda: client.chat.completions.create(model=MODEL, messages=[], max_tokens=2))
+    expect_error(openai.BadRequestError, "messages",
+                 lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}],
+                                                        max_tokens=2))
+    expect_error(openai.BadRequestError, "stop",
+                 lambda: client.completions.create(model=MODEL, prompt="x", stop=[""], max_tokens=2))
+    expect_error(openai.BadRequestError, "n",
+                 lambda: client.completions.create(model=MODEL, prompt="x", n=3, max_tokens=2))
+    expect_error(openai.BadRequestError, "presence_penalty",
+                 lambda: client.completions.create(model=MODEL, prompt="x", presence_penalty=0.5, max_tokens=2))
+    expect_error(openai.NotFoundError, "model",
+                 lambda: client.completions.create(model="gpt-4", prompt="x", max_tokens=2))
+    ok = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+    # A client that disconnects mid-stream: the request is aborted and its blocks freed.
+    raw = urllib.request.urlopen(urllib.request.Request(
+        f"{http}/v1/completions", method="POST", headers={"content-type": "application/json"},
+        data=json.dumps({"model": MODEL, "prompt": "def main():", "max_tokens": 900, "temperature": 0,
+                         "ignore_eos": True, "stream": True}).encode()), timeout=30)
+    for _ in range(3):
+        assert raw.readline()
+    assert kv_in_use(metrics) > 0, "the long stream holds blocks"
+    raw.close()
+    deadline = time.time() + 10
+    while kv_in_use(metrics) > 0:
+        assert time.time() < deadline, "blocks still in use 10 s after the client went away"
+        time.sleep(0.1)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def main():
+    binary = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPO, "target/debug/mlaserve")
+    grpc, http_port, metrics_port = free_port(), free_port(), free_port()
+    http = f"http://127.0.0.1:{http_port}"
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    proc = subprocess.Popen(
+        [binary, "serve", "--listen", f"127.0.0.1:{grpc}", "--http-listen", f"127.0.0.1:{http_port}",
+         "--metrics-listen", f"127.0.0.1:{metrics_port}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while get(f"{http}/ready")[0] != 200:
+            assert proc.poll() is None, f"serve exited: {proc.stdout.read()}"
+            assert time.time() < deadline, "serve not ready after 120 s"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=60)
+        checks(client, http, metrics)
+        print(f"openai {openai.__version__}: every check of tests/openai/test_api.py passed")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
