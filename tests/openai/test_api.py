@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -167,30 +168,74 @@ def checks(client, http, metrics):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
 
 
-def main():
-    binary = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPO, "target/debug/mlaserve")
-    grpc, http_port, metrics_port = free_port(), free_port(), free_port()
-    http = f"http://127.0.0.1:{http_port}"
-    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-    proc = subprocess.Popen(
-        [binary, "serve", "--listen", f"127.0.0.1:{grpc}", "--http-listen", f"127.0.0.1:{http_port}",
-         "--metrics-listen", f"127.0.0.1:{metrics_port}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+def thinking_checks(client):
+    """A template that opens a thinking block: the output up to </think> (all of it,
+    with this model, which never writes the tag) is reasoning_content, streamed as its
+    own deltas."""
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    m = c.choices[0].message
+    reasoning = m.model_extra.get("reasoning_content") if m.model_extra else None
+    assert reasoning and m.content == "", m
+    parts = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                                stream=True))
+    streamed = "".join((p.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for p in parts)
+    content = "".join(p.choices[0].delta.content or "" for p in parts)
+    assert streamed == reasoning and content == "", (streamed, reasoning, content)
+
+
+class Server:
+    """`mlaserve serve` on free ports, for the model in `model_dir`."""
+
+    def __init__(self, binary, model_dir):
+        grpc, http_port, metrics_port = free_port(), free_port(), free_port()
+        self.http = f"http://127.0.0.1:{http_port}"
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.proc = subprocess.Popen(
+            [binary, "serve", "--model", model_dir, "--listen", f"127.0.0.1:{grpc}",
+             "--http-listen", f"127.0.0.1:{http_port}", "--metrics-listen", f"127.0.0.1:{metrics_port}"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def __enter__(self):
         deadline = time.time() + 120
-        while get(f"{http}/ready")[0] != 200:
-            assert proc.poll() is None, f"serve exited: {proc.stdout.read()}"
+        while get(f"{self.http}/ready")[0] != 200:
+            assert self.proc.poll() is None, f"serve exited: {self.proc.stdout.read()}"
             assert time.time() < deadline, "serve not ready after 120 s"
             time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=60)
-        checks(client, http, metrics)
-        print(f"openai {openai.__version__}: every check of tests/openai/test_api.py passed")
-    finally:
-        proc.terminate()
+        return self
+
+    def client(self):
+        return openai.OpenAI(base_url=f"{self.http}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
         try:
-            proc.wait(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.proc.kill()
+
+
+def main():
+    binary = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPO, "target/debug/mlaserve")
+    model = os.path.join(REPO, "models", MODEL)
+    with Server(binary, model) as s:
+        checks(s.client(), s.http, s.metrics)
+    # The same model with a template whose generation prompt opens a thinking block.
+    with tempfile.TemporaryDirectory() as d:
+        thinking = os.path.join(d, MODEL)
+        os.mkdir(thinking)
+        for f in os.listdir(model):
+            if f != "tokenizer_config.json":
+                os.symlink(os.path.join(model, f), os.path.join(thinking, f))
+        with open(os.path.join(model, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+        cfg["chat_template"] = cfg["chat_template"].replace("# Assistant:\n{% endif %}", "# Assistant:\n<think>\n{% endif %}")
+        assert "<think>" in cfg["chat_template"], "the bundled template changed: update this test"
+        with open(os.path.join(thinking, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f)
+        with Server(binary, thinking) as s:
+            thinking_checks(s.client())
+    print(f"openai {openai.__version__}: every check of tests/openai/test_api.py passed")
 
 
 if __name__ == "__main__":

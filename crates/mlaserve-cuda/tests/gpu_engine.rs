@@ -13,6 +13,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod tp_group;
 
 use common::{require_gpu, require_gpus};
 use std::path::Path;
@@ -168,7 +169,7 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
 
 fn tp_run(dir: &Path, opts: CudaOptions, world: usize, k: usize) -> Vec<Vec<u32>> {
     let t0 = Instant::now();
-    let out = common::with_tp_group(dir, opts, world, |leader| run(leader, k));
+    let out = tp_group::with_tp_group(dir, opts, world, |leader| run(leader, k));
     let n: usize = out.iter().map(Vec::len).sum();
     println!("  TP={world} k={k} {opts:?}: {n} tokens in {:.2}s", t0.elapsed().as_secs_f64());
     out

@@ -7,6 +7,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod tp_group;
 
 use common::{require_gpu, require_gpus};
 use mlaserve_core::Backend;
@@ -108,8 +109,8 @@ fn cache_hits_keep_every_output_tp2() {
     let opts = CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores();
     for (what, sp) in samplings() {
         let w = waves(&sp, 512);
-        let (off, _) = common::with_tp_group(t.path(), opts, 2, |l| run(l, false, &w));
-        let (on, cached) = common::with_tp_group(t.path(), opts, 2, |l| run(l, true, &w));
+        let (off, _) = tp_group::with_tp_group(t.path(), opts, 2, |l| run(l, false, &w));
+        let (on, cached) = tp_group::with_tp_group(t.path(), opts, 2, |l| run(l, true, &w));
         let differ = off.iter().zip(&on).filter(|(a, b)| a != b).count();
         println!("TP=2 {what}: {cached} prompt tokens cached in the second wave; {differ}/64 outputs differ");
         assert!(cached >= 64 * 128, "every request of the second wave reuses its system prompt ({cached})");

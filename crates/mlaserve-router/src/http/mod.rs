@@ -13,6 +13,7 @@
 
 pub mod chat;
 pub mod openai;
+pub mod reasoning;
 
 use crate::service::GenerationService;
 use axum::body::Bytes;
@@ -113,7 +114,10 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Completion,
-    Chat,
+    /// Chat; `thinking` when the template opened a reasoning block.
+    Chat {
+        thinking: bool,
+    },
 }
 
 async fn completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -143,23 +147,24 @@ async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, 
             ));
         };
         let text = t.render(&messages, true).map_err(|e| ApiError::invalid("messages", e))?;
+        let thinking = reasoning::opens_thinking(&text);
         // The template writes the special tokens itself.
         let tok = st.svc.state.tokenizer.clone();
         let ids = tokio::task::spawn_blocking(move || tok.encode(&text, false))
             .await
             .map_err(|e| ApiError::from_status(&tonic::Status::internal(e.to_string()), true))?
             .map_err(|e| ApiError::invalid("messages", format!("cannot tokenize: {e}")))?;
-        Ok::<_, ApiError>((req.common, Prompt::TokenIds(pb::TokenIds { ids })))
+        Ok::<_, ApiError>((req.common, Prompt::TokenIds(pb::TokenIds { ids }), thinking))
     };
     match run.await {
-        Ok((common, prompt)) => respond(st, Kind::Chat, common, prompt).await,
+        Ok((common, prompt, thinking)) => respond(st, Kind::Chat { thinking }, common, prompt).await,
         Err(e) => e.into_response(),
     }
 }
 
 /// Runs the request through the generation service and answers as JSON or SSE.
 async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt) -> Response {
-    let messages = kind == Kind::Chat;
+    let messages = kind != Kind::Completion;
     let req = common.request(prompt);
     let stream = match st.svc.generate(tonic::Request::new(req)).await {
         Ok(r) => r.into_inner(),
@@ -169,7 +174,7 @@ async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt)
     let meta = Meta {
         id: match kind {
             Kind::Completion => format!("cmpl-{n}"),
-            Kind::Chat => format!("chatcmpl-{n}"),
+            Kind::Chat { .. } => format!("chatcmpl-{n}"),
         },
         created: now_s(),
         model: st.svc.state.model_name.clone(),
@@ -195,8 +200,8 @@ impl Meta {
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Completion, _) => "text_completion",
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat { .. }, false) => "chat.completion",
+            (Kind::Chat { .. }, true) => "chat.completion.chunk",
         }
     }
 
@@ -207,18 +212,22 @@ impl Meta {
         })
     }
 
-    /// One streamed choice: a text delta and the finish reason once known.
-    fn choice(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+    /// One streamed choice: a text delta (and a reasoning delta) and the finish reason
+    /// once known.
+    fn choice(&self, text: &str, reasoning: &str, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
             Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]),
-            Kind::Chat => {
-                let delta = if first {
-                    json!({"role": "assistant", "content": text})
-                } else if text.is_empty() && finish.is_some() {
-                    json!({})
-                } else {
-                    json!({"content": text})
-                };
+            Kind::Chat { .. } => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                    delta.insert("content".into(), json!(text));
+                } else if !text.is_empty() {
+                    delta.insert("content".into(), json!(text));
+                }
+                if !reasoning.is_empty() {
+                    delta.insert("reasoning_content".into(), json!(reasoning));
+                }
                 json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
             }
         }
@@ -234,7 +243,7 @@ async fn whole(
     while let Some(msg) = stream.next().await {
         let msg = match msg {
             Ok(m) => m,
-            Err(s) => return ApiError::from_status(&s, meta.kind == Kind::Chat).into_response(),
+            Err(s) => return ApiError::from_status(&s, meta.kind != Kind::Completion).into_response(),
         };
         text.push_str(&msg.text);
         if let Some(f) = msg.finish {
@@ -242,10 +251,14 @@ async fn whole(
             let usage = f.usage.as_ref().map(openai::usage).unwrap_or(Value::Null);
             let choice = match meta.kind {
                 Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
-                Kind::Chat => json!({
-                    "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
-                    "finish_reason": reason,
-                }),
+                Kind::Chat { thinking } => {
+                    let (reasoning, answer) = reasoning::split(thinking, &text);
+                    let mut message = json!({"role": "assistant", "content": answer});
+                    if thinking {
+                        message["reasoning_content"] = json!(reasoning);
+                    }
+                    json!({"index": 0, "message": message, "logprobs": null, "finish_reason": reason})
+                }
             };
             return Json(meta.with(false, json!([choice]), usage)).into_response();
         }
@@ -261,26 +274,30 @@ fn events(
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> + Send + 'static {
     async_stream(move |tx| async move {
         let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
-        let mut first = meta.kind == Kind::Chat;
-        if first {
+        let mut split = reasoning::Splitter::new(matches!(meta.kind, Kind::Chat { thinking: true }));
+        if let Kind::Chat { .. } = meta.kind {
             // The assistant's role first, as OpenAI streams it.
-            if send(meta.with(true, meta.choice("", None, true), Value::Null)).await.is_err() {
+            if send(meta.with(true, meta.choice("", "", None, true), Value::Null)).await.is_err() {
                 return;
             }
-            first = false;
         }
         while let Some(msg) = stream.next().await {
             let msg = match msg {
                 Ok(m) => m,
                 Err(s) => {
-                    let _ = send(ApiError::from_status(&s, meta.kind == Kind::Chat).body()).await;
+                    let _ = send(ApiError::from_status(&s, meta.kind != Kind::Completion).body()).await;
                     return;
                 }
             };
             let finish = msg.finish.as_ref().map(openai::finish_reason);
-            if (!msg.text.is_empty() || finish.is_some())
-                && send(meta.with(true, meta.choice(&msg.text, finish, first), Value::Null)).await.is_err()
-            {
+            let (mut reasoning, mut text) = split.push(&msg.text);
+            if finish.is_some() {
+                let (r, t) = split.finish();
+                reasoning.push_str(&r);
+                text.push_str(&t);
+            }
+            let any = !text.is_empty() || !reasoning.is_empty() || finish.is_some();
+            if any && send(meta.with(true, meta.choice(&text, &reasoning, finish, false), Value::Null)).await.is_err() {
                 return; // the client went away: dropping `stream` aborts the request
             }
             if let Some(f) = msg.finish {
