@@ -48,6 +48,15 @@ def kv_in_use(metrics_url):
     raise AssertionError("no mlaserve_kv_cache_usage_ratio in /metrics")
 
 
+def counter(metrics_url, name):
+    """A counter without labels from the router's /metrics."""
+    _, text = get(metrics_url)
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def expect_error(cls, param, call):
     try:
         call()
@@ -123,6 +132,31 @@ def checks(client, http, metrics):
     assert again.usage.prompt_tokens_details.cached_tokens >= 128, again.usage
     assert again.choices[0].message.content == first.choices[0].message.content
 
+    # n choices: indices 0..n, the completions summed in usage, seeds seed + i; the
+    # later choices reuse the first one's prompt blocks (the router's cached-token count).
+    before = counter(metrics, "mlaserve_cached_prompt_tokens_total")
+    prompt = "def main():\n" + "    x = compute(x)\n" * 40
+    n3 = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=11,
+                                   extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in n3.choices) == [0, 1, 2], n3
+    assert n3.usage.completion_tokens == 24, n3.usage
+    assert counter(metrics, "mlaserve_cached_prompt_tokens_total") - before >= 2 * 128, "choices 1, 2 reuse the prompt"
+    again = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=11,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == \
+        [c.text for c in sorted(n3.choices, key=lambda c: c.index)], "seeded choices repeat"
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=12,
+                                    extra_body={"ignore_eos": True})
+    assert one.choices[0].text == [c.text for c in n3.choices if c.index == 1][0], "choice i samples with seed + i"
+    g = client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=8, temperature=0)
+    assert len(g.choices) == 2 and g.choices[0].message.content == g.choices[1].message.content, g
+    streamed = {}
+    for p in client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=8, temperature=0,
+                                            stream=True):
+        for ch in p.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
+    assert streamed == {0: g.choices[0].message.content, 1: g.choices[1].message.content}, streamed
+
     # Bad input: 400 naming the parameter, 404 for another model; the server goes on.
     expect_error(openai.BadRequestError, "top_p",
                  lambda: client.completions.create(model=MODEL, prompt="x", top_p=2.0, max_tokens=2))
@@ -144,7 +178,9 @@ def checks(client, http, metrics):
     expect_error(openai.BadRequestError, "stop",
                  lambda: client.completions.create(model=MODEL, prompt="x", stop=[""], max_tokens=2))
     expect_error(openai.BadRequestError, "n",
-                 lambda: client.completions.create(model=MODEL, prompt="x", n=3, max_tokens=2))
+                 lambda: client.completions.create(model=MODEL, prompt="x", n=0, max_tokens=2))
+    expect_error(openai.BadRequestError, "n",
+                 lambda: client.completions.create(model=MODEL, prompt="x", n=17, max_tokens=2))
     expect_error(openai.BadRequestError, "presence_penalty",
                  lambda: client.completions.create(model=MODEL, prompt="x", presence_penalty=0.5, max_tokens=2))
     expect_error(openai.NotFoundError, "model",

@@ -162,28 +162,62 @@ async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, 
     }
 }
 
-/// Runs the request through the generation service and answers as JSON or SSE.
+/// One choice's stream of `mlaserve.v1` messages.
+type Choice = std::pin::Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Send>>;
+
+/// Runs the request through the generation service — `n` of them for `n` choices —
+/// and answers as JSON or SSE. With `n` > 1 the first choice runs alone until its first
+/// message (its prompt is then prefilled and in the prefix cache), and the others,
+/// submitted then, reuse its blocks. Choice `i` samples with `seed + i` when a seed is
+/// given.
 async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt) -> Response {
     let messages = kind != Kind::Completion;
-    let req = common.request(prompt);
-    let stream = match st.svc.generate(tonic::Request::new(req)).await {
-        Ok(r) => r.into_inner(),
-        Err(s) => return ApiError::from_status(&s, messages).into_response(),
+    let n = common.n.unwrap_or(1).max(1) as usize;
+    let start = |i: usize| {
+        let mut req = common.request(prompt.clone());
+        if let (Some(seed), Some(sp)) = (common.seed, req.sampling.as_mut()) {
+            sp.seed = Some(seed.wrapping_add(i as u64));
+        }
+        let svc = st.svc.clone();
+        async move { svc.generate(tonic::Request::new(req)).await.map(|r| Box::pin(r.into_inner()) as Choice) }
     };
-    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let mut choices: Vec<Choice> = Vec::with_capacity(n);
+    match start(0).await {
+        Ok(c) => choices.push(c),
+        Err(s) => return ApiError::from_status(&s, messages).into_response(),
+    }
+    if n > 1 {
+        let mut first = choices.pop().map(|c| c.peekable());
+        if let Some(f) = first.as_mut() {
+            let _ = f.peek().await;
+        }
+        choices.extend(first.map(|f| Box::pin(f) as Choice));
+        for i in 1..n {
+            match start(i).await {
+                Ok(c) => choices.push(c),
+                // Dropping the others aborts them.
+                Err(s) => return ApiError::from_status(&s, messages).into_response(),
+            }
+        }
+    }
+    let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let meta = Meta {
         id: match kind {
-            Kind::Completion => format!("cmpl-{n}"),
-            Kind::Chat { .. } => format!("chatcmpl-{n}"),
+            Kind::Completion => format!("cmpl-{id}"),
+            Kind::Chat { .. } => format!("chatcmpl-{id}"),
         },
         created: now_s(),
         model: st.svc.state.model_name.clone(),
         kind,
     };
+    let mut merged = tokio_stream::StreamMap::new();
+    for (i, c) in choices.into_iter().enumerate() {
+        merged.insert(i, c);
+    }
     if common.stream {
-        Sse::new(events(meta, stream, common.include_usage())).into_response()
+        Sse::new(events(meta, merged, n, common.include_usage())).into_response()
     } else {
-        whole(meta, stream).await
+        whole(meta, merged, n).await
     }
 }
 
@@ -214,9 +248,9 @@ impl Meta {
 
     /// One streamed choice: a text delta (and a reasoning delta) and the finish reason
     /// once known.
-    fn choice(&self, text: &str, reasoning: &str, finish: Option<&str>, first: bool) -> Value {
+    fn choice(&self, index: usize, text: &str, reasoning: &str, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
-            Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]),
+            Kind::Completion => json!([{"index": index, "text": text, "logprobs": null, "finish_reason": finish}]),
             Kind::Chat { .. } => {
                 let mut delta = serde_json::Map::new();
                 if first {
@@ -228,60 +262,83 @@ impl Meta {
                 if !reasoning.is_empty() {
                     delta.insert("reasoning_content".into(), json!(reasoning));
                 }
-                json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
+                json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}])
             }
         }
     }
 }
 
+/// The usage of `n` choices of one prompt: the prompt once (as the first choice saw
+/// it), the completions summed.
+fn total_usage(usages: &[Option<pb::Usage>]) -> Value {
+    let Some(first) = usages.iter().flatten().next() else { return Value::Null };
+    let completion: u32 = usages.iter().flatten().map(|u| u.completion_tokens).sum();
+    openai::usage(&pb::Usage { completion_tokens: completion, ..first.clone() })
+}
+
 /// The whole response as one JSON object.
-async fn whole(
-    meta: Meta,
-    mut stream: impl Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Unpin,
-) -> Response {
-    let mut text = String::new();
-    while let Some(msg) = stream.next().await {
+async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n: usize) -> Response {
+    let mut texts = vec![String::new(); n];
+    let mut finishes: Vec<Option<pb::Finish>> = vec![None; n];
+    while let Some((i, msg)) = stream.next().await {
         let msg = match msg {
             Ok(m) => m,
             Err(s) => return ApiError::from_status(&s, meta.kind != Kind::Completion).into_response(),
         };
-        text.push_str(&msg.text);
-        if let Some(f) = msg.finish {
-            let reason = openai::finish_reason(&f);
-            let usage = f.usage.as_ref().map(openai::usage).unwrap_or(Value::Null);
-            let choice = match meta.kind {
-                Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
+        texts[i].push_str(&msg.text);
+        if msg.finish.is_some() {
+            finishes[i] = msg.finish;
+        }
+    }
+    if finishes.iter().any(|f| f.is_none()) {
+        return ApiError::from_status(&tonic::Status::internal("a stream ended without a finish"), false)
+            .into_response();
+    }
+    let usages: Vec<Option<pb::Usage>> = finishes.iter().map(|f| f.as_ref().and_then(|f| f.usage.clone())).collect();
+    let choices: Vec<Value> = texts
+        .into_iter()
+        .zip(&finishes)
+        .enumerate()
+        .map(|(i, (text, f))| {
+            let reason = f.as_ref().map(openai::finish_reason);
+            match meta.kind {
+                Kind::Completion => json!({"index": i, "text": text, "logprobs": null, "finish_reason": reason}),
                 Kind::Chat { thinking } => {
                     let (reasoning, answer) = reasoning::split(thinking, &text);
                     let mut message = json!({"role": "assistant", "content": answer});
                     if thinking {
                         message["reasoning_content"] = json!(reasoning);
                     }
-                    json!({"index": 0, "message": message, "logprobs": null, "finish_reason": reason})
+                    json!({"index": i, "message": message, "logprobs": null, "finish_reason": reason})
                 }
-            };
-            return Json(meta.with(false, json!([choice]), usage)).into_response();
-        }
-    }
-    ApiError::from_status(&tonic::Status::internal("the stream ended without a finish"), false).into_response()
+            }
+        })
+        .collect();
+    Json(meta.with(false, Value::Array(choices), total_usage(&usages))).into_response()
 }
 
-/// The response as server-sent events: chunks, the usage chunk when asked for, `[DONE]`.
+/// The response as server-sent events: each choice's chunks (tagged with its index), the
+/// usage chunk when asked for, `[DONE]`.
 fn events(
     meta: Meta,
-    mut stream: impl Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Unpin + Send + 'static,
+    mut stream: tokio_stream::StreamMap<usize, Choice>,
+    n: usize,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> + Send + 'static {
     async_stream(move |tx| async move {
         let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
-        let mut split = reasoning::Splitter::new(matches!(meta.kind, Kind::Chat { thinking: true }));
+        let thinking = matches!(meta.kind, Kind::Chat { thinking: true });
+        let mut splits = vec![reasoning::Splitter::new(thinking); n];
+        let mut usages: Vec<Option<pb::Usage>> = vec![None; n];
         if let Kind::Chat { .. } = meta.kind {
-            // The assistant's role first, as OpenAI streams it.
-            if send(meta.with(true, meta.choice("", "", None, true), Value::Null)).await.is_err() {
-                return;
+            // Each choice's role first, as OpenAI streams it.
+            for i in 0..n {
+                if send(meta.with(true, meta.choice(i, "", "", None, true), Value::Null)).await.is_err() {
+                    return;
+                }
             }
         }
-        while let Some(msg) = stream.next().await {
+        while let Some((i, msg)) = stream.next().await {
             let msg = match msg {
                 Ok(m) => m,
                 Err(s) => {
@@ -290,25 +347,24 @@ fn events(
                 }
             };
             let finish = msg.finish.as_ref().map(openai::finish_reason);
-            let (mut reasoning, mut text) = split.push(&msg.text);
-            if finish.is_some() {
-                let (r, t) = split.finish();
+            let (mut reasoning, mut text) = splits[i].push(&msg.text);
+            if let Some(f) = &msg.finish {
+                let (r, t) = splits[i].finish();
                 reasoning.push_str(&r);
                 text.push_str(&t);
+                usages[i] = f.usage.clone();
             }
             let any = !text.is_empty() || !reasoning.is_empty() || finish.is_some();
-            if any && send(meta.with(true, meta.choice(&text, &reasoning, finish, false), Value::Null)).await.is_err() {
-                return; // the client went away: dropping `stream` aborts the request
-            }
-            if let Some(f) = msg.finish {
-                if include_usage {
-                    let usage = f.usage.as_ref().map(openai::usage).unwrap_or(Value::Null);
-                    let _ = send(meta.with(true, json!([]), usage)).await;
-                }
-                let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-                return;
+            if any
+                && send(meta.with(true, meta.choice(i, &text, &reasoning, finish, false), Value::Null)).await.is_err()
+            {
+                return; // the client went away: dropping `stream` aborts the requests
             }
         }
+        if include_usage {
+            let _ = send(meta.with(true, json!([]), total_usage(&usages))).await;
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
     })
 }
 

@@ -7,6 +7,9 @@ use mlaserve_proto::v1::{self as pb, generate_request::Prompt};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+/// The most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
+
 /// An OpenAI error: its HTTP status and `{"error": {...}}` body.
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -132,8 +135,10 @@ impl Common {
                 });
             }
         }
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("n", "only n = 1 is served"));
+        if let Some(n) = self.n {
+            if !(1..=MAX_CHOICES).contains(&n) {
+                return Err(ApiError::invalid("n", format!("must be in 1..={MAX_CHOICES}, got {n}")));
+            }
         }
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("best_of", "only best_of = 1 is served"));
@@ -333,6 +338,8 @@ mod tests {
             serde_json::from_value(json!({"presence_penalty": 0.0, "n": 1, "logprobs": null})).expect("parses");
         assert!(c.check("m").is_ok());
         let c: Common = serde_json::from_value(json!({"n": 3})).expect("parses");
+        assert!(c.check("m").is_ok());
+        let c: Common = serde_json::from_value(json!({"n": 0})).expect("parses");
         assert_eq!(c.check("m").unwrap_err().param.as_deref(), Some("n"));
         let c: Common = serde_json::from_value(json!({"model": "other"})).expect("parses");
         assert_eq!(c.check("m").unwrap_err().status, StatusCode::NOT_FOUND);
