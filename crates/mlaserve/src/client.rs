@@ -209,6 +209,17 @@ pub struct BenchArgs {
     /// shared-prefix: turns per conversation.
     #[arg(long, default_value_t = 4)]
     pub turns: usize,
+    /// `grpc`: `mlaserve.v1` at --addr; `openai`: streaming `POST /v1/completions` at
+    /// --addr, the HTTP API (`http://host:port`; one connection per request).
+    #[arg(long, value_enum, default_value_t = Api::Grpc)]
+    pub api: Api,
+}
+
+/// `bench serve --api`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Api {
+    Grpc,
+    Openai,
 }
 
 /// `bench serve --workload`.
@@ -247,6 +258,7 @@ impl BenchArgs {
             system_prompts: 8,
             system_prompt_tokens: (1024, 2048),
             turns: 4,
+            api: Api::Grpc,
         }
     }
 }
@@ -406,12 +418,23 @@ pub async fn timed_request(
 
 /// `mlaserve bench serve`.
 pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
+    let http = match args.api {
+        Api::Grpc => None,
+        Api::Openai => Some(crate::http_bench::authority(&args.server.addr).map_err(ClientError::Protocol)?),
+    };
     if args.workload == Workload::SharedPrefix {
+        if http.is_some() {
+            return Err(ClientError::Protocol(
+                "--workload shared-prefix runs over gRPC only (its turns extend the token ids of the replies)".into(),
+            ));
+        }
         return crate::workload::conversations(args).await;
     }
     let mut clients = Vec::new();
-    for _ in 0..args.connections.max(1) {
-        clients.push(connect(&args.server).await?);
+    if http.is_none() {
+        for _ in 0..args.connections.max(1) {
+            clients.push(connect(&args.server).await?);
+        }
     }
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.time_limit_s);
@@ -451,11 +474,21 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
         if Instant::now() >= deadline {
             break;
         }
+        let ids = bench_prompt(i, args.prompt_tokens, args.vocab);
+        if let Some(authority) = http.clone() {
+            let (done, key, max) = (done.clone(), args.server.api_key.clone(), args.max_new_tokens);
+            tasks.spawn(async move {
+                let timed = crate::http_bench::timed_completion(&authority, key.as_deref(), &ids, max);
+                let s = tokio::time::timeout_at(deadline.into(), timed).await;
+                drop(permit);
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                s.unwrap_or(Sample { error: Some(tonic::Code::DeadlineExceeded), ..Default::default() })
+            });
+            continue;
+        }
         let mut client = clients[i % clients.len()].clone();
         let req = GenerateRequest {
-            prompt: Some(Prompt::TokenIds(mlaserve_proto::v1::TokenIds {
-                ids: bench_prompt(i, args.prompt_tokens, args.vocab),
-            })),
+            prompt: Some(Prompt::TokenIds(mlaserve_proto::v1::TokenIds { ids })),
             stopping: Some(StoppingCriteria {
                 max_new_tokens: Some(args.max_new_tokens),
                 ignore_eos: true,

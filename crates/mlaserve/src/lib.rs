@@ -4,5 +4,6 @@
 //! and its load generator (`bench serve`).
 
 pub mod client;
+pub mod http_bench;
 pub mod serve;
 pub mod workload;
