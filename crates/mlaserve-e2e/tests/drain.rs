@@ -87,7 +87,11 @@ async fn graceful_worker_stop_under_load_fails_no_request() {
     let sequential = tokio::spawn(load(c.clone(), 1, stop.clone()));
     let concurrent = tokio::spawn(load(c.clone(), 6, stop.clone()));
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(engine_a.load().running_requests > 0, "A must still hold a long stream when told to stop");
+    assert!(
+        eventually(Duration::from_secs(5), || engine_a.load().running_requests > 0).await,
+        "A must still hold a long stream when told to stop: {:?}",
+        engine_a.load()
+    );
 
     // Stop group A gracefully, on a runtime of its own (as `mlaserve worker` on SIGTERM).
     let h = a.handle.take().unwrap();

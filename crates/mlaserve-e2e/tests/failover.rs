@@ -111,8 +111,12 @@ async fn requests_go_to_the_group_with_fewer_outstanding_tokens() {
     let fa = a.get().engine.stats().await.unwrap().finished_requests;
     let fb = b.get().engine.stats().await.unwrap().finished_requests;
     drop(big);
+    // The big one may have finished too on a fast machine (7 in all): it counts on its
+    // own group, which must have run none of the small ones.
+    let big_done = fa + fb - 6;
     let (big_side, small_side) = if fa <= fb { (fa, fb) } else { (fb, fa) };
-    assert_eq!((big_side, small_side), (0, 6), "a: {fa}, b: {fb} finished (the big one was still running)");
+    assert!(big_done <= 1, "a: {fa}, b: {fb} finished");
+    assert_eq!((big_side - big_done, small_side), (0, 6), "a: {fa}, b: {fb} finished (big one done: {big_done})");
 }
 
 /// `GetModelInfo` reports the groups' limits whether or not a group is ready right now.
