@@ -157,6 +157,17 @@ def checks(client, http, metrics):
             streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
     assert streamed == {0: g.choices[0].message.content, 1: g.choices[1].message.content}, streamed
 
+    # Tools: accepted and given to the template; this model writes no tool call, so the
+    # answer comes back as content.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    t = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, tools=tools)
+    assert t.choices[0].message.tool_calls is None and t.choices[0].finish_reason == "length", t
+    assert t.choices[0].message.content == client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0).choices[0].message.content
+    expect_error(openai.BadRequestError, "tool_choice",
+                 lambda: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, tools=tools,
+                                                        tool_choice="required"))
+
     # Bad input: 400 naming the parameter, 404 for another model; the server goes on.
     expect_error(openai.BadRequestError, "top_p",
                  lambda: client.completions.create(model=MODEL, prompt="x", top_p=2.0, max_tokens=2))

@@ -6,10 +6,16 @@ use serde::Serialize;
 use std::path::Path;
 
 /// One chat message as the template sees it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls (OpenAI's objects, as given).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool message's call id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 /// A model's chat template (see the module docs).
@@ -73,9 +79,20 @@ impl ChatTemplate {
     /// The prompt text of `messages`, ending with the assistant's turn opened when
     /// `add_generation_prompt`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// The same, with the request's `tools` (OpenAI's list) in the template's `tools`.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let t = self.env.get_template("chat").map_err(|e| e.to_string())?;
         t.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
@@ -89,7 +106,7 @@ mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> Message {
-        Message { role: role.into(), content: content.into() }
+        Message { role: role.into(), content: content.into(), ..Default::default() }
     }
 
     /// The bundled model's template, as shipped.
@@ -121,5 +138,24 @@ mod tests {
             ChatTemplate::new("{{ raise_exception('roles must alternate') }}".into(), String::new(), String::new())
                 .expect("compiles");
         assert!(bad.render(&[], true).unwrap_err().contains("roles must alternate"));
+        // Tools reach the template, and so do an assistant's calls and a tool's result.
+        let t = ChatTemplate::new(
+            "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}{% endif %}{% if m.tool_call_id %}<{{ m.tool_call_id }}:{{ m.content }}>{% endif %}{% endfor %}".into(),
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather"}}]);
+        let calls = serde_json::json!([{"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]);
+        let m = [
+            Message { role: "assistant".into(), tool_calls: Some(calls), ..Default::default() },
+            Message {
+                role: "tool".into(),
+                content: "sunny".into(),
+                tool_call_id: Some("c0".into()),
+                ..Default::default()
+            },
+        ];
+        assert_eq!(t.render_with_tools(&m, Some(&tools), true).expect("renders"), "[get_weather]get_weather<c0:sunny>");
     }
 }

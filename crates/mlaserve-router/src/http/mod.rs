@@ -14,6 +14,7 @@
 pub mod chat;
 pub mod openai;
 pub mod reasoning;
+pub mod tools;
 
 use crate::service::GenerationService;
 use axum::body::Bytes;
@@ -114,9 +115,11 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Completion,
-    /// Chat; `thinking` when the template opened a reasoning block.
+    /// Chat; `thinking` when the template opened a reasoning block, `tools` when tool
+    /// calls are parsed out of the output.
     Chat {
         thinking: bool,
+        tools: bool,
     },
 }
 
@@ -146,7 +149,9 @@ async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, 
                 "the served model has no chat template (tokenizer_config.json chat_template); use /v1/completions",
             ));
         };
-        let text = t.render(&messages, true).map_err(|e| ApiError::invalid("messages", e))?;
+        let tools = req.common.parse_tools();
+        let listed = req.common.tools.as_ref().filter(|_| tools);
+        let text = t.render_with_tools(&messages, listed, true).map_err(|e| ApiError::invalid("messages", e))?;
         let thinking = reasoning::opens_thinking(&text);
         // The template writes the special tokens itself.
         let tok = st.svc.state.tokenizer.clone();
@@ -154,10 +159,10 @@ async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, 
             .await
             .map_err(|e| ApiError::from_status(&tonic::Status::internal(e.to_string()), true))?
             .map_err(|e| ApiError::invalid("messages", format!("cannot tokenize: {e}")))?;
-        Ok::<_, ApiError>((req.common, Prompt::TokenIds(pb::TokenIds { ids }), thinking))
+        Ok::<_, ApiError>((req.common, Prompt::TokenIds(pb::TokenIds { ids }), thinking, tools))
     };
     match run.await {
-        Ok((common, prompt, thinking)) => respond(st, Kind::Chat { thinking }, common, prompt).await,
+        Ok((common, prompt, thinking, tools)) => respond(st, Kind::Chat { thinking, tools }, common, prompt).await,
         Err(e) => e.into_response(),
     }
 }
@@ -303,11 +308,17 @@ async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n
             let reason = f.as_ref().map(openai::finish_reason);
             match meta.kind {
                 Kind::Completion => json!({"index": i, "text": text, "logprobs": null, "finish_reason": reason}),
-                Kind::Chat { thinking } => {
+                Kind::Chat { thinking, tools } => {
                     let (reasoning, answer) = reasoning::split(thinking, &text);
                     let mut message = json!({"role": "assistant", "content": answer});
                     if thinking {
                         message["reasoning_content"] = json!(reasoning);
+                    }
+                    let mut reason = reason;
+                    if let Some((answer, calls)) = tools.then(|| tools::parse(&answer)).flatten() {
+                        message["content"] = if answer.is_empty() { Value::Null } else { json!(answer) };
+                        message["tool_calls"] = tools::to_openai(&format!("{}_{i}", meta.id), &calls);
+                        reason = Some("tool_calls");
                     }
                     json!({"index": i, "message": message, "logprobs": null, "finish_reason": reason})
                 }
@@ -327,8 +338,10 @@ fn events(
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> + Send + 'static {
     async_stream(move |tx| async move {
         let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
-        let thinking = matches!(meta.kind, Kind::Chat { thinking: true });
+        let thinking = matches!(meta.kind, Kind::Chat { thinking: true, .. });
+        let parse_tools = matches!(meta.kind, Kind::Chat { tools: true, .. });
         let mut splits = vec![reasoning::Splitter::new(thinking); n];
+        let mut held = vec![tools::Held::default(); n];
         let mut usages: Vec<Option<pb::Usage>> = vec![None; n];
         if let Kind::Chat { .. } = meta.kind {
             // Each choice's role first, as OpenAI streams it.
@@ -346,7 +359,7 @@ fn events(
                     return;
                 }
             };
-            let finish = msg.finish.as_ref().map(openai::finish_reason);
+            let mut finish = msg.finish.as_ref().map(openai::finish_reason);
             let (mut reasoning, mut text) = splits[i].push(&msg.text);
             if let Some(f) = &msg.finish {
                 let (r, t) = splits[i].finish();
@@ -354,10 +367,36 @@ fn events(
                 text.push_str(&t);
                 usages[i] = f.usage.clone();
             }
+            let mut calls = None;
+            if parse_tools {
+                text = held[i].push(&text);
+                if finish.is_some() {
+                    let (rest, c) = held[i].finish();
+                    text.push_str(&rest);
+                    calls = c;
+                }
+            }
+            if calls.is_some() {
+                finish = Some("tool_calls");
+            }
+            let mut chunk = meta.choice(i, &text, &reasoning, finish, false);
+            if let Some(calls) = &calls {
+                let list = tools::to_openai(&format!("{}_{i}", meta.id), calls);
+                let indexed: Vec<Value> = list
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .enumerate()
+                    .map(|(j, c)| {
+                        let mut c = c.clone();
+                        c["index"] = json!(j);
+                        c
+                    })
+                    .collect();
+                chunk[0]["delta"]["tool_calls"] = Value::Array(indexed);
+            }
             let any = !text.is_empty() || !reasoning.is_empty() || finish.is_some();
-            if any
-                && send(meta.with(true, meta.choice(i, &text, &reasoning, finish, false), Value::Null)).await.is_err()
-            {
+            if any && send(meta.with(true, chunk, Value::Null)).await.is_err() {
                 return; // the client went away: dropping `stream` aborts the requests
             }
         }
@@ -378,4 +417,85 @@ where
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(f(tx));
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A choice whose messages carry `texts`, the last one finishing with usage.
+    fn choice(texts: &[&str]) -> Choice {
+        let n = texts.len();
+        let msgs: Vec<Result<pb::GenerateResponse, tonic::Status>> = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let finish = (i + 1 == n).then(|| pb::Finish {
+                    reason: pb::FinishReason::StopToken as i32,
+                    usage: Some(pb::Usage { prompt_tokens: 5, completion_tokens: n as u32, ..Default::default() }),
+                    ..Default::default()
+                });
+                Ok(pb::GenerateResponse { text: t.to_string(), finish, ..Default::default() })
+            })
+            .collect();
+        Box::pin(tokio_stream::iter(msgs))
+    }
+
+    fn meta(kind: Kind) -> Meta {
+        Meta { id: "chatcmpl-7".into(), created: 0, model: "m".into(), kind }
+    }
+
+    async fn body(r: Response) -> String {
+        let b = axum::body::to_bytes(r.into_body(), 1 << 20).await.expect("body");
+        String::from_utf8(b.to_vec()).expect("utf-8")
+    }
+
+    const CALL: [&str; 4] = [
+        "Checking",
+        ". <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n",
+        "{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+    ];
+
+    /// The response shaping of a chat with tools: the calls out of the text, whole and
+    /// streamed; without tools the same text is plain content.
+    #[tokio::test]
+    async fn tool_calls_come_out_of_the_text_whole_and_streamed() {
+        let kind = Kind::Chat { thinking: false, tools: true };
+        let one = |texts: &[&str]| {
+            let mut m = tokio_stream::StreamMap::new();
+            m.insert(0, choice(texts));
+            m
+        };
+        let v: Value = serde_json::from_str(&body(whole(meta(kind), one(&CALL), 1).await).await).expect("json");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        assert_eq!(c["message"]["content"], "Checking. ");
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+
+        let sse = body(Sse::new(events(meta(kind), one(&CALL), 1, true)).into_response()).await;
+        let chunks: Vec<Value> = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).expect("chunk"))
+            .collect();
+        let content: String =
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+        assert_eq!(content, "Checking. ", "{sse}");
+        let calls: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
+        assert_eq!(calls.len(), 1, "{sse}");
+        assert_eq!(calls[0][0]["index"], 0);
+        assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+        let last =
+            chunks.iter().rev().find(|c| !c["choices"].as_array().is_some_and(|a| a.is_empty())).expect("a chunk");
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+        assert!(sse.trim_end().ends_with("data: [DONE]"));
+
+        let plain = Kind::Chat { thinking: false, tools: false };
+        let v: Value = serde_json::from_str(&body(whole(meta(plain), one(&CALL), 1).await).await).expect("json");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["choices"][0]["message"]["content"], CALL.concat());
+    }
 }

@@ -117,6 +117,7 @@ pub struct Common {
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
 }
 
@@ -143,7 +144,17 @@ impl Common {
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("best_of", "only best_of = 1 is served"));
         }
-        let unsupported: [(&str, bool); 11] = [
+        match &self.tool_choice {
+            None => {}
+            Some(v) if *v == json!("auto") || *v == json!("none") => {}
+            Some(_) => return Err(ApiError::invalid("tool_choice", "only \"auto\" and \"none\" are served")),
+        }
+        if let Some(t) = &self.tools {
+            if !t.is_array() {
+                return Err(ApiError::invalid("tools", "must be a list"));
+            }
+        }
+        let unsupported: [(&str, bool); 10] = [
             ("logprobs", self.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != json!(false))),
             ("top_logprobs", self.top_logprobs.as_ref().is_some_and(|v| !v.is_null())),
             ("presence_penalty", self.presence_penalty.is_some_and(|p| p != 0.0)),
@@ -153,7 +164,6 @@ impl Common {
             ("logit_bias", self.logit_bias.as_ref().is_some_and(|v| v.as_object().is_some_and(|o| !o.is_empty()))),
             ("echo", self.echo == Some(true)),
             ("suffix", self.suffix.as_ref().is_some_and(|s| !s.is_empty())),
-            ("tools", self.tools.as_ref().is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()))),
             ("response_format", self.response_format.as_ref().is_some_and(|v| v["type"] != "text")),
         ];
         match unsupported.iter().find(|(_, set)| *set) {
@@ -186,6 +196,13 @@ impl Common {
             }),
             ..Default::default()
         }
+    }
+
+    /// Whether tool calls are parsed out of the output: `tools` given and not
+    /// `tool_choice: "none"`.
+    pub fn parse_tools(&self) -> bool {
+        self.tools.as_ref().is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+            && self.tool_choice.as_ref() != Some(&json!("none"))
     }
 
     pub fn include_usage(&self) -> bool {
@@ -241,6 +258,8 @@ pub enum Content {
 pub struct ChatMessageIn {
     pub role: String,
     pub content: Option<Content>,
+    pub tool_calls: Option<Value>,
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -278,7 +297,12 @@ impl ChatRequest {
                     text
                 }
             };
-            out.push(super::chat::Message { role: m.role.clone(), content });
+            out.push(super::chat::Message {
+                role: m.role.clone(),
+                content,
+                tool_calls: m.tool_calls.clone(),
+                tool_call_id: m.tool_call_id.clone(),
+            });
         }
         Ok(out)
     }
