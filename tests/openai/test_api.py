@@ -194,6 +194,11 @@ def checks(client, http, metrics):
                  lambda: client.completions.create(model=MODEL, prompt="x", n=17, max_tokens=2))
     expect_error(openai.BadRequestError, "presence_penalty",
                  lambda: client.completions.create(model=MODEL, prompt="x", presence_penalty=0.5, max_tokens=2))
+    try:
+        client.completions.create(model=MODEL, prompt="x" * (5 << 20), max_tokens=2)
+        raise AssertionError("a 5 MiB body must be refused")
+    except openai.APIStatusError as e:
+        assert e.status_code == 413 and e.body.get("code") == "request_too_large", (e.status_code, e.body)
     expect_error(openai.NotFoundError, "model",
                  lambda: client.completions.create(model="gpt-4", prompt="x", max_tokens=2))
     ok = client.completions.create(model=MODEL, prompt="x", max_tokens=2)

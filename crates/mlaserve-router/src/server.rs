@@ -198,7 +198,8 @@ pub async fn start(args: RouterArgs) -> Result<RouterHandle, StartError> {
         }
         Some(a) => {
             let template = crate::http::chat::ChatTemplate::load(&args.model).map_err(StartError::Http)?;
-            let st = Arc::new(crate::http::HttpState::new(GenerationService { state: state.clone() }, template, keys));
+            let svc = GenerationService { state: state.clone() };
+            let st = Arc::new(crate::http::HttpState::new(svc, template, keys, args.max_message_bytes));
             let listener = tokio::net::TcpListener::bind(a).await.map_err(|e| StartError::Bind(a, e))?;
             let bound = listener.local_addr().map_err(|e| StartError::Bind(a, e))?;
             let (tx, rx) = oneshot::channel::<()>();

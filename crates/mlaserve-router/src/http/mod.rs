@@ -40,12 +40,14 @@ pub struct HttpState {
     pub svc: GenerationService,
     pub template: Option<ChatTemplate>,
     pub keys: Keys,
+    /// The largest request body (`--max-message-bytes`, as for gRPC).
+    pub max_body: usize,
     next_id: AtomicU64,
 }
 
 impl HttpState {
-    pub fn new(svc: GenerationService, template: Option<ChatTemplate>, keys: Keys) -> Self {
-        HttpState { svc, template, keys, next_id: AtomicU64::new(0) }
+    pub fn new(svc: GenerationService, template: Option<ChatTemplate>, keys: Keys, max_body: usize) -> Self {
+        HttpState { svc, template, keys, max_body, next_id: AtomicU64::new(0) }
     }
 }
 
@@ -57,12 +59,14 @@ impl IntoResponse for ApiError {
 
 /// The routes (see the module docs).
 pub fn router(st: Arc<HttpState>) -> axum::Router {
+    let limit = axum::extract::DefaultBodyLimit::max(st.max_body);
     axum::Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .layer(limit)
         .with_state(st)
 }
 
@@ -101,7 +105,17 @@ async fn models(State(st): State<Arc<HttpState>>, headers: HeaderMap) -> Result<
     Ok(Json(json!({"object": "list", "data": [card]})))
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+/// The body, or 413 (over `--max-message-bytes`) as an OpenAI error.
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Body) -> Result<T, ApiError> {
+    let body = body.as_ref().map_err(|e| ApiError {
+        status: e.status(),
+        message: format!("the request body cannot be read: {}", e.body_text()),
+        kind: "invalid_request_error",
+        param: None,
+        code: (e.status() == StatusCode::PAYLOAD_TOO_LARGE).then_some("request_too_large"),
+    })?;
     serde_json::from_slice(body).map_err(|e| ApiError {
         status: StatusCode::BAD_REQUEST,
         message: format!("the request body is not a valid request: {e}"),
@@ -123,7 +137,7 @@ enum Kind {
     },
 }
 
-async fn completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
         authorize(&st, &headers)?;
         let req: CompletionRequest = parse(&body)?;
@@ -137,7 +151,7 @@ async fn completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body:
     }
 }
 
-async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
         authorize(&st, &headers)?;
         let req: ChatRequest = parse(&body)?;
