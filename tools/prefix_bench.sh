@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefix caching on vs off (docs/PERFORMANCE.md, "Prefix caching"): two `mlaserve serve`
 # processes on the bundled model, one with --enable-prefix-caching and one with
-# --no-enable-prefix-caching, and `bench serve` against each, alternating, for two
+# --no-enable-prefix-caching, and `bench serve` against each, in alternating order, for two
 # workloads: shared-prefix conversations (8 system prompts, several turns) and random
 # prompts (nothing shared). Prints each run's report line and a table of the medians.
 #
@@ -52,8 +52,12 @@ declare -A args
 args[shared]="--workload shared-prefix --system-prompts 8 --system-prompt-tokens $sys --turns $turns"
 args[random]="--workload random"
 for r in $(seq 1 "$rounds"); do
+    # Odd rounds run the cached server first, even rounds second: drift and warm-up fall
+    # on both alike.
+    order="on off"
+    ((r % 2 == 0)) && order="off on"
     for w in shared random; do
-        for m in on off; do
+        for m in $order; do
             f="$logs/$w-$m-$r.txt"
             # shellcheck disable=SC2086
             "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$conc" --requests "$reqs" \
