@@ -76,6 +76,18 @@ fn is_group_failure(e: &mlaserve_core::Error) -> bool {
     matches!(e, mlaserve_core::Error::Collective(_))
 }
 
+/// Indexes `s`'s full blocks that end by position `end` and are not indexed yet (as
+/// complete before its MTP holes); stops registering `s` for good once a block's content
+/// turns out cached in another block.
+fn register_upto(blocks: &mut BlockManager, s: &mut Sequence, end: usize) {
+    let to = (end / BLOCK_SIZE).min(s.block_table.len());
+    if s.registered < to {
+        let span = (s.registered, to);
+        let got = blocks.register(&s.block_table, &s.tokens, &mut s.prefix_chain, span, s.holes_from / BLOCK_SIZE);
+        s.registered = if got < to { usize::MAX } else { got };
+    }
+}
+
 /// Blocks one request of `len` tokens needs at most, in every state it can reach.
 fn blocks_for_len(lim: &Limits, len: usize) -> usize {
     blocks_for(lim.decode_positions(len - 2).max(lim.prefill_positions(len - 1, true)))
@@ -418,18 +430,7 @@ impl<B: Backend> Engine<B> {
         }
         let margin = if self.n_mtp.min(self.lim.k) > 0 { 2 * MAX_SPECULATIVE_TOKENS } else { 0 };
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
-            let to = (s.num_cached.saturating_sub(margin) / BLOCK_SIZE).min(s.block_table.len());
-            if s.registered < to {
-                let span = (s.registered, to);
-                let got = self.blocks.register(
-                    &s.block_table,
-                    &s.tokens,
-                    &mut s.prefix_chain,
-                    span,
-                    s.holes_from / BLOCK_SIZE,
-                );
-                s.registered = if got < to { usize::MAX } else { got };
-            }
+            register_upto(&mut self.blocks, s, s.num_cached.saturating_sub(margin));
         }
     }
 
@@ -439,12 +440,7 @@ impl<B: Backend> Engine<B> {
     fn register_finished(&mut self, s: &mut Sequence) {
         let Some(lookahead) = self.blocks.lookahead() else { return };
         let end = s.num_cached.min(s.tokens.len().saturating_sub(lookahead.max(1)));
-        let to = (end / BLOCK_SIZE).min(s.block_table.len());
-        if s.registered < to {
-            let span = (s.registered, to);
-            s.registered =
-                self.blocks.register(&s.block_table, &s.tokens, &mut s.prefix_chain, span, s.holes_from / BLOCK_SIZE);
-        }
+        register_upto(&mut self.blocks, s, end);
     }
 
     /// Fills `self.batch` with the scheduled sequences' chunks, in running order, and

@@ -80,23 +80,35 @@ fn k_changing_every_step_keeps_the_output() {
     }
 }
 
-/// Runs request A under the k `pattern`, then request B — A's whole history and 20
-/// more tokens — at k = 3, and returns B's drafts verified per position and its
-/// cached prompt tokens.
-fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
-    let b = SyntheticBackend::new(VOCAB as usize, 2, 256, 4096);
+/// An adaptive engine (k ≤ 3, the k decisions forced to `pattern`) on a synthetic
+/// backend with 2 MTP layers and `blocks` cache blocks.
+fn prefix_engine(prefix: bool, blocks: usize, budget: usize, pattern: &[usize]) -> Engine<SyntheticBackend> {
+    let b = SyntheticBackend::new(VOCAB as usize, 2, blocks, 4096);
     let cfg = EngineConfig {
         num_speculative_tokens: Some(3),
         speculation: Speculation::Adaptive,
+        max_batch_tokens: budget,
         enable_prefix_caching: prefix,
         ..Default::default()
     };
     let mut e = Engine::new(b, cfg).expect("engine");
-    e.blocks.complete_only = true;
     e.policy.forced = pattern.to_vec();
-    let prompt: Vec<u32> = (0..150u64).map(|i| 2 + (mix64(i) % (VOCAB - 2)) as u32).collect();
+    e
+}
+
+/// `n` token ids drawn from `seed`.
+fn tokens(seed: u64, n: u64) -> impl Iterator<Item = u32> {
+    (0..n).map(move |i| 2 + (mix64(i ^ seed.wrapping_mul(0x9e37_79b9)) % (VOCAB - 2)) as u32)
+}
+
+/// Runs request A under the k `pattern`, then request B — A's whole history and 20
+/// more tokens — at k = 3, and returns B's drafts verified per position and its
+/// cached prompt tokens.
+fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
+    let mut e = prefix_engine(prefix, 256, EngineConfig::default().max_batch_tokens, pattern);
+    e.blocks.complete_only = true;
     let sp = SamplingParams { max_new_tokens: 200, ignore_eos: true, ..Default::default() };
-    let mut history = prompt.clone();
+    let mut history: Vec<u32> = tokens(0, 150).collect();
     let mut usage = None;
     for round in 0..2 {
         e.add_request(Request::new(history.clone(), sp.clone())).expect("valid");
@@ -111,7 +123,7 @@ fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
         }
         if round == 0 {
             e.policy.forced = vec![3];
-            history.extend((0..20u64).map(|i| 2 + (mix64(i + 1000) % (VOCAB - 2)) as u32));
+            history.extend(tokens(1, 20));
         }
     }
     let u = usage.expect("finished");
@@ -137,24 +149,13 @@ fn blocks_with_mtp_holes_are_not_shared() {
 /// one's whole history and 20 more tokens at k = 3; returns the second round's drafts
 /// and the prompt tokens they found cached.
 fn extend_after_skips(prefix: bool) -> (Vec<Vec<u64>>, u64) {
-    let b = SyntheticBackend::new(VOCAB as usize, 2, 512, 4096);
-    let cfg = EngineConfig {
-        num_speculative_tokens: Some(3),
-        speculation: Speculation::Adaptive,
-        max_batch_tokens: 7,
-        enable_prefix_caching: prefix,
-        ..Default::default()
-    };
-    let mut e = Engine::new(b, cfg).expect("engine");
-    e.blocks.complete_only = true;
     // Windows of 4 and 3 tokens: two of 4 do not fit the budget, so the second request
     // waits a step with its drafts of k = 3.
-    e.policy.forced = vec![3, 2];
+    let mut e = prefix_engine(prefix, 512, 7, &[3, 2]);
+    e.blocks.complete_only = true;
     let sp = SamplingParams { max_new_tokens: 120, ignore_eos: true, ..Default::default() };
     let mut ids = HashMap::new();
-    let mut hist: Vec<Vec<u32>> = (0..6u64)
-        .map(|r| (0..100 + 20 * r).map(|i| 2 + (mix64(i ^ (r << 32)) % (VOCAB - 2)) as u32).collect())
-        .collect();
+    let mut hist: Vec<Vec<u32>> = (0..6u64).map(|r| tokens(10 + r, 100 + 20 * r).collect()).collect();
     for (r, h) in hist.iter().enumerate() {
         ids.insert(e.add_request(Request::new(h.clone(), sp.clone())).expect("valid"), r);
     }
@@ -171,7 +172,7 @@ fn extend_after_skips(prefix: bool) -> (Vec<Vec<u64>>, u64) {
     let (mut drafts, mut cached) = (Vec::new(), 0);
     for (r, h) in hist.iter().enumerate() {
         let mut p = h.clone();
-        p.extend((0..20u64).map(|i| 2 + (mix64(i + 1000 * r as u64) % (VOCAB - 2)) as u32));
+        p.extend(tokens(100 + r as u64, 20));
         e.add_request(Request::new(p, sp.clone())).expect("valid");
         while e.has_work() {
             for (_, ev) in e.step() {
@@ -200,20 +201,12 @@ fn blocks_with_entries_left_unredone_are_not_shared() {
 fn target_only_blocks_are_reused_with_the_same_output() {
     for pattern in [&[0][..], &[3, 3, 3, 3, 3, 3, 0]] {
         let run = |prefix: bool| {
-            let b = SyntheticBackend::new(VOCAB as usize, 2, 256, 4096);
-            let cfg = EngineConfig {
-                num_speculative_tokens: Some(3),
-                speculation: Speculation::Adaptive,
-                enable_prefix_caching: prefix,
-                ..Default::default()
-            };
-            let mut e = Engine::new(b, cfg).expect("engine");
-            e.policy.forced = pattern.to_vec();
-            let mut history: Vec<u32> = (0..150u64).map(|i| 2 + (mix64(i) % (VOCAB - 2)) as u32).collect();
+            let mut e = prefix_engine(prefix, 256, EngineConfig::default().max_batch_tokens, pattern);
+            let mut history: Vec<u32> = tokens(0, 150).collect();
             let sp = SamplingParams { max_new_tokens: 100, ignore_eos: true, ..Default::default() };
             let mut cached = Vec::new();
             for turn in 0..3u64 {
-                history.extend((0..10).map(|i| 2 + (mix64(i + 100 * turn + 7) % (VOCAB - 2)) as u32));
+                history.extend(tokens(200 + turn, 10));
                 e.add_request(Request::new(history.clone(), sp.clone())).expect("valid");
                 while e.has_work() {
                     for (_, ev) in e.step() {

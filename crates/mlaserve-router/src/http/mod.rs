@@ -421,6 +421,19 @@ fn events(
     })
 }
 
+/// Removes and returns the start of `held`, keeping back its longest tail that could be
+/// the beginning of `marker` (the rest of it may come with the next delta).
+fn take_settled(held: &mut String, marker: &str) -> String {
+    let keep = (1..marker.len())
+        .rev()
+        .find(|&n| {
+            held.len() >= n && held.is_char_boundary(held.len() - n) && marker.starts_with(&held[held.len() - n..])
+        })
+        .unwrap_or(0);
+    let rest = held.split_off(held.len() - keep);
+    std::mem::replace(held, rest)
+}
+
 /// A stream fed by the task `f` runs (bounded: the task waits while the client reads).
 fn async_stream<T, F, Fut>(f: F) -> impl Stream<Item = T> + Send + 'static
 where

@@ -37,17 +37,7 @@ impl Splitter {
             self.thinking = false;
             return (reasoning, answer);
         }
-        // Keep the longest tail that could begin `</think>`.
-        let keep = (1..CLOSE.len())
-            .rev()
-            .find(|&n| {
-                self.held.len() >= n
-                    && self.held.is_char_boundary(self.held.len() - n)
-                    && CLOSE.starts_with(&self.held[self.held.len() - n..])
-            })
-            .unwrap_or(0);
-        let out = self.held[..self.held.len() - keep].to_string();
-        self.held.drain(..self.held.len() - keep);
+        let out = super::take_settled(&mut self.held, CLOSE);
         (out, String::new())
     }
 

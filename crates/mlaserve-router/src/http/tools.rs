@@ -92,19 +92,7 @@ impl Held {
             self.held.drain(..at);
             return out;
         }
-        // Keep the longest tail that could begin the marker.
-        let keep = (1..CALLS_BEGIN.len())
-            .rev()
-            .find(|&n| {
-                self.held.len() >= n
-                    && self.held.is_char_boundary(self.held.len() - n)
-                    && CALLS_BEGIN.starts_with(&self.held[self.held.len() - n..])
-            })
-            .unwrap_or(0);
-        let cut = self.held.len() - keep;
-        let out = self.held[..cut].to_string();
-        self.held.drain(..cut);
-        out
+        super::take_settled(&mut self.held, CALLS_BEGIN)
     }
 
     /// The end: the content still held and the calls, if a block began.
