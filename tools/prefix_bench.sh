@@ -36,7 +36,7 @@ trap cleanup EXIT
 kv=()
 [[ $backend == cuda ]] && kv=(--kv-blocks "${KV_BLOCKS:-2048}")
 for m in on off; do
-    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" \
+    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" --http-listen off \
         --metrics-listen "127.0.0.1:$((port[$m] + 1))" "${flag[$m]}" "${kv[@]}" >"$logs/serve-$m.log" 2>&1 &
     pids+=($!)
 done

@@ -40,7 +40,7 @@ kv=()
 [[ $backend == cuda ]] && kv=(--kv-blocks "${KV_BLOCKS:-2048}")
 for m in "${modes[@]}"; do
     # shellcheck disable=SC2086
-    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" \
+    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" --http-listen off \
         --metrics-listen "127.0.0.1:$((port[$m] + 1))" ${flags[$m]} "${kv[@]}" >"$logs/serve-$m.log" 2>&1 &
     pids+=($!)
 done

@@ -55,6 +55,7 @@ fn run(backend: CudaBackend, k: usize) -> Vec<Vec<u32>> {
                 Event::Tokens(t) => out.entry(id).or_default().extend(t),
                 Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
                 Event::Finished { .. } => done += 1,
+                Event::Logprobs(_) => {}
             }
         }
     }
@@ -115,6 +116,7 @@ fn bundled_model_batch1_decode_speed() {
                         }
                         Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
                         Event::Finished { usage, .. } => steps += usage.decode_steps,
+                        Event::Logprobs(_) => {}
                     }
                 }
             }

@@ -157,6 +157,8 @@ def checks(client, http, metrics):
             streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
     assert streamed == {0: g.choices[0].message.content, 1: g.choices[1].message.content}, streamed
 
+    sampling_surface_checks(client)
+
     # Tools: accepted and given to the template; this model writes no tool call, so the
     # answer comes back as content.
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -193,7 +195,28 @@ def checks(client, http, metrics):
     expect_error(openai.BadRequestError, "n",
                  lambda: client.completions.create(model=MODEL, prompt="x", n=17, max_tokens=2))
     expect_error(openai.BadRequestError, "presence_penalty",
-                 lambda: client.completions.create(model=MODEL, prompt="x", presence_penalty=0.5, max_tokens=2))
+                 lambda: client.completions.create(model=MODEL, prompt="x", presence_penalty=2.5, max_tokens=2))
+    expect_error(openai.BadRequestError, "frequency_penalty",
+                 lambda: client.completions.create(model=MODEL, prompt="x", frequency_penalty=-3, max_tokens=2))
+    expect_error(openai.BadRequestError, "repetition_penalty",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                                   extra_body={"repetition_penalty": 0}))
+    expect_error(openai.BadRequestError, "min_p",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_p": 1.5}))
+    expect_error(openai.BadRequestError, "logit_bias",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"5": 150}))
+    expect_error(openai.BadRequestError, "logit_bias",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"99999999": 1}))
+    expect_error(openai.BadRequestError, "logprobs",
+                 lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=21))
+    expect_error(openai.BadRequestError, "top_logprobs",
+                 lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=2, top_logprobs=3))
+    expect_error(openai.BadRequestError, "top_logprobs",
+                 lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=2, logprobs=True, top_logprobs=21))
+    expect_error(openai.BadRequestError, "echo",
+                 lambda: client.completions.create(model=MODEL, prompt="x", echo=True, max_tokens=2))
     try:
         client.completions.create(model=MODEL, prompt="x" * (5 << 20), max_tokens=2)
         raise AssertionError("a 5 MiB body must be refused")
@@ -218,6 +241,84 @@ def checks(client, http, metrics):
         assert time.time() < deadline, "blocks still in use 10 s after the client went away"
         time.sleep(0.1)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def byte_level_key(data):
+    """A token's bytes as the byte-level BPE vocabulary spells them (GPT-2's byte map)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return "".join(table[b] for b in bytes(data))
+
+
+def token_id(data):
+    """The bundled model's id of the token whose bytes are `data`."""
+    with open(os.path.join(REPO, "models", MODEL, "tokenizer.json")) as f:
+        vocab = json.load(f)["model"]["vocab"]
+    key = byte_level_key(data)
+    assert key in vocab, f"no token {key!r} in the vocabulary"
+    return vocab[key]
+
+
+def sampling_surface_checks(client):
+    """logprobs (chat and completions, streamed and not), penalties, logit_bias, min_p."""
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens == 8, c
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3, e
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True), tops
+        # Greedy: the chosen token is the most likely one.
+        assert abs(e.logprob - tops[0]) < 1e-6 and e.token == e.top_logprobs[0].token, e
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    assert "".join(e.token for e in content) == c.choices[0].message.content
+    streamed = []
+    for p in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                            top_logprobs=3, stream=True):
+        for ch in p.choices:
+            if ch.logprobs and ch.logprobs.content:
+                streamed.extend((e.token, round(e.logprob, 5)) for e in ch.logprobs.content)
+    assert streamed == [(e.token, round(e.logprob, 5)) for e in content], (streamed, content)
+    none = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert none.choices[0].logprobs is None
+
+    cp = client.completions.create(model=MODEL, prompt="def main():", max_tokens=6, temperature=0, logprobs=2)
+    lp = cp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6, lp
+    assert "".join(lp.tokens) == cp.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 and max(t.values()) >= l - 1e-6 for t, l in zip(lp.top_logprobs, lp.token_logprobs)), lp
+
+    # logit_bias: -100 on the greedy choice's first token moves it; +100 on a token forces it.
+    first = content[0]
+    banned = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0, logprobs=True,
+                                            logit_bias={str(token_id(first.bytes)): -100})
+    assert banned.choices[0].logprobs.content[0].token != first.token, (first, banned)
+    forced = client.completions.create(model=MODEL, prompt="def main():", max_tokens=3, temperature=0.8, seed=3,
+                                       logit_bias={"300": 100}, logprobs=0)
+    toks = forced.choices[0].logprobs.tokens
+    assert len(toks) == 3 and len(set(toks)) == 1 and token_id(toks[0].encode()) == 300, toks
+    # Penalties: a strong presence penalty stops the greedy output repeating tokens it
+    # repeats without one.
+    p = "# a b a b a b a b"
+    plain = client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0, logprobs=0)
+    pen = client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0, logprobs=0,
+                                    presence_penalty=2.0, frequency_penalty=2.0)
+    assert pen.choices[0].text != plain.choices[0].text, "penalties changed nothing"
+    t = pen.choices[0].logprobs.tokens
+    assert len(set(t)) >= len(set(plain.choices[0].logprobs.tokens)), (t, plain.choices[0].logprobs.tokens)
+    # min_p: with min_p = 1 only the most likely token survives, so sampling is greedy.
+    mp = client.completions.create(model=MODEL, prompt="def main():", max_tokens=6, temperature=1.5, seed=9,
+                                   extra_body={"min_p": 1.0})
+    assert mp.choices[0].text == client.completions.create(model=MODEL, prompt="def main():", max_tokens=6,
+                                                           temperature=0).choices[0].text
 
 
 def thinking_checks(client):

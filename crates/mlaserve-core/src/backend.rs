@@ -15,6 +15,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::logits::{LogprobRow, RowEdits, RowLogprobs, MAX_TOP_LOGPROBS};
 use crate::sampling::SampleRow;
 
 /// Tokens per page of the latent KV cache (FlashMLA's page size).
@@ -53,9 +54,29 @@ pub struct Batch {
     /// order: [`crate::sampling::sample_token`] of the row's logits with the row's
     /// parameters and uniform.
     pub sample_rows: Vec<SampleRow>,
+    /// Logit edits (bias, penalties) of argmax or sample rows, applied to the row before
+    /// its choice (`crate::logits`); at most one entry per row.
+    pub edits: Vec<RowEdits>,
+    /// Argmax or sample rows whose log-probabilities are returned
+    /// (`ForwardOutput::logprobs`, in this order), of the unedited row.
+    pub logprob_rows: Vec<LogprobRow>,
 }
 
 impl Batch {
+    /// The token a row chose: its argmax or sampled id, given the answers to
+    /// `argmax_rows` and `sample_rows`.
+    pub fn chosen(&self, row: u32, argmax: &[u32], sampled: &[u32]) -> Option<u32> {
+        if let Some(i) = self.argmax_rows.iter().position(|&r| r == row) {
+            return argmax.get(i).copied();
+        }
+        let i = self.sample_rows.iter().position(|s| s.row == row)?;
+        sampled.get(i).copied()
+    }
+
+    fn chooses(&self, row: u32) -> bool {
+        self.argmax_rows.contains(&row) || self.sample_rows.iter().any(|s| s.row == row)
+    }
+
     /// Total number of new tokens in the step.
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
@@ -107,6 +128,28 @@ impl Batch {
             if !(0.0..1.0).contains(&s.u) {
                 return Err(Error::Batch(format!("sample row {}: uniform {} is not in [0, 1)", s.row, s.u)));
             }
+            if !(0.0..=1.0).contains(&s.min_p) {
+                return Err(Error::Batch(format!("sample row {}: min_p {} is not in [0, 1]", s.row, s.min_p)));
+            }
+        }
+        for (i, e) in self.edits.iter().enumerate() {
+            if !self.chooses(e.row) || self.edits[..i].iter().any(|o| o.row == e.row) {
+                return Err(Error::Batch(format!("edits of row {}: not a choice row, or edited twice", e.row)));
+            }
+            if let Some(t) = e.edits.iter().find(|t| t.token as usize >= vocab_size) {
+                return Err(Error::Batch(format!("edits of row {}: token {} >= {vocab_size}", e.row, t.token)));
+            }
+            if e.edits.iter().any(|t| !(t.repetition > 0.0 && t.repetition.is_finite())) {
+                return Err(Error::Batch(format!("edits of row {}: a repetition penalty is not finite > 0", e.row)));
+            }
+        }
+        for l in &self.logprob_rows {
+            if !self.chooses(l.row) || l.top > MAX_TOP_LOGPROBS {
+                return Err(Error::Batch(format!(
+                    "logprob row {}: not a choice row, or top {} > {MAX_TOP_LOGPROBS}",
+                    l.row, l.top
+                )));
+            }
         }
         Ok(())
     }
@@ -125,6 +168,8 @@ pub struct ForwardOutput<H> {
     pub argmax: Vec<u32>,
     /// The sampled token of each of `sample_rows`, in order.
     pub sampled: Vec<u32>,
+    /// The log-probabilities of each of `logprob_rows`, in order.
+    pub logprobs: Vec<RowLogprobs>,
 }
 
 /// Index of the largest logit; ties go to the lowest id, NaN never wins (a row of NaN

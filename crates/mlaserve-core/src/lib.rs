@@ -8,6 +8,7 @@ pub mod backend;
 pub mod collective;
 pub mod config;
 pub mod error;
+pub mod logits;
 pub mod memory;
 pub mod request;
 pub mod sampling;
@@ -16,5 +17,8 @@ pub use backend::{argmax, Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
 pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};
+pub use logits::{
+    host_choices, penalty_sub, row_logprobs, Choices, LogitEdit, LogprobRow, RowEdits, RowLogprobs, MAX_TOP_LOGPROBS,
+};
 pub use request::{InvalidField, RequestLimits};
 pub use sampling::{sample_from, sample_token, target_distribution, SampleRow, SamplingParams, TargetDist};

@@ -52,6 +52,66 @@ pub fn check_sampling(temperature: f32, top_k: i64, top_p: f32) -> Result<(), In
     Ok(())
 }
 
+/// Most `sampling.logit_bias` entries per request.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// The sampling fields beyond temperature, top-k and top-p, as the public API names them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingExtra<'a> {
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    pub min_p: f32,
+    pub logit_bias: &'a [(u32, f32)],
+    pub logprobs: Option<u32>,
+}
+
+/// `sampling.*` beyond [`check_sampling`]: presence and frequency penalties in `[-2, 2]`
+/// (OpenAI's range), repetition penalty finite and `> 0`, min-p in `[0, 1]`, at most
+/// [`MAX_LOGIT_BIAS`] logit biases of distinct tokens inside the vocabulary, each in
+/// `[-100, 100]`, and at most [`crate::MAX_TOP_LOGPROBS`] top log-probabilities.
+pub fn check_sampling_extra(e: SamplingExtra, vocab_size: u32) -> Result<(), InvalidField> {
+    for (name, v) in [("presence_penalty", e.presence_penalty), ("frequency_penalty", e.frequency_penalty)] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(InvalidField::new(format!("sampling.{name}"), format!("must be in [-2, 2], got {v}")));
+        }
+    }
+    if !(e.repetition_penalty > 0.0 && e.repetition_penalty.is_finite()) {
+        return Err(InvalidField::new(
+            "sampling.repetition_penalty",
+            format!("must be finite and > 0 (1 = off), got {}", e.repetition_penalty),
+        ));
+    }
+    if !(0.0..=1.0).contains(&e.min_p) {
+        return Err(InvalidField::new("sampling.min_p", format!("must be in [0, 1], got {}", e.min_p)));
+    }
+    if e.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(InvalidField::new(
+            "sampling.logit_bias",
+            format!("at most {MAX_LOGIT_BIAS} entries, got {}", e.logit_bias.len()),
+        ));
+    }
+    for (i, &(t, b)) in e.logit_bias.iter().enumerate() {
+        let field = || format!("sampling.logit_bias[{i}]");
+        if t >= vocab_size {
+            return Err(InvalidField::new(field(), format!("token {t} is not below the vocabulary size {vocab_size}")));
+        }
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(InvalidField::new(field(), format!("bias must be in [-100, 100], got {b}")));
+        }
+        if e.logit_bias[..i].iter().any(|&(o, _)| o == t) {
+            return Err(InvalidField::new(field(), format!("token {t} appears twice")));
+        }
+    }
+    if let Some(n) = e.logprobs.filter(|&n| n > crate::MAX_TOP_LOGPROBS) {
+        return Err(InvalidField::new(
+            "sampling.logprobs",
+            format!("at most {} alternatives, got {n}", crate::MAX_TOP_LOGPROBS),
+        ));
+    }
+    Ok(())
+}
+
 /// `stopping.*`: `max_new_tokens >= 1` when given, stop token ids inside the vocabulary,
 /// at most [`MAX_STOP_STRINGS`] non-empty stop strings of at most [`MAX_STOP_BYTES`].
 pub fn check_stopping(
@@ -142,12 +202,25 @@ pub fn resolve_max_new_tokens(
 }
 
 impl SamplingParams {
+    /// The fields [`check_sampling_extra`] checks.
+    pub fn extra(&self) -> SamplingExtra<'_> {
+        SamplingExtra {
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            min_p: self.min_p,
+            logit_bias: &self.logit_bias,
+            logprobs: self.logprobs,
+        }
+    }
+
     /// Every rule above for a request of `prompt` with these parameters, as the engine
     /// applies them. (Token-id stop sequences have no public field of their own; they are
     /// reported as `stopping.stop`.)
     pub fn check(&self, prompt: &[u32], limits: RequestLimits) -> Result<(), InvalidField> {
         check_prompt(prompt, "prompt.token_ids", limits)?;
         check_sampling(self.temperature, self.top_k as i64, self.top_p)?;
+        check_sampling_extra(self.extra(), limits.vocab_size)?;
         let stop: Vec<Vec<u8>> = Vec::new();
         check_stopping(Some(self.max_new_tokens), &self.stop_token_ids, &stop, limits.vocab_size)?;
         if let Some(i) = self.stop_sequences.iter().position(|s| s.is_empty()) {
@@ -177,6 +250,33 @@ mod tests {
         }
         assert_eq!(field(check_sampling(0.0, -1, 1.0)), "sampling.top_k");
         assert!(check_sampling(0.7, 5, 1.0).is_ok());
+    }
+
+    #[test]
+    fn extra_sampling_rules() {
+        let ok = SamplingParams::default();
+        let field_with = |f: &dyn Fn(&mut SamplingParams)| {
+            let mut p = ok.clone();
+            f(&mut p);
+            field(check_sampling_extra(p.extra(), 100))
+        };
+        assert!(check_sampling_extra(ok.extra(), 100).is_ok());
+        assert_eq!(field_with(&|p| p.presence_penalty = 2.5), "sampling.presence_penalty");
+        assert_eq!(field_with(&|p| p.frequency_penalty = f32::NAN), "sampling.frequency_penalty");
+        assert_eq!(field_with(&|p| p.repetition_penalty = 0.0), "sampling.repetition_penalty");
+        assert_eq!(field_with(&|p| p.min_p = 1.5), "sampling.min_p");
+        assert_eq!(field_with(&|p| p.logit_bias = vec![(1, 1.0), (100, 1.0)]), "sampling.logit_bias[1]");
+        assert_eq!(field_with(&|p| p.logit_bias = vec![(1, 101.0)]), "sampling.logit_bias[0]");
+        assert_eq!(field_with(&|p| p.logit_bias = vec![(1, 1.0), (1, 2.0)]), "sampling.logit_bias[1]");
+        assert_eq!(field_with(&|p| p.logprobs = Some(21)), "sampling.logprobs");
+        let mut all = ok.clone();
+        all.presence_penalty = -2.0;
+        all.frequency_penalty = 2.0;
+        all.repetition_penalty = 1.3;
+        all.min_p = 1.0;
+        all.logit_bias = vec![(99, -100.0)];
+        all.logprobs = Some(20);
+        assert!(check_sampling_extra(all.extra(), 100).is_ok());
     }
 
     #[test]

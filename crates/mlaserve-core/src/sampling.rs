@@ -24,6 +24,23 @@ pub struct SamplingParams {
     /// Token-id sequences that end the generation when they appear in the output.
     pub stop_sequences: Vec<Vec<u32>>,
     pub ignore_eos: bool,
+    /// Subtracted once from the logit of every token the output already holds (OpenAI's
+    /// `presence_penalty`, in `[-2, 2]`; 0: off).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per occurrence in the output (`[-2, 2]`; 0: off).
+    pub frequency_penalty: f32,
+    /// Divides the positive logits and multiplies the negative ones of every token of the
+    /// prompt or the output (HF's and vLLM's `repetition_penalty`, `> 0`; 1: off).
+    pub repetition_penalty: f32,
+    /// Keeps only the tokens whose probability is at least `min_p` times the most likely
+    /// token's (`[0, 1]`; 0: off). Sampled requests only.
+    pub min_p: f32,
+    /// `(token, bias)` added to the token's logit before the penalties (`bias` in
+    /// `[-100, 100]`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Return the log-probability of every generated token and of its `n` most likely
+    /// alternatives (`Some(n)`, `n <= MAX_TOP_LOGPROBS`); `None`: none.
+    pub logprobs: Option<u32>,
 }
 
 impl Default for SamplingParams {
@@ -37,6 +54,12 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop_sequences: Vec::new(),
             ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -60,6 +83,8 @@ pub struct SampleRow {
     pub top_k: u32,
     /// In `(0, 1]`; 1: no nucleus cut.
     pub top_p: f32,
+    /// In `[0, 1]`; 0: no min-p cut.
+    pub min_p: f32,
     /// In `[0, 1)`.
     pub u: f64,
 }
@@ -67,7 +92,7 @@ pub struct SampleRow {
 impl SampleRow {
     /// The token this row's logits give under the rule ([`sample_token`]).
     pub fn sample(&self, logits: &[f32]) -> u32 {
-        sample_token(logits, self.temperature, self.top_k, self.top_p, self.u)
+        sample_from(&target_distribution(logits, self.temperature, self.top_k, self.min_p, self.top_p), self.u)
     }
 }
 
@@ -99,11 +124,13 @@ impl TargetDist {
 /// 3. Weights: `p_i = exp(((l_i − max) as f32 subtraction) as f64 / T)` in f64, with
 ///    `T = temperature as f64` (1 when the temperature is not a finite value > 0). The
 ///    largest candidate has `p = 1`.
-/// 4. Top-p (`top_p < 1` and more than one candidate): `Z = Σ p_i`; walk the candidates in
+/// 4. Min-p (`min_p > 0`): keep the candidates with `p_i >= min_p` (the largest, `p = 1`,
+///    always stays): probability at least `min_p` times the most likely token's.
+/// 5. Top-p (`top_p < 1` and more than one candidate): `Z = Σ p_i`; walk the candidates in
 ///    the same order as top-k (logit descending, id ascending) summing `p_i`; keep the
 ///    smallest prefix whose sum is `≥ top_p · Z` (all of them if rounding never gets
 ///    there) — the prefix whose normalised mass reaches `top_p`.
-/// 5. The kept candidates in ascending id order; `probs = p_i / Σ kept p_i`.
+/// 6. The kept candidates in ascending id order; `probs = p_i / Σ kept p_i`.
 ///
 /// [`sample_from`] then draws by inverse CDF in id order. Two choices keep backends in
 /// step: the walk orders by the logit, not by `p_i` (the same order except where rounding
@@ -116,7 +143,7 @@ impl TargetDist {
 /// Two backends can therefore pick different tokens only where a cumulative sum lies
 /// within rounding (about 1e-11 relative for 2^17 terms summed in order) of `top_p · Z` or
 /// of `u · mass`; every comparison of logits is exact.
-pub fn target_distribution(logits: &[f32], temperature: f32, top_k: u32, top_p: f32) -> TargetDist {
+pub fn target_distribution(logits: &[f32], temperature: f32, top_k: u32, min_p: f32, top_p: f32) -> TargetDist {
     let t = if temperature > 0.0 && temperature.is_finite() { temperature as f64 } else { 1.0 };
     let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| !logits[i as usize].is_nan()).collect();
     let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max);
@@ -131,6 +158,13 @@ pub fn target_distribution(logits: &[f32], temperature: f32, top_k: u32, top_p: 
         cand.sort_unstable();
     }
     let mut weights: Vec<f64> = cand.iter().map(|&i| ((logits[i as usize] - max) as f64 / t).exp()).collect();
+    if min_p > 0.0 {
+        let keep: Vec<usize> = (0..cand.len()).filter(|&n| weights[n] >= min_p as f64).collect();
+        if keep.len() < cand.len() {
+            cand = keep.iter().map(|&n| cand[n]).collect();
+            weights = keep.iter().map(|&n| weights[n]).collect();
+        }
+    }
     if top_p < 1.0 && cand.len() > 1 {
         let target = top_p as f64 * weights.iter().sum::<f64>();
         let mut order: Vec<usize> = (0..cand.len()).collect();
@@ -176,7 +210,7 @@ pub fn sample_from(dist: &TargetDist, u: f64) -> u32 {
 /// The sampling rule: [`target_distribution`], then [`sample_from`] with `u`. Every
 /// backend's `Batch::sample_rows` answer is this token of the row's logits.
 pub fn sample_token(logits: &[f32], temperature: f32, top_k: u32, top_p: f32, u: f64) -> u32 {
-    sample_from(&target_distribution(logits, temperature, top_k, top_p), u)
+    sample_from(&target_distribution(logits, temperature, top_k, 0.0, top_p), u)
 }
 
 #[cfg(test)]
@@ -186,31 +220,48 @@ mod tests {
     #[test]
     fn cuts_and_edges() {
         let logits = [0.0f32, 2.0, 1.0, 3.0, f32::NAN];
-        let d = target_distribution(&logits, 1.0, 0, 1.0);
+        let d = target_distribution(&logits, 1.0, 0, 0.0, 1.0);
         assert_eq!(d.tokens, vec![0, 1, 2, 3]);
         assert!((d.probs.iter().sum::<f64>() - 1.0).abs() < 1e-12);
-        assert_eq!(target_distribution(&logits, 1.0, 2, 1.0).tokens, vec![1, 3]);
-        assert_eq!(target_distribution(&logits, 1.0, 0, 0.5).tokens, vec![3]);
-        assert_eq!(target_distribution(&logits, 1.0, 0, 0.8).tokens, vec![1, 3]);
+        assert_eq!(target_distribution(&logits, 1.0, 2, 0.0, 1.0).tokens, vec![1, 3]);
+        assert_eq!(target_distribution(&logits, 1.0, 0, 0.0, 0.5).tokens, vec![3]);
+        assert_eq!(target_distribution(&logits, 1.0, 0, 0.0, 0.8).tokens, vec![1, 3]);
         // Ties: top-k takes the lowest ids among equal logits, +0 ranks above -0.
-        assert_eq!(target_distribution(&[1.0, 5.0, 5.0, 5.0], 1.0, 2, 1.0).tokens, vec![1, 2]);
-        assert_eq!(target_distribution(&[-0.0, 0.0, -0.0], 1.0, 1, 1.0).tokens, vec![1]);
+        assert_eq!(target_distribution(&[1.0, 5.0, 5.0, 5.0], 1.0, 2, 0.0, 1.0).tokens, vec![1, 2]);
+        assert_eq!(target_distribution(&[-0.0, 0.0, -0.0], 1.0, 1, 0.0, 1.0).tokens, vec![1]);
         // A huge temperature makes every probability 1.0: the nucleus still follows the
         // logits (ids 3 and 1 carry the two largest), not the ids.
-        assert_eq!(target_distribution(&[0.0, 2.0, 1.0, 3.0], 1e30, 0, 0.5).tokens, vec![1, 3]);
+        assert_eq!(target_distribution(&[0.0, 2.0, 1.0, 3.0], 1e30, 0, 0.0, 0.5).tokens, vec![1, 3]);
         // Fallbacks: the argmax rule.
         for (row, want) in [
             (vec![f32::NAN, f32::NAN], 0),
             (vec![f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY], 1),
             (vec![1.0, f32::INFINITY, f32::NAN, f32::INFINITY], 1),
         ] {
-            assert_eq!(target_distribution(&row, 1.0, 0, 0.9), TargetDist::one_hot(want));
+            assert_eq!(target_distribution(&row, 1.0, 0, 0.0, 0.9), TargetDist::one_hot(want));
         }
         // -inf candidates carry no mass and are never drawn.
         let row = [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY];
         for u in [0.0, 0.5, 0.999_999] {
             assert_eq!(sample_token(&row, 1.0, 0, 1.0, u), 1);
         }
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_best() {
+        // Weights e^0, e^-1, e^-2, e^-3 relative to the best (id 1).
+        let row = [2.0f32, 3.0, 1.0, 0.0];
+        let e = |x: f64| x.exp();
+        for (min_p, want) in
+            [(0.0, vec![0, 1, 2, 3]), (e(-1.0) as f32 * 0.999, vec![0, 1]), (e(-2.5) as f32, vec![0, 1, 2])]
+        {
+            assert_eq!(target_distribution(&row, 1.0, 0, min_p, 1.0).tokens, want, "min_p {min_p}");
+        }
+        assert_eq!(target_distribution(&row, 1.0, 0, 1.0, 1.0).tokens, vec![1], "min_p 1: the best only");
+        // The temperature applies first: at T = 2 the weights are e^-0.5 per step.
+        assert_eq!(target_distribution(&row, 2.0, 0, 0.5, 1.0).tokens, vec![0, 1]);
+        // Then top-p over what is left: 1 / (1 + e^-0.5) = 0.62 >= 0.6 keeps the best alone.
+        assert_eq!(target_distribution(&row, 2.0, 0, 0.5, 0.6).tokens, vec![1]);
     }
 
     #[test]
@@ -230,7 +281,7 @@ mod tests {
         // six (6 >= 0.5 * 12, exact), where summing 1/12 six times stays below 0.5.
         let mut row = vec![-1e6f32; 16];
         row[2..14].fill(4.0);
-        assert_eq!(target_distribution(&row, 1.0, 0, 0.5).tokens, (2..8).collect::<Vec<u32>>());
+        assert_eq!(target_distribution(&row, 1.0, 0, 0.0, 0.5).tokens, (2..8).collect::<Vec<u32>>());
         assert!((0..6).fold(0.0, |c, _| c + 1.0f64 / 12.0) < 0.5, "the normalised walk would take a seventh");
     }
 }

@@ -14,7 +14,7 @@ pub mod ops;
 
 use attention::{AttnMode, LayerCache, Mla, StepLayout};
 use fp8::{load_linear, Fp8Act};
-use mlaserve_core::{Backend, Batch, Collective, Error, ForwardOutput, ModelConfig, Result, SampleRow, SingleRank};
+use mlaserve_core::{Backend, Batch, Choices, Collective, Error, ForwardOutput, ModelConfig, Result, SingleRank};
 use mlaserve_model::{names, LoadProgress, Shard, Weights};
 use moe::{Mlp, Moe};
 use ops::{rms_norm, Linear, Rope};
@@ -281,28 +281,24 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// The argmax token of each selected row (the full row's logits, then
-    /// `mlaserve_core::argmax`: the reference the devices' argmax is held to).
-    fn head_argmax(&self, head: &Linear, normed: &[f32], rows: &[u32]) -> Result<Vec<u32>> {
+    /// The choices the batch asks for: each argmax and sample row's full logits, edited
+    /// (`Batch::edits`), then `mlaserve_core::argmax` or the sampling rule with the row's
+    /// parameters, and the log-probabilities of `logprob_rows` of the unedited rows — the
+    /// reference the devices' choices are held to (`mlaserve_core::host_choices`).
+    fn head_choices(&self, head: &Linear, normed: &[f32], batch: &Batch) -> Result<Choices> {
+        let mut rows: Vec<u32> =
+            batch.argmax_rows.iter().copied().chain(batch.sample_rows.iter().map(|s| s.row)).collect();
+        rows.sort_unstable();
+        rows.dedup();
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Choices::default());
         }
         let v = self.cfg.vocab_size;
-        let logits = self.head_logits(head, normed, rows)?;
-        Ok(logits.chunks(v).map(mlaserve_core::argmax).collect())
-    }
-
-    /// The sampled token of each sample row (the full row's logits, then
-    /// `mlaserve_core::sample_token` with the row's parameters: the reference the devices'
-    /// sampling is held to).
-    fn head_sample(&self, head: &Linear, normed: &[f32], rows: &[SampleRow]) -> Result<Vec<u32>> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let v = self.cfg.vocab_size;
-        let idx: Vec<u32> = rows.iter().map(|s| s.row).collect();
-        let logits = self.head_logits(head, normed, &idx)?;
-        Ok(logits.chunks(v).zip(rows).map(|(l, s)| s.sample(l)).collect())
+        let logits = self.head_logits(head, normed, &rows)?;
+        Ok(mlaserve_core::host_choices(batch, |r, buf| {
+            let i = rows.binary_search(&r).expect("a choice row");
+            buf.extend_from_slice(&logits[i * v..(i + 1) * v]);
+        }))
     }
 
     /// Vocab-parallel head over the selected rows: local logits, then all-gather.
@@ -364,9 +360,9 @@ impl Backend for CpuBackend {
         }
         rms_norm(&mut x, &self.final_norm, self.cfg.rms_norm_eps as f32);
         let logits = self.head_logits(&self.lm_head, &x, &batch.logit_rows)?;
-        let argmax = self.head_argmax(&self.lm_head, &x, &batch.argmax_rows)?;
-        let sampled = self.head_sample(&self.lm_head, &x, &batch.sample_rows)?;
-        Ok(ForwardOutput { hidden: CpuHidden { rows: tokens.len(), data: x }, logits, argmax, sampled })
+        let c = self.head_choices(&self.lm_head, &x, batch)?;
+        let hidden = CpuHidden { rows: tokens.len(), data: x };
+        Ok(ForwardOutput { hidden, logits, argmax: c.argmax, sampled: c.sampled, logprobs: c.logprobs })
     }
 
     fn mtp_forward(
@@ -415,9 +411,9 @@ impl Backend for CpuBackend {
         rms_norm(&mut normed, &m.head_norm, eps);
         let head = m.head.as_ref().unwrap_or(&self.lm_head);
         let logits = self.head_logits(head, &normed, &batch.logit_rows)?;
-        let argmax = self.head_argmax(head, &normed, &batch.argmax_rows)?;
-        let sampled = self.head_sample(head, &normed, &batch.sample_rows)?;
-        Ok(ForwardOutput { hidden: CpuHidden { rows: n, data: x }, logits, argmax, sampled })
+        let c = self.head_choices(head, &normed, batch)?;
+        let hidden = CpuHidden { rows: n, data: x };
+        Ok(ForwardOutput { hidden, logits, argmax: c.argmax, sampled: c.sampled, logprobs: c.logprobs })
     }
 
     fn hidden_to_host(&self, h: &CpuHidden) -> Result<Vec<f32>> {

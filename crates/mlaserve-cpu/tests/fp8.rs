@@ -34,6 +34,7 @@ fn one(tokens: &[u32], start_pos: usize, logits: bool) -> Batch {
             ..Default::default()
         }],
         logit_rows: if logits { (0..tokens.len() as u32).collect() } else { vec![] },
+        ..Default::default()
     }
 }
 

@@ -63,6 +63,7 @@ fn one(tokens: &[u32], start_pos: usize, table: &[u32]) -> Batch {
         sample_rows: vec![],
         seqs: vec![SeqChunk { tokens: tokens.to_vec(), start_pos, block_table: table.to_vec(), ..Default::default() }],
         logit_rows: (0..tokens.len() as u32).collect(),
+        ..Default::default()
     }
 }
 
@@ -204,6 +205,7 @@ fn mixed_batch_equals_each_sequence_alone() {
             SeqChunk { tokens: c_dec.clone(), start_pos: 70, block_table: tc.clone(), ..Default::default() },
         ],
         logit_rows: (0..28).collect(),
+        ..Default::default()
     };
     let got = mixed.forward(&batch).unwrap().logits;
     expect_close("mixed batch vs each alone", &got, &want, 1e-6);

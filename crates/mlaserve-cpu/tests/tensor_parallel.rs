@@ -29,6 +29,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
             SeqChunk { tokens: toks(9, 2), start_pos: 0, block_table: vec![2], ..Default::default() },
         ],
         logit_rows: vec![69, 78],
+        ..Default::default()
     };
     let out = b.forward(&pre).unwrap();
     logits.extend(&out.logits);
@@ -40,6 +41,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
             SeqChunk { tokens: toks(4, 4), start_pos: 9, block_table: vec![2], ..Default::default() },
         ],
         logit_rows: (0..8).collect(),
+        ..Default::default()
     };
     let out = b.forward(&step).unwrap();
     // `argmax_rows`: the argmax of those rows' logits, in the order asked.
@@ -54,6 +56,7 @@ fn run_script<B: Backend>(b: &mut B) -> Vec<f32> {
         sample_rows: vec![],
         seqs: vec![SeqChunk { tokens: vec![17], start_pos: 74, block_table: vec![0, 1], ..Default::default() }],
         logit_rows: vec![0],
+        ..Default::default()
     };
     let mtp1 = b.mtp_forward(1, &one, &mtp0.hidden, &[3]).unwrap();
     logits.extend(&mtp1.logits);

@@ -69,7 +69,14 @@ pub fn bench_sample(gpu: &Gpu, vocab: usize, row_counts: &[usize]) -> Result<Sam
     for (label, temperature, top_k, top_p) in sets {
         for &n in row_counts {
             let spec: Vec<SampleRow> = (0..n)
-                .map(|r| SampleRow { row: r as u32, temperature, top_k, top_p, u: (r as f64 * 0.618_034).fract() })
+                .map(|r| SampleRow {
+                    row: r as u32,
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p: 0.0,
+                    u: (r as f64 * 0.618_034).fract(),
+                })
                 .collect();
             let params = s.clone_htod(&Sampler::params(&spec))?;
             let t = time_calls(gpu, 3, 30, || sampler.sample(s, &logits, vocab, &params, &mut out, n))?;

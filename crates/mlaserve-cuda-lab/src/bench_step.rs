@@ -408,6 +408,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
                 sample_rows: vec![],
                 seqs: chunks(b, len, start, per_seq, cfg.vocab_size, false),
                 logit_rows: if opts.host_logits { all(len) } else { vec![] },
+                ..Default::default()
             };
             let target = window(s, opts.context);
             let (mut tt, mut td) = (Vec::new(), Vec::new());
@@ -475,6 +476,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             sample_rows: vec![],
             seqs: chunks(b, len, opts.context, per, cfg.vocab_size, true),
             logit_rows: vec![],
+            ..Default::default()
         };
         let ident: Vec<u32> = (0..(b * len) as u32).collect();
         let (mut tt, mut tm) = (Vec::new(), Vec::new());

@@ -481,7 +481,13 @@ fn batch_of(seqs: &[(Vec<u32>, Vec<u32>)], step: &[(usize, usize, usize)]) -> Ba
         })
         .collect();
     let n: usize = step.iter().map(|c| c.2).sum();
-    Batch { seqs: chunks, logit_rows: (0..n as u32).collect(), argmax_rows: vec![], sample_rows: vec![] }
+    Batch {
+        seqs: chunks,
+        logit_rows: (0..n as u32).collect(),
+        argmax_rows: vec![],
+        sample_rows: vec![],
+        ..Default::default()
+    }
 }
 
 /// Every step's logits (all rows) on one backend.

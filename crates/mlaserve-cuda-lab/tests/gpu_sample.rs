@@ -95,11 +95,11 @@ struct Reference {
 
 impl Reference {
     fn new(logits: &[f32], temperature: f32, top_k: u32, top_p: f32) -> Self {
-        let dist = target_distribution(logits, temperature, top_k, top_p);
+        let dist = target_distribution(logits, temperature, top_k, 0.0, top_p);
         let mut nucleus_margin = f64::INFINITY;
         // The nucleus walk as the rule does it: the top-k set's weights (the same f64
         // values and Z), summed in (logit desc, id asc) order against top_p * Z.
-        let all = target_distribution(logits, temperature, top_k, 1.0);
+        let all = target_distribution(logits, temperature, top_k, 0.0, 1.0);
         if top_p < 1.0 && all.tokens.len() > 1 {
             let mut order: Vec<usize> = (0..all.tokens.len()).collect();
             let l = |i: usize| logits[all.tokens[i] as usize];
@@ -286,7 +286,7 @@ fn sample_kernel_matches_core_rule() {
                 for n in 0..4 {
                     let u = if n == 0 { edge_u[combo % 3] } else { rng.f64() };
                     rows.extend_from_slice(&row);
-                    let sr = SampleRow { row: spec.len() as u32, temperature, top_k, top_p, u };
+                    let sr = SampleRow { row: spec.len() as u32, temperature, top_k, top_p, min_p: 0.0, u };
                     let (want, margin) = r.token(u);
                     spec.push(sr);
                     refs.push((kind, want, margin));
@@ -336,7 +336,7 @@ fn with_samples(mut b: Batch, rng: &mut Rng) -> Batch {
     b.sample_rows = (0..3 * n)
         .map(|i| {
             let (temperature, top_k, top_p) = params((i as usize * 7 + 3) % 72);
-            SampleRow { row: i % n, temperature, top_k, top_p, u: rng.f64() }
+            SampleRow { row: i % n, temperature, top_k, top_p, min_p: 0.0, u: rng.f64() }
         })
         .collect();
     b

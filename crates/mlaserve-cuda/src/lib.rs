@@ -58,6 +58,8 @@ mod launch;
 #[cfg(feature = "cuda")]
 pub mod linear;
 #[cfg(feature = "cuda")]
+pub mod logit_ops;
+#[cfg(feature = "cuda")]
 mod mla_decode;
 #[cfg(feature = "cuda")]
 pub mod ops;

@@ -27,7 +27,13 @@ pub fn profile_batch(tokens: usize, longest: usize) -> (Batch, usize) {
         row += s.tokens.len() as u32;
         last_rows.push(row - 1);
     }
-    let batch = Batch { seqs, logit_rows: last_rows.clone(), argmax_rows: last_rows, sample_rows: Vec::new() };
+    let batch = Batch {
+        seqs,
+        logit_rows: last_rows.clone(),
+        argmax_rows: last_rows,
+        sample_rows: Vec::new(),
+        ..Default::default()
+    };
     (batch, next_block as usize)
 }
 

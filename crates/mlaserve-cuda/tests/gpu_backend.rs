@@ -94,6 +94,7 @@ fn prefill_batch() -> Batch {
         sample_rows: vec![],
         seqs: vec![chunk(toks(1, 70), 0, &ta), chunk(toks(2, 20), 0, &tb)],
         logit_rows: vec![],
+        ..Default::default()
     };
     all_rows(&mut b);
     b
@@ -125,6 +126,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
         sample_rows: vec![],
         seqs: vec![chunk(vec![11], 70, &ta), chunk(vec![12], 20, &tb)],
         logit_rows: vec![0, 1],
+        ..Default::default()
     });
     let om1 = be.mtp_forward(1, &m1, &om0.hidden, &[69, 89]).expect("mtp1");
     out.push(("MTP layer 1 logits", greedy_checked("mtp1", &m1, om1, v).logits));
@@ -134,6 +136,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
         sample_rows: vec![],
         seqs: vec![chunk(toks(3, 4), 70, &ta), chunk(toks(4, 4), 20, &tb)],
         logit_rows: vec![],
+        ..Default::default()
     };
     all_rows(&mut b2);
     out.push(("decode s=4 logits", greedy_checked("decode", &b2, be.forward(&b2).expect("decode"), v).logits));
@@ -143,6 +146,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
         sample_rows: vec![],
         seqs: vec![chunk(vec![40], 74, &ta), chunk(vec![41], 24, &tb)],
         logit_rows: vec![],
+        ..Default::default()
     };
     all_rows(&mut b3);
     out.push(("decode s=1 logits", greedy_checked("decode1", &b3, be.forward(&b3).expect("decode1"), v).logits));
@@ -152,6 +156,7 @@ fn calls<B: Backend>(be: &mut B, prefill_hidden: &[f32], upload: impl Fn(&B, &[f
         sample_rows: vec![],
         seqs: vec![chunk(toks(5, 2), 75, &ta), chunk(toks(6, 30), 25, &tb), chunk(toks(7, 5), 0, &tc)],
         logit_rows: vec![0, 1, 31, 36],
+        ..Default::default()
     });
     out.push(("mixed logits", greedy_checked("mixed", &b4, be.forward(&b4).expect("mixed"), v).logits));
     out

@@ -272,12 +272,14 @@ fn a_stalled_rank_fails_the_step_within_the_timeout() {
         sample_rows: vec![],
         seqs: vec![chunk(vec![5, 6, 7], 0)],
         logit_rows: vec![2],
+        ..Default::default()
     };
     let decode = mlaserve_core::Batch {
         argmax_rows: vec![],
         sample_rows: vec![],
         seqs: vec![chunk(vec![8], 3)],
         logit_rows: vec![0],
+        ..Default::default()
     };
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {

@@ -122,11 +122,15 @@ impl Usage {
 }
 
 /// What a request's stream carries. A stream is zero or more `Tokens` then exactly one
-/// `Finished`; no token is ever sent twice (not even across a preemption).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `Finished`; no token is ever sent twice (not even across a preemption). A request with
+/// `logprobs` gets a `Logprobs` event right after each `Tokens` event.
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// New token ids, in order (one to `1 + k` per step).
     Tokens(Vec<u32>),
+    /// The log-probabilities of the tokens of the `Tokens` event just before, one per
+    /// token (of the target model's raw distribution: `mlaserve_core::logits`).
+    Logprobs(Vec<mlaserve_core::RowLogprobs>),
     /// The last event of a request.
     Finished { reason: FinishReason, usage: Usage },
 }

@@ -214,6 +214,8 @@ pub(crate) fn draft<B: Backend>(
     batch.logit_rows.clear();
     batch.argmax_rows.clear();
     batch.sample_rows.clear();
+    batch.edits.clear();
+    batch.logprob_rows.clear();
     // Jobs and chunks are both in running order: walk them together.
     let mut next_job = jobs.iter().peekable();
     let mut rows = 0usize;
@@ -447,6 +449,8 @@ fn chain_stages<B: Backend>(
     let mut backend_us = 0;
     sc.batch.logit_rows.clear();
     sc.batch.sample_rows.clear();
+    sc.batch.edits.clear();
+    sc.batch.logprob_rows.clear();
     sc.batch.argmax_rows.clear();
     sc.batch.argmax_rows.extend_from_slice(identity(&mut sc.identity, m));
     for d in n_mtp.min(k)..k {

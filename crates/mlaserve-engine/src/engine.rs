@@ -14,7 +14,7 @@ use crate::sampling::{sample_row, verify_ids_into};
 use crate::scheduler::{schedule, Limits};
 use crate::sequence::{Sched, Sequence};
 use crate::speculation::{Counts, Policy};
-use mlaserve_core::{Backend, Batch, BLOCK_SIZE};
+use mlaserve_core::{Backend, Batch, ForwardOutput, LogprobRow, RowEdits, BLOCK_SIZE};
 use mlaserve_core::{InvalidField, RequestLimits};
 use std::collections::VecDeque;
 
@@ -319,14 +319,15 @@ impl<B: Backend> Engine<B> {
         // One id per asked row, or the backend broke its contract (the ids would be
         // misattributed): fail the step like any backend error.
         let fwd = fwd.and_then(|out| {
-            let (b, a, s) = (&self.batch, out.argmax.len(), out.sampled.len());
-            if a == b.argmax_rows.len() && s == b.sample_rows.len() {
+            let (b, a, s, l) = (&self.batch, out.argmax.len(), out.sampled.len(), out.logprobs.len());
+            if a == b.argmax_rows.len() && s == b.sample_rows.len() && l == b.logprob_rows.len() {
                 Ok(out)
             } else {
                 Err(mlaserve_core::Error::Backend(format!(
-                    "{a} argmax ids for {} rows, {s} sampled ids for {} rows",
+                    "{a} argmax ids for {} rows, {s} sampled ids for {} rows, {l} logprobs for {} rows",
                     b.argmax_rows.len(),
-                    b.sample_rows.len()
+                    b.sample_rows.len(),
+                    b.logprob_rows.len()
                 )))
             }
         });
@@ -342,7 +343,7 @@ impl<B: Backend> Engine<B> {
         events.reserve(self.batch.seqs.len());
         let mut jobs = std::mem::take(&mut self.jobs);
         jobs.clear();
-        self.verify(&out.argmax, &out.sampled, &mut events, &mut finished, &mut jobs);
+        self.verify(&out, &mut events, &mut finished, &mut jobs);
         let t3 = self.backend.now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
         self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only);
@@ -461,6 +462,8 @@ impl<B: Backend> Engine<B> {
         b.logit_rows.clear();
         b.argmax_rows.clear();
         b.sample_rows.clear();
+        b.edits.clear();
+        b.logprob_rows.clear();
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
             let c = chunk_at(&mut b.seqs, n);
             n += 1;
@@ -491,6 +494,18 @@ impl<B: Backend> Engine<B> {
                     b.sample_rows
                         .extend((0..count).map(|j| sample_row(first + j as u32, &s.params, s.seed, (pos + j) as u64)));
                 }
+                if let Some(top) = s.params.logprobs {
+                    b.logprob_rows.extend((0..count as u32).map(|j| LogprobRow { row: first + j, top }));
+                }
+                if let Some(p) = &s.penalty {
+                    // Row j of a window follows drafts d1..dj: they are the output when it counts.
+                    let drafts = if count > 1 { s.drafts.as_slice() } else { &[] };
+                    for j in 0..count {
+                        let mut e = RowEdits { row: first + j as u32, edits: Vec::new() };
+                        p.row_edits(&s.params, &drafts[..j.min(drafts.len())], &mut e.edits);
+                        b.edits.push(e);
+                    }
+                }
             }
             row += c.tokens.len() as u32;
         }
@@ -512,8 +527,7 @@ impl<B: Backend> Engine<B> {
     /// sequences that go on.
     fn verify(
         &mut self,
-        argmax: &[u32],
-        sampled: &[u32],
+        out: &ForwardOutput<B::Hidden>,
         events: &mut Vec<(RequestId, Event)>,
         finished: &mut Vec<(usize, FinishReason)>,
         jobs: &mut Vec<DraftJob>,
@@ -522,7 +536,9 @@ impl<B: Backend> Engine<B> {
         let used = self.n_mtp.min(k_max);
         // Cursors into the argmax ids (greedy requests) and the sampled ids (the others),
         // both in the order `build_batch` asked for them.
-        let (mut arow, mut srow) = (0usize, 0usize);
+        let (argmax, sampled) = (&out.argmax, &out.sampled);
+        // And into the log-probabilities (requests that asked for them), in the same order.
+        let (mut arow, mut srow, mut lrow) = (0usize, 0usize, 0usize);
         let mut trow = 0usize;
         for (idx, s) in self.running.iter_mut().enumerate() {
             let Some(sched) = s.sched else { continue };
@@ -550,6 +566,11 @@ impl<B: Backend> Engine<B> {
                         }
                     }
                     emitted.truncate(kept);
+                    if s.params.logprobs.is_some() {
+                        lrow += 1 + k;
+                        let lp = out.logprobs[lrow - 1 - k..lrow][..kept].to_vec();
+                        events.push((s.id, Event::Logprobs(lp)));
+                    }
                     // Drafts accepted, and of those the ones emitted; counted without
                     // loops whose length depends on the outcome (mispredicted branches).
                     let emitted_drafts = accepted.min(kept);
@@ -579,6 +600,10 @@ impl<B: Backend> Engine<B> {
                             sampled[srow - 1]
                         };
                         tokens_event(events, s.id, 1).push(tok);
+                        if s.params.logprobs.is_some() {
+                            lrow += 1;
+                            events.push((s.id, Event::Logprobs(vec![out.logprobs[lrow - 1].clone()])));
+                        }
                         fin = s.push_token(tok, &self.eos, self.max_model_len);
                         s.decoding = true;
                         (len, Some(len - 1))

@@ -38,6 +38,7 @@ fn run(mut e: Engine<SyntheticBackend>) -> (Vec<Vec<u32>>, u64) {
             match ev {
                 Event::Tokens(t) => out[ids[&id]].extend(t),
                 Event::Finished { .. } => left -= 1,
+                Event::Logprobs(_) => {}
             }
         }
         e.check_invariants().expect("block accounting");
@@ -117,6 +118,7 @@ fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
                 match ev {
                     Event::Tokens(t) => history.extend(t),
                     Event::Finished { usage: u, .. } => usage = Some(u),
+                    Event::Logprobs(_) => {}
                 }
             }
             e.check_invariants().expect("block accounting");
@@ -213,6 +215,7 @@ fn target_only_blocks_are_reused_with_the_same_output() {
                         match ev {
                             Event::Tokens(t) => history.extend(t),
                             Event::Finished { usage, .. } => cached.push(usage.cached_prompt_tokens),
+                            Event::Logprobs(_) => {}
                         }
                     }
                     e.check_invariants().expect("block accounting");

@@ -32,7 +32,7 @@ pub use mlaserve_core::{sample_from, SampleRow, TargetDist};
 /// restricted to the top-k logits and then to the smallest nucleus of mass `top_p`
 /// ([`mlaserve_core::target_distribution`] with the request's parameters).
 pub fn target_distribution(logits: &[f32], params: &SamplingParams) -> TargetDist {
-    mlaserve_core::target_distribution(logits, params.temperature, params.top_k, params.top_p)
+    mlaserve_core::target_distribution(logits, params.temperature, params.top_k, params.min_p, params.top_p)
 }
 
 /// What the backend needs to sample the token at sequence index `position` of a
@@ -43,6 +43,7 @@ pub fn sample_row(row: u32, params: &SamplingParams, seed: u64, position: u64) -
         temperature: params.temperature,
         top_k: params.top_k,
         top_p: params.top_p,
+        min_p: params.min_p,
         u: uniform(seed, position, Purpose::Sample),
     }
 }

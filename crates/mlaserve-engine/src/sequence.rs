@@ -92,6 +92,8 @@ pub(crate) struct Sequence {
     pub params: SamplingParams,
     /// Submission order; lower is older (FCFS admission, newest-first preemption).
     pub arrival: u64,
+    /// The logit bias and penalty state (`None`: the request edits no logit).
+    pub penalty: Option<Box<crate::penalty::Penalties>>,
     /// The most drafts a window holds: the length of the per-position counts.
     positions: usize,
 }
@@ -99,6 +101,7 @@ pub(crate) struct Sequence {
 impl Sequence {
     pub fn new(id: RequestId, arrival: u64, prompt: Vec<u32>, params: SamplingParams, seed: u64, k: usize) -> Self {
         let usage = Usage { prompt_tokens: prompt.len() as u64, ..Default::default() };
+        let penalty = crate::penalty::Penalties::new(&params, &prompt);
         Sequence {
             id,
             arrival,
@@ -122,6 +125,7 @@ impl Sequence {
             holes_from: usize::MAX,
             registered: 0,
             prefix_chain: Vec::new(),
+            penalty,
         }
     }
 
@@ -179,6 +183,9 @@ impl Sequence {
     pub fn push_token(&mut self, tok: u32, eos: &[u32], max_model_len: usize) -> Option<FinishReason> {
         self.tokens.push(tok);
         self.last_token = tok;
+        if let Some(p) = &mut self.penalty {
+            p.push(tok);
+        }
         self.usage.generated_tokens += 1;
         if !self.params.ignore_eos && eos.contains(&tok) {
             return Some(FinishReason::Stop(StopMatch::Eos(tok)));

@@ -193,9 +193,13 @@ impl Backend for SyntheticBackend {
         for &r in &batch.logit_rows {
             self.logits_for(row_ctx[r as usize], &mut logits);
         }
+        if !batch.edits.is_empty() || !batch.logprob_rows.is_empty() {
+            let c = mlaserve_core::host_choices(batch, |r, row| self.logits_for(row_ctx[r as usize], row));
+            return Ok(ForwardOutput { hidden, logits, argmax: c.argmax, sampled: c.sampled, logprobs: c.logprobs });
+        }
         let argmax = batch.argmax_rows.iter().map(|&r| self.greedy(row_ctx[r as usize])).collect();
         let sampled = self.sample_rows(batch, |r, row| self.logits_for(row_ctx[r], row));
-        Ok(ForwardOutput { hidden, logits, argmax, sampled })
+        Ok(ForwardOutput { hidden, logits, argmax, sampled, logprobs: Vec::new() })
     }
 
     fn mtp_forward(
@@ -256,9 +260,13 @@ impl Backend for SyntheticBackend {
             self.one_hot(preds[r as usize], &mut logits);
         }
         // The argmax of a one-hot row is its hot token.
+        if !batch.edits.is_empty() || !batch.logprob_rows.is_empty() {
+            let c = mlaserve_core::host_choices(batch, |r, row| self.one_hot(preds[r as usize], row));
+            return Ok(ForwardOutput { hidden, logits, argmax: c.argmax, sampled: c.sampled, logprobs: c.logprobs });
+        }
         let argmax = batch.argmax_rows.iter().map(|&r| preds[r as usize]).collect();
         let sampled = self.sample_rows(batch, |r, row| self.one_hot(preds[r], row));
-        Ok(ForwardOutput { hidden, logits, argmax, sampled })
+        Ok(ForwardOutput { hidden, logits, argmax, sampled, logprobs: Vec::new() })
     }
 
     fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {

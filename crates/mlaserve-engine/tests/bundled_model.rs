@@ -34,6 +34,7 @@ fn run_with(prompts: &[Vec<u32>], k: usize, speculation: Speculation, new_tokens
             match ev {
                 Event::Tokens(t) => out.entry(id).or_default().extend(t),
                 Event::Finished { usage, .. } => total.accumulate(&usage),
+                Event::Logprobs(_) => {}
             }
         }
     }

@@ -173,6 +173,7 @@ fn sampled_tokens_backend_path_equals_host_path() {
                     ..Default::default()
                 }],
                 logit_rows: vec![feed.len() as u32 - 1],
+                ..Default::default()
             };
             let logits = backend.forward(&batch).expect("replay step").logits;
             start += feed.len();

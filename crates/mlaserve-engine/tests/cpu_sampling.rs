@@ -103,6 +103,7 @@ fn tiny_v3_next_token_distribution() {
             ..Default::default()
         }],
         logit_rows: vec![22],
+        ..Default::default()
     };
     b.forward(&pre).expect("prefill");
     // Drafts: the target's own argmax chain (a good draft, so later rows get samples).
@@ -113,6 +114,7 @@ fn tiny_v3_next_token_distribution() {
             sample_rows: vec![],
             seqs: vec![SeqChunk { tokens: toks, start_pos: 23, block_table: table.clone(), ..Default::default() }],
             logit_rows: vec![n - 1],
+            ..Default::default()
         };
         mlaserve_engine::sampling::argmax(&b.forward(&probe).expect("probe").logits)
     };
@@ -128,6 +130,7 @@ fn tiny_v3_next_token_distribution() {
             ..Default::default()
         }],
         logit_rows: vec![0, 1, 2],
+        ..Default::default()
     };
     let logits = b.forward(&window).expect("window").logits;
     let mut second_tested = false;

@@ -24,6 +24,7 @@ async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> (Vec<u32>, Finis
                 assert!(rx.recv().await.is_none(), "nothing after Finished");
                 return (toks, reason);
             }
+            Event::Logprobs(_) => {}
         }
     }
     panic!("stream ended without Finished");
@@ -63,6 +64,7 @@ async fn streams_abort_and_stats() {
                 assert_eq!(usage.generated_tokens as usize, first.len() + rest.len());
                 break reason;
             }
+            Some(Event::Logprobs(_)) => {}
             None => panic!("stream ended without Finished"),
         }
     };

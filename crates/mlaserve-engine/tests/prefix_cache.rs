@@ -167,6 +167,7 @@ fn random_operations_with_aborts_leak_nothing() {
                         assert_eq!(reason == FinishReason::Abort, aborted[ids[&id]]);
                         live.retain(|&x| x != id);
                     }
+                    Event::Logprobs(_) => {}
                 }
             }
         }
@@ -216,6 +217,7 @@ fn run_waves(prefix: bool, waves: &[Vec<Request>]) -> (Vec<(Vec<u32>, Usage)>, m
                     Event::Finished { usage: u, .. } => {
                         usage.insert(id, u);
                     }
+                    Event::Logprobs(_) => {}
                 }
             }
             e.check_invariants().expect("block accounting");

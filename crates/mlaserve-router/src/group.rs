@@ -24,7 +24,8 @@ const MAX_BATCH: usize = 256;
 /// What a request hears from its group.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GroupEvent {
-    Tokens(Vec<u32>),
+    /// New tokens, and their log-probabilities when the request asked (else empty).
+    Tokens(Vec<u32>, Vec<mlaserve_proto::worker::TokenLogprobs>),
     Finished(Finished),
     /// The session broke (the group died or hung); no more events will come.
     Lost(String),
@@ -308,7 +309,7 @@ impl Group {
                 paid += r.prompt;
             }
             paid += ev.tokens.len() as u64;
-            let _ = r.tx.send(GroupEvent::Tokens(ev.tokens));
+            let _ = r.tx.send(GroupEvent::Tokens(ev.tokens, ev.logprobs));
         }
         let paid = paid.min(r.owed);
         r.owed -= paid;

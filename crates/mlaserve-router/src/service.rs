@@ -10,7 +10,7 @@ use crate::stop::StopMatcher;
 use crate::validate::{self, validate, ModelLimits, ValidRequest};
 use mlaserve_proto::v1::{
     generation_server::Generation, Finish, FinishReason, GenerateRequest, GenerateResponse, GetModelInfoRequest,
-    ModelInfo, TokenizeRequest, TokenizeResponse, Usage,
+    ModelInfo, TokenLogprobs, TokenizeRequest, TokenizeResponse, Usage,
 };
 use mlaserve_proto::worker::{self as wire};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -286,7 +286,7 @@ impl<'a> Run<'a> {
                 metrics::histogram!("mlaserve_router_overhead_seconds").record(self.arrival.elapsed().as_secs_f64());
                 metrics::counter!("mlaserve_prompt_tokens_total").increment(self.v.prompt.len() as u64);
             }
-            let mut sub = group.submit(self.v.prompt.clone(), self.v.sampling, self.v.stopping.clone());
+            let mut sub = group.submit(self.v.prompt.clone(), self.v.sampling.clone(), self.v.stopping.clone());
             let client = self.tx.clone();
             let end = tokio::select! {
                 biased;
@@ -326,28 +326,28 @@ impl<'a> Run<'a> {
                 Some(ev) => ev,
                 None => return End::Lost("the group dropped the request".into()),
             };
-            let (tokens, finished) = match ev {
-                GroupEvent::Tokens(t) => {
+            let (tokens, logprobs, finished) = match ev {
+                GroupEvent::Tokens(t, l) => {
                     // A finish queued right behind the tokens rides on the same message.
                     match sub.events.try_recv() {
-                        Ok(GroupEvent::Finished(f)) => (t, Some(f)),
+                        Ok(GroupEvent::Finished(f)) => (t, l, Some(f)),
                         Ok(GroupEvent::Lost(why)) => {
-                            if let Err(e) = self.on_tokens(&t, None).await {
+                            if let Err(e) = self.on_tokens(&t, l, None).await {
                                 return e;
                             }
                             return End::Lost(why);
                         }
-                        Ok(GroupEvent::Tokens(more)) => ([t, more].concat(), None),
-                        Err(_) => (t, None),
+                        Ok(GroupEvent::Tokens(more, more_l)) => ([t, more].concat(), [l, more_l].concat(), None),
+                        Err(_) => (t, l, None),
                     }
                 }
-                GroupEvent::Finished(f) => (Vec::new(), Some(f)),
+                GroupEvent::Finished(f) => (Vec::new(), Vec::new(), Some(f)),
                 GroupEvent::Lost(why) => return End::Lost(why),
             };
             if finished.is_some() {
                 sub.mark_done();
             }
-            match self.on_tokens(&tokens, finished).await {
+            match self.on_tokens(&tokens, logprobs, finished).await {
                 Ok(()) => {}
                 Err(end) => {
                     return end;
@@ -357,7 +357,12 @@ impl<'a> Run<'a> {
     }
 
     /// Streams new tokens (and the finish, if any). `Err` ends the request.
-    async fn on_tokens(&mut self, tokens: &[u32], finished: Option<wire::Finished>) -> Result<(), End> {
+    async fn on_tokens(
+        &mut self,
+        tokens: &[u32],
+        logprobs: Vec<wire::TokenLogprobs>,
+        finished: Option<wire::Finished>,
+    ) -> Result<(), End> {
         let now = Instant::now();
         if !tokens.is_empty() {
             match self.last_token {
@@ -376,7 +381,11 @@ impl<'a> Run<'a> {
         }
         let tok = self.st.tokenizer.inner();
         let mut delta = self.decoder.push(tok, tokens).map_err(|e| End::Failed(RouterError::Internal(e)))?;
-        let mut msg = GenerateResponse { token_ids: tokens.to_vec(), ..Default::default() };
+        let logprobs = logprobs
+            .into_iter()
+            .map(|l| TokenLogprobs { logprob: l.logprob, top_token_ids: l.top_token_ids, top_logprobs: l.top_logprobs })
+            .collect();
+        let mut msg = GenerateResponse { token_ids: tokens.to_vec(), logprobs, ..Default::default() };
         if let Some(f) = &finished {
             if f.reason == wire::FinishReason::Error as i32 {
                 let code = Code::from_i32(f.status_code);

@@ -6,7 +6,7 @@
 use crate::error::RouterError;
 use mlaserve_core::request::{self, InvalidField};
 use mlaserve_proto::v1::{generate_request::Prompt, GenerateRequest};
-use mlaserve_proto::worker::{SamplingParams as WireSampling, StoppingCriteria as WireStopping};
+use mlaserve_proto::worker::{LogitBias as WireBias, SamplingParams as WireSampling, StoppingCriteria as WireStopping};
 
 pub use mlaserve_core::request::{DEFAULT_MAX_NEW_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS};
 /// What validation needs to know about the served model.
@@ -58,9 +58,19 @@ pub fn validate(
     limits: ModelLimits,
     tokenize: impl FnOnce(&str) -> Result<Vec<u32>, RouterError>,
 ) -> Result<ValidRequest, RouterError> {
-    let s = req.sampling.unwrap_or_default();
+    let s = req.sampling.clone().unwrap_or_default();
     let (temperature, top_k, top_p) = (s.temperature.unwrap_or(0.0), s.top_k.unwrap_or(0), s.top_p.unwrap_or(1.0));
     request::check_sampling(temperature, top_k as i64, top_p)?;
+    let logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
+    let extra = request::SamplingExtra {
+        presence_penalty: s.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        min_p: s.min_p.unwrap_or(0.0),
+        logit_bias: &logit_bias,
+        logprobs: s.logprobs,
+    };
+    request::check_sampling_extra(extra, limits.vocab_size)?;
     let st = req.stopping.clone().unwrap_or_default();
     request::check_stopping(st.max_new_tokens, &st.stop_token_ids, &st.stop, limits.vocab_size)?;
 
@@ -77,7 +87,18 @@ pub fn validate(
     let max_new_tokens = request::resolve_max_new_tokens(st.max_new_tokens, prompt.len(), limits)?;
     Ok(ValidRequest {
         prompt,
-        sampling: WireSampling { temperature, top_k: top_k as u32, top_p, seed: s.seed },
+        sampling: WireSampling {
+            temperature,
+            top_k: top_k as u32,
+            top_p,
+            seed: s.seed,
+            presence_penalty: extra.presence_penalty,
+            frequency_penalty: extra.frequency_penalty,
+            repetition_penalty: extra.repetition_penalty,
+            min_p: extra.min_p,
+            logit_bias: s.logit_bias.iter().map(|b| WireBias { token_id: b.token_id, bias: b.bias }).collect(),
+            logprobs: s.logprobs,
+        },
         stopping: WireStopping { max_new_tokens, stop_token_ids: st.stop_token_ids, ignore_eos: st.ignore_eos },
         stop: st.stop,
         keep_special_tokens: req.keep_special_tokens,
@@ -150,9 +171,50 @@ mod tests {
         }
         let r = with_sampling(SamplingParams { top_k: Some(-1), ..Default::default() });
         assert_eq!(field_of(&r), "sampling.top_k");
-        let ok =
-            with_sampling(SamplingParams { temperature: Some(0.7), top_k: Some(5), top_p: Some(1.0), seed: Some(3) });
+        let ok = with_sampling(SamplingParams {
+            temperature: Some(0.7),
+            top_k: Some(5),
+            top_p: Some(1.0),
+            seed: Some(3),
+            ..Default::default()
+        });
         assert!(validate(&ok, LIMITS, chars).is_ok());
+    }
+
+    #[test]
+    fn penalties_bias_and_logprobs() {
+        use mlaserve_proto::v1::LogitBias;
+        let bias = |token_id, bias| LogitBias { token_id, bias };
+        let cases = [
+            (SamplingParams { presence_penalty: Some(-2.5), ..Default::default() }, "sampling.presence_penalty"),
+            (SamplingParams { frequency_penalty: Some(3.0), ..Default::default() }, "sampling.frequency_penalty"),
+            (SamplingParams { repetition_penalty: Some(0.0), ..Default::default() }, "sampling.repetition_penalty"),
+            (SamplingParams { min_p: Some(-0.1), ..Default::default() }, "sampling.min_p"),
+            (
+                SamplingParams { logit_bias: vec![bias(1, 0.0), bias(100, 1.0)], ..Default::default() },
+                "sampling.logit_bias[1]",
+            ),
+            (SamplingParams { logprobs: Some(21), ..Default::default() }, "sampling.logprobs"),
+        ];
+        for (s, field) in cases {
+            assert_eq!(field_of(&with_sampling(s)), field);
+        }
+        let v = validate(
+            &with_sampling(SamplingParams {
+                presence_penalty: Some(0.5),
+                frequency_penalty: Some(-0.5),
+                min_p: Some(0.1),
+                logit_bias: vec![bias(7, -100.0)],
+                logprobs: Some(3),
+                ..Default::default()
+            }),
+            LIMITS,
+            chars,
+        )
+        .expect("valid");
+        let s = v.sampling;
+        assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p), (0.5, -0.5, 1.0, 0.1));
+        assert_eq!((s.logit_bias.len(), s.logit_bias[0].token_id, s.logprobs), (1, 7, Some(3)));
     }
 
     #[test]

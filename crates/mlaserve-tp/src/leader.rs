@@ -17,8 +17,8 @@
 use mlaserve_core::backend::{Backend, Batch, ForwardOutput, SeqChunk};
 use mlaserve_core::Collective;
 use mlaserve_core::ModelConfig;
-use mlaserve_core::SampleRow;
 use mlaserve_core::{Error, Result};
+use mlaserve_core::{LogitEdit, LogprobRow, RowEdits, SampleRow};
 use std::collections::VecDeque;
 
 const OP_FORWARD: u32 = 1;
@@ -96,6 +96,7 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
             logits: out.logits,
             argmax: out.argmax,
             sampled: out.sampled,
+            logprobs: out.logprobs,
         })
     }
 
@@ -118,6 +119,7 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
             logits: out.logits,
             argmax: out.argmax,
             sampled: out.sampled,
+            logprobs: out.logprobs,
         })
     }
 
@@ -212,12 +214,33 @@ fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
     w.extend_from_slice(&b.logit_rows);
     w.push(b.argmax_rows.len() as u32);
     w.extend_from_slice(&b.argmax_rows);
-    // Sample rows, six words each: row, temperature bits, top_k, top_p bits, u's bits
-    // (low word, high word); every rank gets the same parameters bit for bit.
+    // Sample rows, seven words each: row, temperature bits, top_k, top_p bits, min_p bits,
+    // u's bits (low word, high word); every rank gets the same parameters bit for bit.
     w.push(b.sample_rows.len() as u32);
     for s in &b.sample_rows {
         let u = s.u.to_bits();
-        w.extend_from_slice(&[s.row, s.temperature.to_bits(), s.top_k, s.top_p.to_bits(), u as u32, (u >> 32) as u32]);
+        w.extend_from_slice(&[
+            s.row,
+            s.temperature.to_bits(),
+            s.top_k,
+            s.top_p.to_bits(),
+            s.min_p.to_bits(),
+            u as u32,
+            (u >> 32) as u32,
+        ]);
+    }
+    // Edits: per row, the row, the count, then four words per edit (token, bias,
+    // repetition and sub bits). Log-probability rows: row and top.
+    w.push(b.edits.len() as u32);
+    for e in &b.edits {
+        w.extend_from_slice(&[e.row, e.edits.len() as u32]);
+        for t in &e.edits {
+            w.extend_from_slice(&[t.token, t.bias.to_bits(), t.repetition.to_bits(), t.sub.to_bits()]);
+        }
+    }
+    w.push(b.logprob_rows.len() as u32);
+    for l in &b.logprob_rows {
+        w.extend_from_slice(&[l.row, l.top]);
     }
 }
 
@@ -255,17 +278,37 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     let argmax_rows = r.take(na)?.to_vec();
     let ns = r.next()? as usize;
     let sample_rows = r
-        .take(ns * 6)?
-        .chunks_exact(6)
+        .take(ns * 7)?
+        .chunks_exact(7)
         .map(|w| SampleRow {
             row: w[0],
             temperature: f32::from_bits(w[1]),
             top_k: w[2],
             top_p: f32::from_bits(w[3]),
-            u: f64::from_bits(w[4] as u64 | (w[5] as u64) << 32),
+            min_p: f32::from_bits(w[4]),
+            u: f64::from_bits(w[5] as u64 | (w[6] as u64) << 32),
         })
         .collect();
-    Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows })
+    let ne = r.next()? as usize;
+    let mut edits = Vec::with_capacity(ne);
+    for _ in 0..ne {
+        let row = r.next()?;
+        let n = r.next()? as usize;
+        let e = r
+            .take(4 * n)?
+            .chunks_exact(4)
+            .map(|w| LogitEdit {
+                token: w[0],
+                bias: f32::from_bits(w[1]),
+                repetition: f32::from_bits(w[2]),
+                sub: f32::from_bits(w[3]),
+            })
+            .collect();
+        edits.push(RowEdits { row, edits: e });
+    }
+    let nl = r.next()? as usize;
+    let logprob_rows = r.take(2 * nl)?.chunks_exact(2).map(|w| LogprobRow { row: w[0], top: w[1] }).collect();
+    Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows, edits, logprob_rows })
 }
 
 #[cfg(test)]
@@ -282,9 +325,14 @@ mod tests {
             logit_rows: vec![2, 3],
             argmax_rows: vec![0, 3],
             sample_rows: vec![
-                SampleRow { row: 1, temperature: 0.7, top_k: 50, top_p: 0.9, u: 0.123_456_789_012_345_67 },
-                SampleRow { row: 3, temperature: 1e-30, top_k: 0, top_p: 1.0, u: 1.0 - f64::EPSILON / 2.0 },
+                SampleRow { row: 1, temperature: 0.7, top_k: 50, top_p: 0.9, min_p: 0.05, u: 0.123_456_789_012_345_67 },
+                SampleRow { row: 3, temperature: 1e-30, top_k: 0, top_p: 1.0, min_p: 0.0, u: 1.0 - f64::EPSILON / 2.0 },
             ],
+            edits: vec![RowEdits {
+                row: 3,
+                edits: vec![LogitEdit { token: 5, bias: -1.5, repetition: 1.2, sub: 0.25 }],
+            }],
+            logprob_rows: vec![LogprobRow { row: 0, top: 5 }, LogprobRow { row: 3, top: 0 }],
         };
         let mut w = Vec::new();
         encode_batch(&b, &mut w);

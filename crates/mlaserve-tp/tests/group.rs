@@ -52,6 +52,7 @@ fn run<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<Vec<Vec<u32>>>
                     return Err(mlaserve_core::Error::Backend(m));
                 }
                 Event::Finished { .. } => done += 1,
+                Event::Logprobs(_) => {}
             }
         }
     }

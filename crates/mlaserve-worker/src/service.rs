@@ -176,7 +176,7 @@ async fn read_session(
             if life.phase() != Phase::Serving {
                 // Before any token: the router takes this as "try another group".
                 let refused = refusal(Code::Unavailable, "the worker group is draining (stopping)".into());
-                let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refused) });
+                let _ = ev_tx.send(Event { id, finished: Some(refused), ..Default::default() });
                 continue;
             }
             // Insert under the lock the task itself takes to remove its entry, so a
@@ -195,7 +195,7 @@ async fn read_session(
         if stopped {
             // Say what happened: the client sees this, not a broken session.
             let why = DRAIN_TIMEOUT_ABORT.to_string();
-            let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refusal(Code::Unavailable, why)) });
+            let _ = ev_tx.send(Event { id, finished: Some(refusal(Code::Unavailable, why)), ..Default::default() });
         }
     }
     if stopped {
@@ -214,6 +214,15 @@ const DRAIN_TIMEOUT_ABORT: &str =
 /// A request's final event when the group could not run it.
 fn refusal(code: Code, error: String) -> Finished {
     Finished { reason: wire::FinishReason::Error as i32, usage: None, error, status_code: code as i32 }
+}
+
+/// A token's log-probabilities on the wire.
+fn wire_logprobs(l: mlaserve_engine::RowLogprobs) -> wire::TokenLogprobs {
+    wire::TokenLogprobs {
+        logprob: l.logprob,
+        top_token_ids: l.top.iter().map(|t| t.0).collect(),
+        top_logprobs: l.top.iter().map(|t| t.1).collect(),
+    }
 }
 
 /// Runs one request: submit, then relay its events until it finishes.
@@ -236,7 +245,14 @@ async fn forward(
         stop_token_ids: st.stop_token_ids,
         stop_sequences: Vec::new(),
         ignore_eos: st.ignore_eos,
+        presence_penalty: sp.presence_penalty,
+        frequency_penalty: sp.frequency_penalty,
+        repetition_penalty: sp.repetition_penalty,
+        min_p: sp.min_p,
+        logit_bias: sp.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
+        logprobs: sp.logprobs,
     };
+    let wants_logprobs = sampling.logprobs.is_some();
     let mut rx = match engine.submit(Request::new(s.prompt, sampling)).await {
         Ok((_, rx)) => rx,
         Err(e) => {
@@ -246,17 +262,30 @@ async fn forward(
                 EngineError::Stopped | EngineError::Failed(_) => (Code::Unavailable, e.to_string()),
                 _ => (Code::Internal, e.to_string()),
             };
-            let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(refusal(code, msg)) });
+            let _ = ev_tx.send(Event { id, finished: Some(refusal(code, msg)), ..Default::default() });
             lock(&live).remove(&id);
             return;
         }
     };
     let mut first_token: Option<f32> = None;
+    let mut held: Option<Vec<u32>> = None;
     while let Some(ev) = rx.recv().await {
         match ev {
+            // With logprobs, the tokens wait for the `Logprobs` event right behind them.
+            EngineEvent::Tokens(tokens) if wants_logprobs => {
+                first_token.get_or_insert_with(|| submitted.elapsed().as_secs_f32());
+                held = Some(tokens);
+            }
             EngineEvent::Tokens(tokens) => {
                 first_token.get_or_insert_with(|| submitted.elapsed().as_secs_f32());
-                if ev_tx.send(Event { id, tokens, finished: None }).is_err() {
+                if ev_tx.send(Event { id, tokens, ..Default::default() }).is_err() {
+                    break;
+                }
+            }
+            EngineEvent::Logprobs(lps) => {
+                let tokens = held.take().unwrap_or_default();
+                let logprobs = lps.into_iter().map(wire_logprobs).collect();
+                if ev_tx.send(Event { id, tokens, finished: None, logprobs }).is_err() {
                     break;
                 }
             }
@@ -284,7 +313,12 @@ async fn forward(
                     cached_prompt_tokens: usage.cached_prompt_tokens as u32,
                 };
                 let finished = Finished { reason: reason as i32, usage: Some(usage), error, status_code: code as i32 };
-                let _ = ev_tx.send(Event { id, tokens: Vec::new(), finished: Some(finished) });
+                let _ = ev_tx.send(Event {
+                    id,
+                    tokens: held.take().unwrap_or_default(),
+                    finished: Some(finished),
+                    logprobs: Vec::new(),
+                });
                 break;
             }
         }

@@ -124,6 +124,7 @@ pub async fn generate(args: GenerateArgs) -> Result<(), ClientError> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            ..Default::default()
         }),
         stopping: Some(StoppingCriteria {
             max_new_tokens: args.max_new_tokens,

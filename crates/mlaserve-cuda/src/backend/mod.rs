@@ -28,6 +28,7 @@
 //! bounded ([`DeviceComm::wait`]): a dead peer fails the step instead of hanging it.
 
 mod graphs;
+mod head;
 mod layer;
 mod load;
 mod memory;
@@ -41,7 +42,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
-use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, SampleRow, BLOCK_SIZE};
+use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, BLOCK_SIZE};
 use mlaserve_model::progress::LoadProgress;
 
 use crate::comm::{DeviceComm, TpInit};
@@ -51,6 +52,7 @@ use crate::gpu::Gpu;
 use crate::layout::AttnMeta;
 use crate::layout::StepLayout;
 use crate::linear::{Gemm, Linear};
+use crate::logit_ops::{DeviceEdits, LogitOps};
 use crate::ops::Ops;
 use crate::prefill::MlaPrefill;
 use crate::rope::RopeTables;
@@ -106,6 +108,7 @@ pub struct CudaBackend {
     silu: SiluMul,
     argmax: Argmax,
     sampler: Sampler,
+    logit_ops: LogitOps,
     mla: MlaDecode,
     prefill: MlaPrefill,
     embed: Embed,
@@ -174,6 +177,11 @@ pub(crate) struct HeadRows {
     /// `Batch::sample_rows`: their rows and their parameters ([`Sampler::params`]).
     pub sample_rows: CudaSlice<i32>,
     pub sample_params: CudaSlice<f64>,
+    /// The logit edits of the argmax rows and of the sample rows.
+    pub argmax_edits: DeviceEdits,
+    pub sample_edits: DeviceEdits,
+    /// (temperature, min_p) of each sample row, when one has a min-p cut.
+    pub min_p: Option<CudaSlice<f64>>,
 }
 
 impl CudaBackend {
@@ -275,6 +283,7 @@ impl CudaBackend {
         let silu = SiluMul::new(&gpu)?;
         let argmax = Argmax::new(&gpu)?;
         let sampler = Sampler::new(&gpu)?;
+        let logit_ops = LogitOps::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
         if opts.decode_kernel {
@@ -296,6 +305,7 @@ impl CudaBackend {
             silu,
             argmax,
             sampler,
+            logit_ops,
             mla,
             prefill,
             embed,
@@ -415,162 +425,6 @@ impl CudaBackend {
         })
     }
 
-    /// Uploads the rows the head serves.
-    fn head_rows_upload(&self, batch: &Batch) -> Result<HeadRows> {
-        let s = &self.gpu.stream;
-        let up = |v: Vec<i32>| s.clone_htod(if v.is_empty() { &[0][..] } else { &v });
-        Ok(HeadRows {
-            logit_rows: up(batch.logit_rows.iter().map(|&r| r as i32).collect())?,
-            argmax_rows: up(batch.argmax_rows.iter().map(|&r| r as i32).collect())?,
-            sample_rows: up(batch.sample_rows.iter().map(|r| r.row as i32).collect())?,
-            sample_params: s.clone_htod(&if batch.sample_rows.is_empty() {
-                vec![0.0; 4]
-            } else {
-                Sampler::params(&batch.sample_rows)
-            })?,
-        })
-    }
-
-    /// This rank's slice of the head's logits for `rows` of `normed` (`[n][h]` f32), on the
-    /// device: `[rows][head.out]` f32 (`idx_d` is `rows` uploaded with the step).
-    fn head_rows(
-        &self,
-        head: &Linear,
-        normed: &CudaSlice<f32>,
-        idx_d: &CudaSlice<i32>,
-        rows: &[u32],
-    ) -> Result<CudaSlice<f32>> {
-        let s = &self.gpu.stream;
-        let h = self.cfg.hidden_size;
-        let mut sel = s.alloc_zeros::<half::bf16>(rows.len() * h)?;
-        self.ops.gather(s, &mut sel, normed, idx_d, rows, h)?;
-        let mut logits = s.alloc_zeros::<f32>(rows.len() * head.out)?;
-        self.gemm.forward(s, head, &sel, rows.len(), &mut logits)?;
-        Ok(logits)
-    }
-
-    /// The head's full logits rows for `rows` of `normed` (`[n][h]` f32), on the device:
-    /// `[rows][vocab]` f32 in vocabulary order (with TP every rank's slice, all-gathered
-    /// and interleaved on the device).
-    fn head_full_rows(
-        &self,
-        head: &Linear,
-        normed: &CudaSlice<f32>,
-        idx_d: &CudaSlice<i32>,
-        rows: &[u32],
-    ) -> Result<CudaSlice<f32>> {
-        let logits = self.head_rows(head, normed, idx_d, rows)?;
-        let Some(comm) = &self.comm else { return Ok(logits) };
-        let s = &self.gpu.stream;
-        let world = comm.world;
-        let mut all = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
-        comm.all_gather(&logits, &mut all)?;
-        // Rank-major `[world][rows][part]` → `[rows][vocab]` on the device.
-        let mut ordered = s.alloc_zeros::<f32>(rows.len() * head.out * world)?;
-        self.ops.interleave_ranks(s, &mut ordered, &all, world, rows.len(), head.out)?;
-        Ok(ordered)
-    }
-
-    /// Vocabulary-parallel head over `rows` of `normed`: logits on the host.
-    fn head_logits(&self, head: &Linear, normed: &CudaSlice<f32>, st: &HeadRows, rows: &[u32]) -> Result<Vec<f32>> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let logits = self.head_full_rows(head, normed, &st.logit_rows, rows)?;
-        self.settle("head all-gather")?;
-        let out = self.gpu.stream.clone_dtoh(&logits)?;
-        self.gpu.sync()?;
-        Ok(out)
-    }
-
-    /// The sampled token of each of `rows` (`Batch::sample_rows`): the full logits rows
-    /// stay on the device, the sampling rule runs there ([`Sampler`]) with the parameters
-    /// uploaded with the step, and one id per row comes to the host. With TP every rank
-    /// samples the same all-gathered rows with the same uniforms (the leader's ids are the
-    /// ones the engine uses).
-    fn head_sample(
-        &self,
-        head: &Linear,
-        normed: &CudaSlice<f32>,
-        st: &HeadRows,
-        rows: &[SampleRow],
-    ) -> Result<Vec<u32>> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let s = &self.gpu.stream;
-        let idx: Vec<u32> = rows.iter().map(|r| r.row).collect();
-        let logits = self.head_full_rows(head, normed, &st.sample_rows, &idx)?;
-        let vocab = logits.len() / rows.len();
-        let mut ids = s.alloc_zeros::<i32>(rows.len())?;
-        self.sampler.sample(s, &logits, vocab, &st.sample_params, &mut ids, rows.len())?;
-        self.settle("head sample")?;
-        let out = s.clone_dtoh(&ids)?;
-        self.gpu.sync()?;
-        Ok(out.into_iter().map(|i| i as u32).collect())
-    }
-
-    /// Vocabulary-parallel greedy choice over `rows` of `normed`: the head's logits stay
-    /// on the device; one id per row comes to the host (with TP: each rank's best value
-    /// and id, all-gathered, the best taken in rank order — lowest id on a tie, as
-    /// `mlaserve_core::argmax`).
-    fn head_argmax(&self, head: &Linear, normed: &CudaSlice<f32>, st: &HeadRows, rows: &[u32]) -> Result<Vec<u32>> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let s = &self.gpu.stream;
-        let n = rows.len();
-        let logits = self.head_rows(head, normed, &st.argmax_rows, rows)?;
-        let Some(comm) = &self.comm else {
-            let mut ids = s.alloc_zeros::<i32>(n)?;
-            self.argmax.argmax(s, &logits, &mut ids, head.out)?;
-            let out = s.clone_dtoh(&ids)?;
-            self.gpu.sync()?;
-            return Ok(out.into_iter().map(|i| i as u32).collect());
-        };
-        let mut pair = s.alloc_zeros::<f32>(2 * n)?;
-        self.argmax.argmax_pair_f32(s, &logits, &mut pair, head.out, comm.rank * head.out)?;
-        let mut all = s.alloc_zeros::<f32>(2 * n * comm.world)?;
-        comm.all_gather(&pair, &mut all)?;
-        self.settle("head argmax all-gather")?;
-        let g = s.clone_dtoh(&all)?;
-        self.gpu.sync()?;
-        Ok((0..n)
-            .map(|r| {
-                let mut best: Option<(f32, u32)> = None;
-                for rk in 0..comm.world {
-                    let (v, i) = (g[(rk * n + r) * 2], g[(rk * n + r) * 2 + 1] as u32);
-                    if !v.is_nan() && best.is_none_or(|(bv, _)| v > bv) {
-                        best = Some((v, i));
-                    }
-                }
-                best.map_or(0, |b| b.1)
-            })
-            .collect())
-    }
-
-    /// Everything a call returns from `head` over `normed`: the logits of `logit_rows`
-    /// on the host, the argmax and the sampled ids of their rows; then waits for the
-    /// stream (bounded under TP, `what` names the call).
-    fn head_outputs(
-        &self,
-        head: &Linear,
-        normed: &CudaSlice<f32>,
-        rows: &HeadRows,
-        batch: &Batch,
-        what: &str,
-    ) -> Result<(Vec<f32>, Vec<u32>, Vec<u32>)> {
-        let logits = self.head_logits(head, normed, rows, &batch.logit_rows)?;
-        self.mark("head (logits to host)")?;
-        let argmax = self.head_argmax(head, normed, rows, &batch.argmax_rows)?;
-        self.mark("head (argmax)")?;
-        let sampled = self.head_sample(head, normed, rows, &batch.sample_rows)?;
-        self.mark("head (sample)")?;
-        self.settle(what)?;
-        self.gpu.sync()?;
-        Ok((logits, argmax, sampled))
-    }
-
     fn validate(&self, batch: &Batch) -> mlaserve_core::Result<()> {
         batch.validate(self.cfg.vocab_size, self.opts.num_blocks, self.cfg.max_position_embeddings)
     }
@@ -591,8 +445,9 @@ impl CudaBackend {
                 normed
             }
         };
-        let (logits, argmax, sampled) = self.head_outputs(&self.lm_head, &normed, &rows, batch, "forward")?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: normed }, logits, argmax, sampled })
+        let o = self.head_outputs(&self.lm_head, &normed, &rows, batch, "forward")?;
+        let hidden = CudaHidden { rows: n, data: normed };
+        Ok(ForwardOutput { hidden, logits: o.logits, argmax: o.argmax, sampled: o.sampled, logprobs: o.logprobs })
     }
 
     /// The target model over a step's rows (the part of a forward a CUDA graph holds):
@@ -664,14 +519,10 @@ impl CudaBackend {
                 (x, normed)
             }
         };
-        let (logits, argmax, sampled) = self.head_outputs(
-            self.mtp[layer].head.as_ref().unwrap_or(&self.lm_head),
-            &normed,
-            &rows,
-            batch,
-            "MTP forward",
-        )?;
-        Ok(ForwardOutput { hidden: CudaHidden { rows: n, data: x }, logits, argmax, sampled })
+        let head = self.mtp[layer].head.as_ref().unwrap_or(&self.lm_head);
+        let o = self.head_outputs(head, &normed, &rows, batch, "MTP forward")?;
+        let hidden = CudaHidden { rows: n, data: x };
+        Ok(ForwardOutput { hidden, logits: o.logits, argmax: o.argmax, sampled: o.sampled, logprobs: o.logprobs })
     }
 
     /// MTP layer `layer` over a step's rows, `hid` (`[n][h]`) holding each row's previous

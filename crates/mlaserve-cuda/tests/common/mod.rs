@@ -138,6 +138,7 @@ pub fn run_to_completion<B: mlaserve_core::Backend>(
                 Event::Tokens(t) => out.entry(id).or_default().extend(t),
                 Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
                 Event::Finished { .. } => done += 1,
+                Event::Logprobs(_) => {}
             }
         }
     }

@@ -240,6 +240,7 @@ pub fn engine_greedy(prompt: &[u32], sampling: mlaserve_engine::SamplingParams, 
             match ev {
                 mlaserve_engine::Event::Tokens(t) => out.extend(t),
                 mlaserve_engine::Event::Finished { .. } => return out,
+                mlaserve_engine::Event::Logprobs(_) => {}
             }
         }
     }

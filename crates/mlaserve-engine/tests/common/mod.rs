@@ -33,6 +33,8 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub reason: FinishReason,
     pub usage: Usage,
+    /// One per token when the request asked for log-probabilities, else empty.
+    pub logprobs: Vec<mlaserve_engine::RowLogprobs>,
 }
 
 /// A request arriving before step `at`.
@@ -70,6 +72,7 @@ pub fn run_all<B: Backend>(engine: &mut Engine<B>, arrivals: &[Arrival]) -> Vec<
     let mut index: HashMap<RequestId, usize> = HashMap::new();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); arrivals.len()];
     let mut done: Vec<Option<(FinishReason, Usage)>> = vec![None; arrivals.len()];
+    let mut logprobs: Vec<Vec<mlaserve_engine::RowLogprobs>> = vec![Vec::new(); arrivals.len()];
     let mut step = 0usize;
     let mut left = arrivals.len();
     while left > 0 {
@@ -91,6 +94,10 @@ pub fn run_all<B: Backend>(engine: &mut Engine<B>, arrivals: &[Arrival]) -> Vec<
                     assert!(done[i].replace((reason, usage)).is_none(), "finished twice");
                     left -= 1;
                 }
+                Event::Logprobs(l) => {
+                    logprobs[i].extend(l);
+                    assert_eq!(logprobs[i].len(), tokens[i].len(), "one logprobs entry per token, right after them");
+                }
             }
         }
         engine.check_invariants().expect("block accounting");
@@ -102,9 +109,11 @@ pub fn run_all<B: Backend>(engine: &mut Engine<B>, arrivals: &[Arrival]) -> Vec<
     tokens
         .into_iter()
         .zip(done)
-        .map(|(tokens, d)| {
+        .zip(logprobs)
+        .map(|((tokens, d), logprobs)| {
             let (reason, usage) = d.expect("finished");
-            Outcome { tokens, reason, usage }
+            assert!(logprobs.is_empty() || logprobs.len() == tokens.len(), "a logprob per token");
+            Outcome { tokens, reason, usage, logprobs }
         })
         .collect()
 }

@@ -12,6 +12,7 @@
 //! queue is full, 503 when no group can serve, 504 past a deadline).
 
 pub mod chat;
+pub mod logprobs;
 pub mod openai;
 pub mod reasoning;
 pub mod tools;
@@ -141,7 +142,7 @@ async fn completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, body:
     let run = async {
         authorize(&st, &headers)?;
         let req: CompletionRequest = parse(&body)?;
-        req.common.check(&st.svc.state.model_name)?;
+        req.common.check(&st.svc.state.model_name, false)?;
         let prompt = req.prompt.into_prompt()?;
         Ok::<_, ApiError>((req.common, prompt))
     };
@@ -155,7 +156,7 @@ async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, 
     let run = async {
         authorize(&st, &headers)?;
         let req: ChatRequest = parse(&body)?;
-        req.common.check(&st.svc.state.model_name)?;
+        req.common.check(&st.svc.state.model_name, true)?;
         let messages = req.messages()?;
         let Some(t) = &st.template else {
             return Err(ApiError::invalid(
@@ -193,7 +194,7 @@ async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt)
     let messages = kind != Kind::Completion;
     let n = common.n.unwrap_or(1).max(1) as usize;
     let start = |i: usize| {
-        let mut req = common.request(prompt.clone());
+        let mut req = common.request(prompt.clone(), messages);
         if let (Some(seed), Some(sp)) = (common.seed, req.sampling.as_mut()) {
             sp.seed = Some(seed.wrapping_add(i as u64));
         }
@@ -228,6 +229,7 @@ async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt)
         created: now_s(),
         model: st.svc.state.model_name.clone(),
         kind,
+        tokenizer: common.logprobs(messages).ok().flatten().map(|_| st.svc.state.tokenizer.clone()),
     };
     let mut merged = tokio_stream::StreamMap::new();
     for (i, c) in choices.into_iter().enumerate() {
@@ -247,6 +249,8 @@ struct Meta {
     created: u64,
     model: String,
     kind: Kind,
+    /// Set when the request asked for log-probabilities: the token strings come from it.
+    tokenizer: Option<Arc<mlaserve_model::Tokenizer>>,
 }
 
 impl Meta {
@@ -263,6 +267,16 @@ impl Meta {
             "id": self.id, "object": self.object(chunk), "created": self.created, "model": self.model,
             "choices": choices, "usage": usage,
         })
+    }
+
+    /// OpenAI's `logprobs` of a choice's tokens (`offset`: where they start in the
+    /// choice's text, advanced past them), or null without them.
+    fn logprobs(&self, g: &logprobs::Gathered, offset: &mut usize) -> Value {
+        let Some(tok) = &self.tokenizer else { return Value::Null };
+        match self.kind {
+            Kind::Completion => logprobs::completion(tok, &g.ids, &g.lps, offset),
+            Kind::Chat { .. } => json!({"content": logprobs::chat_content(tok, &g.ids, &g.lps)}),
+        }
     }
 
     /// One streamed choice: a text delta (and a reasoning delta) and the finish reason
@@ -298,6 +312,7 @@ fn total_usage(usages: &[Option<pb::Usage>]) -> Value {
 /// The whole response as one JSON object.
 async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n: usize) -> Response {
     let mut texts = vec![String::new(); n];
+    let mut gathered = vec![logprobs::Gathered::default(); n];
     let mut finishes: Vec<Option<pb::Finish>> = vec![None; n];
     while let Some((i, msg)) = stream.next().await {
         let msg = match msg {
@@ -305,6 +320,7 @@ async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n
             Err(s) => return ApiError::from_status(&s, meta.kind != Kind::Completion).into_response(),
         };
         texts[i].push_str(&msg.text);
+        gathered[i].push(&msg);
         if msg.finish.is_some() {
             finishes[i] = msg.finish;
         }
@@ -320,8 +336,9 @@ async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n
         .enumerate()
         .map(|(i, (text, f))| {
             let reason = f.as_ref().map(openai::finish_reason);
+            let lp = meta.logprobs(&gathered[i], &mut 0);
             match meta.kind {
-                Kind::Completion => json!({"index": i, "text": text, "logprobs": null, "finish_reason": reason}),
+                Kind::Completion => json!({"index": i, "text": text, "logprobs": lp, "finish_reason": reason}),
                 Kind::Chat { thinking, tools } => {
                     let (reasoning, answer) = reasoning::split(thinking, &text);
                     let mut message = json!({"role": "assistant", "content": answer});
@@ -334,7 +351,7 @@ async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n
                         message["tool_calls"] = tools::to_openai(&format!("{}_{i}", meta.id), &calls);
                         reason = Some("tool_calls");
                     }
-                    json!({"index": i, "message": message, "logprobs": null, "finish_reason": reason})
+                    json!({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
                 }
             }
         })
@@ -357,6 +374,7 @@ fn events(
         let mut splits = vec![reasoning::Splitter::new(thinking); n];
         let mut held = vec![tools::Held::default(); n];
         let mut usages: Vec<Option<pb::Usage>> = vec![None; n];
+        let mut offsets = vec![0usize; n];
         if let Kind::Chat { .. } = meta.kind {
             // Each choice's role first, as OpenAI streams it.
             for i in 0..n {
@@ -394,6 +412,12 @@ fn events(
                 finish = Some("tool_calls");
             }
             let mut chunk = meta.choice(i, &text, &reasoning, finish, false);
+            let has_lp = meta.tokenizer.is_some() && !msg.token_ids.is_empty();
+            if has_lp {
+                let mut g = logprobs::Gathered::default();
+                g.push(&msg);
+                chunk[0]["logprobs"] = meta.logprobs(&g, &mut offsets[i]);
+            }
             if let Some(calls) = &calls {
                 let list = tools::to_openai(&format!("{}_{i}", meta.id), calls);
                 let indexed: Vec<Value> = list
@@ -409,7 +433,7 @@ fn events(
                     .collect();
                 chunk[0]["delta"]["tool_calls"] = Value::Array(indexed);
             }
-            let any = !text.is_empty() || !reasoning.is_empty() || finish.is_some();
+            let any = !text.is_empty() || !reasoning.is_empty() || finish.is_some() || has_lp;
             if any && send(meta.with(true, chunk, Value::Null)).await.is_err() {
                 return; // the client went away: dropping `stream` aborts the requests
             }
@@ -469,7 +493,7 @@ mod tests {
     }
 
     fn meta(kind: Kind) -> Meta {
-        Meta { id: "chatcmpl-7".into(), created: 0, model: "m".into(), kind }
+        Meta { id: "chatcmpl-7".into(), created: 0, model: "m".into(), kind, tokenizer: None }
     }
 
     async fn body(r: Response) -> String {

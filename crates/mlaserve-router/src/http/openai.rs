@@ -65,6 +65,7 @@ fn openai_param(field: &str, messages: bool) -> String {
         "stopping.max_new_tokens" => "max_tokens".into(),
         "stopping.stop" => "stop".into(),
         "stopping.stop_token_ids" => "stop_token_ids".into(),
+        "sampling.logprobs" if messages => "top_logprobs".into(),
         other => other.trim_start_matches("sampling.").to_string(),
     }
 }
@@ -122,9 +123,13 @@ pub struct Common {
 }
 
 impl Common {
-    /// Refuses what is not served yet (never silently ignored) and a model that is not
-    /// the served one.
-    pub fn check(&self, served: &str) -> Result<(), ApiError> {
+    /// Refuses what is not served yet (never silently ignored), malformed `logprobs`,
+    /// `top_logprobs` and `logit_bias` (`chat`: the chat endpoint's forms), and a model
+    /// that is not the served one. The ranges of the sampling values are the generation
+    /// service's (a 400 naming the parameter, from its INVALID_ARGUMENT).
+    pub fn check(&self, served: &str, chat: bool) -> Result<(), ApiError> {
+        self.logprobs(chat)?;
+        self.logit_bias()?;
         if let Some(m) = &self.model {
             if m != served {
                 return Err(ApiError {
@@ -154,14 +159,7 @@ impl Common {
                 return Err(ApiError::invalid("tools", "must be a list"));
             }
         }
-        let unsupported: [(&str, bool); 10] = [
-            ("logprobs", self.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != json!(false))),
-            ("top_logprobs", self.top_logprobs.as_ref().is_some_and(|v| !v.is_null())),
-            ("presence_penalty", self.presence_penalty.is_some_and(|p| p != 0.0)),
-            ("frequency_penalty", self.frequency_penalty.is_some_and(|p| p != 0.0)),
-            ("repetition_penalty", self.repetition_penalty.is_some_and(|p| p != 1.0)),
-            ("min_p", self.min_p.is_some_and(|p| p != 0.0)),
-            ("logit_bias", self.logit_bias.as_ref().is_some_and(|v| v.as_object().is_some_and(|o| !o.is_empty()))),
+        let unsupported: [(&str, bool); 3] = [
             ("echo", self.echo == Some(true)),
             ("suffix", self.suffix.as_ref().is_some_and(|s| !s.is_empty())),
             ("response_format", self.response_format.as_ref().is_some_and(|v| v["type"] != "text")),
@@ -172,8 +170,59 @@ impl Common {
         }
     }
 
-    /// The `mlaserve.v1` request for `prompt`.
-    pub fn request(&self, prompt: Prompt) -> pb::GenerateRequest {
+    /// How many alternatives' log-probabilities to return with each token (`None`: no
+    /// log-probabilities). Chat: `logprobs` true or false, `top_logprobs` 0..=20 only with
+    /// it. Completions: `logprobs` the number of alternatives (0..=20; OpenAI allows 5,
+    /// vLLM 20).
+    pub fn logprobs(&self, chat: bool) -> Result<Option<u32>, ApiError> {
+        let max = mlaserve_core::MAX_TOP_LOGPROBS as u64;
+        let count = |name: &str, v: &Value| match v.as_u64() {
+            Some(n) if n <= max => Ok(n as u32),
+            _ => Err(ApiError::invalid(name, format!("must be an integer in 0..={max}, got {v}"))),
+        };
+        let logprobs = self.logprobs.as_ref().filter(|v| !v.is_null());
+        let top = self.top_logprobs.as_ref().filter(|v| !v.is_null());
+        if !chat {
+            if top.is_some() {
+                return Err(ApiError::invalid("top_logprobs", "is a chat parameter; completions take logprobs: <n>"));
+            }
+            return logprobs.map(|v| count("logprobs", v)).transpose();
+        }
+        let on = match logprobs {
+            None => false,
+            Some(v) => {
+                v.as_bool().ok_or_else(|| ApiError::invalid("logprobs", format!("must be a boolean, got {v}")))?
+            }
+        };
+        match (on, top) {
+            (false, Some(_)) => Err(ApiError::invalid("top_logprobs", "needs logprobs: true")),
+            (false, None) => Ok(None),
+            (true, None) => Ok(Some(0)),
+            (true, Some(v)) => count("top_logprobs", v).map(Some),
+        }
+    }
+
+    /// `logit_bias`: an object of token ids (as strings) to biases.
+    pub fn logit_bias(&self) -> Result<Vec<pb::LogitBias>, ApiError> {
+        let Some(v) = self.logit_bias.as_ref().filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+        let obj =
+            v.as_object().ok_or_else(|| ApiError::invalid("logit_bias", "must be an object of token ids to biases"))?;
+        obj.iter()
+            .map(|(k, b)| {
+                let token_id = k
+                    .parse::<u32>()
+                    .map_err(|_| ApiError::invalid("logit_bias", format!("key `{k}` is not a token id")))?;
+                let bias = b
+                    .as_f64()
+                    .ok_or_else(|| ApiError::invalid("logit_bias", format!("the bias of token {k} is not a number")))?;
+                Ok(pb::LogitBias { token_id, bias: bias as f32 })
+            })
+            .collect()
+    }
+
+    /// The `mlaserve.v1` request for `prompt` (`chat`: the chat endpoint's `logprobs`);
+    /// after [`Common::check`] passed.
+    pub fn request(&self, prompt: Prompt, chat: bool) -> pb::GenerateRequest {
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -187,6 +236,12 @@ impl Common {
                 top_k: self.top_k,
                 top_p: self.top_p,
                 seed: self.seed,
+                presence_penalty: self.presence_penalty,
+                frequency_penalty: self.frequency_penalty,
+                repetition_penalty: self.repetition_penalty,
+                min_p: self.min_p,
+                logit_bias: self.logit_bias().unwrap_or_default(),
+                logprobs: self.logprobs(chat).ok().flatten(),
             }),
             stopping: Some(pb::StoppingCriteria {
                 max_new_tokens: self.max_completion_tokens.or(self.max_tokens),
@@ -356,16 +411,34 @@ mod tests {
 
     #[test]
     fn unsupported_parameters_are_refused_by_name() {
-        let c: Common = serde_json::from_value(json!({"presence_penalty": 0.5})).expect("parses");
-        assert_eq!(c.check("m").unwrap_err().param.as_deref(), Some("presence_penalty"));
-        let c: Common =
-            serde_json::from_value(json!({"presence_penalty": 0.0, "n": 1, "logprobs": null})).expect("parses");
-        assert!(c.check("m").is_ok());
-        let c: Common = serde_json::from_value(json!({"n": 3})).expect("parses");
-        assert!(c.check("m").is_ok());
-        let c: Common = serde_json::from_value(json!({"n": 0})).expect("parses");
-        assert_eq!(c.check("m").unwrap_err().param.as_deref(), Some("n"));
-        let c: Common = serde_json::from_value(json!({"model": "other"})).expect("parses");
-        assert_eq!(c.check("m").unwrap_err().status, StatusCode::NOT_FOUND);
+        let common = |v: Value| -> Common { serde_json::from_value(v).expect("parses") };
+        let param = |c: &Common, chat| c.check("m", chat).unwrap_err().param;
+        assert_eq!(param(&common(json!({"echo": true})), false).as_deref(), Some("echo"));
+        let c = common(json!({"presence_penalty": 0.5, "n": 1, "logprobs": null, "logit_bias": {"7": -3}}));
+        assert!(c.check("m", true).is_ok());
+        assert_eq!(c.logit_bias().unwrap(), vec![pb::LogitBias { token_id: 7, bias: -3.0 }]);
+        assert!(common(json!({"n": 3})).check("m", false).is_ok());
+        assert_eq!(param(&common(json!({"n": 0})), false).as_deref(), Some("n"));
+        assert_eq!(common(json!({"model": "other"})).check("m", false).unwrap_err().status, StatusCode::NOT_FOUND);
+        assert_eq!(param(&common(json!({"logit_bias": {"x": 1}})), false).as_deref(), Some("logit_bias"));
+        assert_eq!(param(&common(json!({"logit_bias": [1]})), false).as_deref(), Some("logit_bias"));
+    }
+
+    #[test]
+    fn logprobs_forms_of_each_endpoint() {
+        let common = |v: Value| -> Common { serde_json::from_value(v).expect("parses") };
+        let chat = |v: Value| common(v).logprobs(true).map_err(|e| e.param.unwrap_or_default());
+        let cmpl = |v: Value| common(v).logprobs(false).map_err(|e| e.param.unwrap_or_default());
+        assert_eq!(chat(json!({})), Ok(None));
+        assert_eq!(chat(json!({"logprobs": true})), Ok(Some(0)));
+        assert_eq!(chat(json!({"logprobs": true, "top_logprobs": 5})), Ok(Some(5)));
+        assert_eq!(chat(json!({"logprobs": false})), Ok(None));
+        assert_eq!(chat(json!({"top_logprobs": 5})), Err("top_logprobs".into()));
+        assert_eq!(chat(json!({"logprobs": true, "top_logprobs": 21})), Err("top_logprobs".into()));
+        assert_eq!(chat(json!({"logprobs": 3})), Err("logprobs".into()));
+        assert_eq!(cmpl(json!({"logprobs": 3})), Ok(Some(3)));
+        assert_eq!(cmpl(json!({"logprobs": 0})), Ok(Some(0)));
+        assert_eq!(cmpl(json!({"logprobs": 30})), Err("logprobs".into()));
+        assert_eq!(cmpl(json!({"logprobs": true})), Err("logprobs".into()));
     }
 }
