@@ -453,3 +453,70 @@ async fn max_model_len_is_the_served_context() {
     assert!(ok.error.is_none(), "{:?}", ok.error);
     assert_eq!(ok.tokens.len(), 10);
 }
+
+/// The sampling surface over gRPC: log-probabilities (one per token, the chosen one the
+/// most likely under greedy), a logit bias that bans the greedy first token, and `n`
+/// choices: each tagged with its index and finished on its own, choice i equal to a
+/// single request with seed + i.
+#[tokio::test]
+async fn logprobs_logit_bias_and_n_choices() {
+    use mlaserve_proto::v1::LogitBias;
+    let mut c = client(shared()).await;
+    let req = |s: SamplingParams| with_sampling(ids_request(vec![5, 6, 7, 8], 6), s);
+    let greedy = collect(&mut c, req(SamplingParams { logprobs: Some(2), ..Default::default() })).await;
+    assert!(greedy.error.is_none(), "{:?}", greedy.error);
+    let lps: Vec<_> = greedy.messages.iter().flat_map(|m| m.logprobs.clone()).collect();
+    assert_eq!(lps.len(), greedy.tokens.len());
+    for (l, &t) in lps.iter().zip(&greedy.tokens) {
+        assert_eq!(l.top_token_ids.len(), 2);
+        assert_eq!(l.top_token_ids[0], t, "greedy picks the most likely token");
+        assert!(l.logprob <= 0.0 && (l.logprob - l.top_logprobs[0]).abs() < 1e-6);
+        assert!(l.top_logprobs[0] >= l.top_logprobs[1]);
+    }
+    let banned = collect(
+        &mut c,
+        req(SamplingParams {
+            logit_bias: vec![LogitBias { token_id: greedy.tokens[0], bias: -100.0 }],
+            ..Default::default()
+        }),
+    )
+    .await;
+    assert_ne!(banned.tokens[0], greedy.tokens[0], "a -100 bias bans the token");
+    assert!(banned.messages.iter().all(|m| m.logprobs.is_empty()), "no logprobs unless asked");
+
+    let sampled =
+        SamplingParams { temperature: Some(1.0), seed: Some(40), presence_penalty: Some(0.5), ..Default::default() };
+    let mut three = req(sampled.clone());
+    three.n = Some(3);
+    let got = collect(&mut c, three).await;
+    assert!(got.error.is_none(), "{:?}", got.error);
+    assert_eq!(got.finals, 3, "one finish per choice");
+    for i in 0..3u32 {
+        let mine: Vec<u32> = got.messages.iter().filter(|m| m.index == i).flat_map(|m| m.token_ids.clone()).collect();
+        let alone = collect(&mut c, req(SamplingParams { seed: Some(40 + i as u64), ..sampled.clone() })).await;
+        assert_eq!(mine, alone.tokens, "choice {i} samples with seed + {i}");
+    }
+    for (n, field) in [(0, "n"), (17, "n")] {
+        let mut r = req(SamplingParams::default());
+        r.n = Some(n);
+        assert_refused(&mut c, r, Code::InvalidArgument, field).await;
+    }
+    assert_refused(
+        &mut c,
+        req(SamplingParams { logprobs: Some(21), ..Default::default() }),
+        Code::InvalidArgument,
+        "sampling.logprobs",
+    )
+    .await;
+    let bad_bias =
+        SamplingParams { logit_bias: vec![LogitBias { token_id: 1 << 30, bias: 1.0 }], ..Default::default() };
+    assert_refused(&mut c, req(bad_bias), Code::InvalidArgument, "sampling.logit_bias[0]").await;
+    assert_refused(
+        &mut c,
+        req(SamplingParams { min_p: Some(2.0), ..Default::default() }),
+        Code::InvalidArgument,
+        "sampling.min_p",
+    )
+    .await;
+    assert_still_serves(&mut c).await;
+}

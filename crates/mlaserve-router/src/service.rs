@@ -16,9 +16,10 @@ use mlaserve_proto::worker::{self as wire};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status};
+use tracing::Instrument as _;
 
 /// Prompts longer than this (bytes) are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 16 << 10;
@@ -128,6 +129,11 @@ impl Generation for GenerationService {
                 }
                 _ => validate(&req, limits, |t| RouterState::tokenize_blocking(&st.tokenizer, t))?,
             };
+            // One admission slot per choice.
+            let mut permits = vec![permit];
+            for _ in 1..valid.n {
+                permits.push(st.admission.try_admit()?);
+            }
             if st.pool.ready_count() == 0 {
                 return Err(RouterError::NoGroup);
             }
@@ -136,10 +142,10 @@ impl Generation for GenerationService {
             } else {
                 req.request_id.clone()
             };
-            Ok((permit, deadline, valid, id))
+            Ok((permits, deadline, valid, id))
         }
         .await;
-        let (permit, deadline, valid, id) = match outcome {
+        let (permits, deadline, valid, id) = match outcome {
             Ok(x) => x,
             Err(e) => {
                 metrics::counter!("mlaserve_requests_total", "outcome" => outcome_label(e.code())).increment(1);
@@ -152,27 +158,24 @@ impl Generation for GenerationService {
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let state = st.clone();
         let span = tracing::info_span!("request", request_id = %id);
-        let task = async move {
-            let mut run = Run::new(&state, valid, id, arrival, tx.clone());
-            let res = run.drive(deadline).await;
-            let label = match &res {
-                Ok(reason) => reason,
-                Err(e) => outcome_label(e.code()),
-            };
-            metrics::counter!("mlaserve_requests_total", "outcome" => label).increment(1);
-            metrics::histogram!("mlaserve_request_duration_seconds").record(arrival.elapsed().as_secs_f64());
-            let ms = arrival.elapsed().as_millis() as u64;
-            match &res {
-                Ok(reason) => tracing::info!(outcome = reason, ms, "request finished"),
-                Err(e) => tracing::info!(outcome = label, ms, error = %e, "request failed"),
+        let choices = async move {
+            let mut permits = permits.into_iter();
+            let (first_tx, first_rx) = oneshot::channel();
+            let choice = Choice { state: state.clone(), v: valid.clone(), id: id.clone(), arrival, deadline };
+            tokio::spawn(choice.run(tx.clone(), 0, Some(first_tx), permits.next()).in_current_span());
+            if valid.n > 1 {
+                // The others once the first has its prompt cached (or ended).
+                let _ = first_rx.await;
+                for i in 1..valid.n {
+                    let mut v = valid.clone();
+                    v.sampling.seed = v.sampling.seed.map(|s| s.wrapping_add(i as u64));
+                    let choice = Choice { state: state.clone(), v, id: id.clone(), arrival, deadline };
+                    tokio::spawn(choice.run(tx.clone(), i, None, permits.next()).in_current_span());
+                }
             }
-            if let Err(e) = res {
-                let _ = tx.send(Err(e.into())).await;
-            }
-            drop(permit);
-            metrics::gauge!("mlaserve_router_in_flight").set(state.admission.in_flight() as f64);
         };
-        tokio::spawn(tracing::Instrument::instrument(task, span));
+        tokio::spawn(tracing::Instrument::instrument(choices, span));
+        metrics::gauge!("mlaserve_router_in_flight").set(st.admission.in_flight() as f64);
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -221,6 +224,51 @@ fn outcome_label(code: Code) -> &'static str {
     }
 }
 
+/// One choice of a request (`GenerateRequest.n`), ready to run.
+struct Choice {
+    state: Arc<RouterState>,
+    v: ValidRequest,
+    id: String,
+    arrival: Instant,
+    deadline: Option<(Instant, Duration)>,
+}
+
+impl Choice {
+    /// Drives the choice to its end, sending its messages (tagged `index`) and its error
+    /// to `tx`; `first` is told when its first message went out (or it ended). Holds its
+    /// admission slot until then.
+    async fn run(
+        self,
+        tx: mpsc::Sender<Result<GenerateResponse, Status>>,
+        index: u32,
+        first: Option<oneshot::Sender<()>>,
+        permit: Option<crate::admission::Permit>,
+    ) {
+        let Choice { state, v, id, arrival, deadline } = self;
+        let mut run = Run::new(&state, v, id, arrival, tx.clone());
+        run.index = index;
+        run.first = first;
+        let res = run.drive(deadline).await;
+        let label = match &res {
+            Ok(reason) => reason,
+            Err(e) => outcome_label(e.code()),
+        };
+        metrics::counter!("mlaserve_requests_total", "outcome" => label).increment(1);
+        metrics::histogram!("mlaserve_request_duration_seconds").record(arrival.elapsed().as_secs_f64());
+        let ms = arrival.elapsed().as_millis() as u64;
+        match &res {
+            Ok(reason) => tracing::info!(outcome = reason, ms, index, "request finished"),
+            Err(e) => tracing::info!(outcome = label, ms, index, error = %e, "request failed"),
+        }
+        if let Err(e) = res {
+            let _ = tx.send(Err(e.into())).await;
+        }
+        drop(run);
+        drop(permit);
+        metrics::gauge!("mlaserve_router_in_flight").set(state.admission.in_flight() as f64);
+    }
+}
+
 /// One request being streamed.
 struct Run<'a> {
     st: &'a RouterState,
@@ -234,6 +282,10 @@ struct Run<'a> {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     sent_first: bool,
+    /// The choice's index (`GenerateResponse.index`).
+    index: u32,
+    /// Told when the first message went out.
+    first: Option<oneshot::Sender<()>>,
 }
 
 impl<'a> Run<'a> {
@@ -258,6 +310,8 @@ impl<'a> Run<'a> {
             first_token: None,
             last_token: None,
             sent_first: false,
+            index: 0,
+            first: None,
         }
     }
 
@@ -461,7 +515,11 @@ impl<'a> Run<'a> {
     }
 
     async fn send(&mut self, mut msg: GenerateResponse) -> Result<(), End> {
+        msg.index = self.index;
         if !self.sent_first {
+            if let Some(f) = self.first.take() {
+                let _ = f.send(());
+            }
             self.sent_first = true;
             msg.request_id = self.id.clone();
             if self.v.echo_prompt_ids {

@@ -21,7 +21,12 @@ pub struct ValidRequest {
     pub stop: Vec<String>,
     pub keep_special_tokens: bool,
     pub echo_prompt_ids: bool,
+    /// Choices to generate (`GenerateRequest.n`).
+    pub n: u32,
 }
+
+/// Most choices (`GenerateRequest.n`) one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
 
 impl From<InvalidField> for RouterError {
     fn from(e: InvalidField) -> Self {
@@ -71,6 +76,10 @@ pub fn validate(
         logprobs: s.logprobs,
     };
     request::check_sampling_extra(extra, limits.vocab_size)?;
+    let n = req.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
+        return Err(RouterError::invalid("n", format!("must be in 1..={MAX_CHOICES}, got {n}")));
+    }
     let st = req.stopping.clone().unwrap_or_default();
     request::check_stopping(st.max_new_tokens, &st.stop_token_ids, &st.stop, limits.vocab_size)?;
 
@@ -94,7 +103,7 @@ pub fn validate(
             seed: s.seed,
             presence_penalty: extra.presence_penalty,
             frequency_penalty: extra.frequency_penalty,
-            repetition_penalty: extra.repetition_penalty,
+            repetition_penalty: Some(extra.repetition_penalty),
             min_p: extra.min_p,
             logit_bias: s.logit_bias.iter().map(|b| WireBias { token_id: b.token_id, bias: b.bias }).collect(),
             logprobs: s.logprobs,
@@ -103,6 +112,7 @@ pub fn validate(
         stop: st.stop,
         keep_special_tokens: req.keep_special_tokens,
         echo_prompt_ids: req.echo_prompt_ids,
+        n,
     })
 }
 
@@ -213,7 +223,10 @@ mod tests {
         )
         .expect("valid");
         let s = v.sampling;
-        assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p), (0.5, -0.5, 1.0, 0.1));
+        assert_eq!(
+            (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p),
+            (0.5, -0.5, Some(1.0), 0.1)
+        );
         assert_eq!((s.logit_bias.len(), s.logit_bias[0].token_id, s.logprobs), (1, 7, Some(3)));
     }
 

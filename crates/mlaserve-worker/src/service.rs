@@ -247,7 +247,7 @@ async fn forward(
         ignore_eos: st.ignore_eos,
         presence_penalty: sp.presence_penalty,
         frequency_penalty: sp.frequency_penalty,
-        repetition_penalty: sp.repetition_penalty,
+        repetition_penalty: sp.repetition_penalty.unwrap_or(1.0),
         min_p: sp.min_p,
         logit_bias: sp.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
         logprobs: sp.logprobs,
