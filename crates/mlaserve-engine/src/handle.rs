@@ -188,7 +188,9 @@ fn handle_command<B: Backend>(
 ) {
     match cmd {
         Command::Submit { req, reply } => {
-            let cap = (req.sampling.max_new_tokens as usize).saturating_add(2);
+            // A `Tokens` event per token at most (and a `Logprobs` after each), one `Finished`.
+            let per_token = if req.sampling.logprobs.is_some() { 2 } else { 1 };
+            let cap = (req.sampling.max_new_tokens as usize).saturating_mul(per_token).saturating_add(2);
             let res = engine.add_request(req).map(|id| {
                 let (tx, rx) = mpsc::channel(cap);
                 streams.insert(id, tx);

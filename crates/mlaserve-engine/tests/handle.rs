@@ -113,3 +113,34 @@ async fn backend_construction_error_is_reported() {
     .await;
     assert!(matches!(r, Err(EngineError::Backend(_))));
 }
+
+/// A stream read only after its request finished still holds every event: with logprobs
+/// a `Logprobs` follows each `Tokens` (one token per step without drafts), and the
+/// `Finished` at the end must not be dropped for want of room.
+#[tokio::test]
+async fn an_unread_stream_with_logprobs_keeps_its_finish() {
+    let cfg = EngineConfig { num_speculative_tokens: Some(0), ..Default::default() };
+    let h = EngineHandle::spawn(move || Ok(SyntheticBackend::new(64, 2, 64, 4096)), cfg).await.expect("spawn");
+    let sp = SamplingParams { max_new_tokens: 40, ignore_eos: true, logprobs: Some(1), ..Default::default() };
+    let (_, mut rx) = h.submit(Request::new(vec![5, 6, 7], sp)).await.expect("submit");
+    // Wait until the engine is idle again: the request ran to its end unread.
+    for _ in 0..500 {
+        if h.stats().await.expect("stats").finished_requests == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (mut tokens, mut logprobs, mut finished) = (0, 0, false);
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Tokens(t) => tokens += t.len(),
+            Event::Logprobs(l) => logprobs += l.len(),
+            Event::Finished { reason, .. } => {
+                assert_eq!(reason, FinishReason::Length);
+                finished = true;
+            }
+        }
+    }
+    assert!(finished, "the Finished event was dropped");
+    assert_eq!((tokens, logprobs), (40, 40));
+}
