@@ -14,6 +14,9 @@ use tokio::net::TcpListener;
 const LATENCY_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 
+/// Finer buckets for the router's relay latency (its goal is well under a millisecond).
+const RELAY_BUCKETS: &[f64] = &[0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0];
+
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 /// The process's Prometheus recorder, installed on first use. `None` if another
@@ -23,6 +26,8 @@ pub fn handle() -> Option<PrometheusHandle> {
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full("mlaserve_router_relay_seconds".into()), RELAY_BUCKETS)
                 .ok()?;
             let h = builder.install_recorder().ok()?;
             describe();
@@ -92,6 +97,12 @@ pub fn describe() {
         "mlaserve_router_overhead_seconds",
         Unit::Seconds,
         "Router time before a request reaches a group (validation, tokenization, admission, picking)"
+    );
+    describe_histogram!(
+        "mlaserve_router_relay_seconds",
+        Unit::Seconds,
+        "Per streamed message with tokens: from the router receiving them from the group to the message leaving \
+         the router (label api: grpc when tonic takes it, http when its server-sent event is written)"
     );
     describe_gauge!("mlaserve_requests_running", "Requests holding KV blocks in a group");
     describe_gauge!("mlaserve_requests_waiting", "Requests queued in a group");

@@ -24,8 +24,9 @@ const MAX_BATCH: usize = 256;
 /// What a request hears from its group.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GroupEvent {
-    /// New tokens, and their log-probabilities when the request asked (else empty).
-    Tokens(Vec<u32>, Vec<mlaserve_proto::worker::TokenLogprobs>),
+    /// New tokens, their log-probabilities when the request asked (else empty), and when
+    /// the router received them.
+    Tokens(Vec<u32>, Vec<mlaserve_proto::worker::TokenLogprobs>, std::time::Instant),
     Finished(Finished),
     /// The session broke (the group died or hung); no more events will come.
     Lost(String),
@@ -309,7 +310,7 @@ impl Group {
                 paid += r.prompt;
             }
             paid += ev.tokens.len() as u64;
-            let _ = r.tx.send(GroupEvent::Tokens(ev.tokens, ev.logprobs));
+            let _ = r.tx.send(GroupEvent::Tokens(ev.tokens, ev.logprobs, std::time::Instant::now()));
         }
         let paid = paid.min(r.owed);
         r.owed -= paid;

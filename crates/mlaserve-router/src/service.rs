@@ -99,15 +99,34 @@ pub struct GenerationService {
     pub state: Arc<RouterState>,
 }
 
-type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
+type GenerateStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl Generation for GenerationService {
-    type GenerateStream = GenerateStream;
+/// A message of a generation stream, with when the router received the first of its
+/// tokens from the group (`None`: a message without tokens): the front end that writes
+/// it out records the router's relay latency (`mlaserve_router_relay_seconds`).
+#[derive(Debug)]
+pub struct Timed {
+    pub msg: GenerateResponse,
+    pub from: Option<Instant>,
+}
 
+/// Records the router's relay latency of a message leaving through `api`.
+pub fn record_relay(from: Option<Instant>, api: &'static str) {
+    if let Some(f) = from {
+        metrics::histogram!("mlaserve_router_relay_seconds", "api" => api).record(f.elapsed().as_secs_f64());
+    }
+}
+
+impl GenerationService {
+    /// `Generate`, its messages timed ([`Timed`]): the gRPC front and the HTTP front
+    /// both drive it.
     #[tracing::instrument(skip_all, fields(request_id))]
-    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+    pub async fn generate_timed(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<ReceiverStream<Result<Timed, Status>>, Status> {
         let arrival = Instant::now();
+
         let st = &self.state;
         let outcome = async {
             if st.draining.load(Ordering::Acquire) {
@@ -176,7 +195,24 @@ impl Generation for GenerationService {
         };
         tokio::spawn(tracing::Instrument::instrument(choices, span));
         metrics::gauge!("mlaserve_router_in_flight").set(st.admission.in_flight() as f64);
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(ReceiverStream::new(rx))
+    }
+}
+
+#[tonic::async_trait]
+impl Generation for GenerationService {
+    type GenerateStream = GenerateStream;
+
+    #[tracing::instrument(skip_all, fields(request_id))]
+    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        use tokio_stream::StreamExt as _;
+        let rx = self.generate_timed(request).await?;
+        Ok(Response::new(Box::pin(rx.map(|r| {
+            r.map(|t| {
+                record_relay(t.from, "grpc");
+                t.msg
+            })
+        }))))
     }
 
     async fn tokenize(&self, request: Request<TokenizeRequest>) -> Result<Response<TokenizeResponse>, Status> {
@@ -239,7 +275,7 @@ impl Choice {
     /// admission slot until then.
     async fn run(
         self,
-        tx: mpsc::Sender<Result<GenerateResponse, Status>>,
+        tx: mpsc::Sender<Result<Timed, Status>>,
         index: u32,
         first: Option<oneshot::Sender<()>>,
         permit: Option<crate::admission::Permit>,
@@ -275,7 +311,7 @@ struct Run<'a> {
     v: ValidRequest,
     id: String,
     arrival: Instant,
-    tx: mpsc::Sender<Result<GenerateResponse, Status>>,
+    tx: mpsc::Sender<Result<Timed, Status>>,
     decoder: IncrementalDecoder,
     stops: StopMatcher,
     completion: u32,
@@ -286,6 +322,8 @@ struct Run<'a> {
     index: u32,
     /// Told when the first message went out.
     first: Option<oneshot::Sender<()>>,
+    /// When the router received the oldest tokens not yet sent on.
+    relay_from: Option<Instant>,
 }
 
 impl<'a> Run<'a> {
@@ -294,7 +332,7 @@ impl<'a> Run<'a> {
         v: ValidRequest,
         id: String,
         arrival: Instant,
-        tx: mpsc::Sender<Result<GenerateResponse, Status>>,
+        tx: mpsc::Sender<Result<Timed, Status>>,
     ) -> Self {
         let decoder = IncrementalDecoder::new(&v.prompt, !v.keep_special_tokens);
         let stops = StopMatcher::new(v.stop.clone());
@@ -312,6 +350,7 @@ impl<'a> Run<'a> {
             sent_first: false,
             index: 0,
             first: None,
+            relay_from: None,
         }
     }
 
@@ -381,7 +420,8 @@ impl<'a> Run<'a> {
                 None => return End::Lost("the group dropped the request".into()),
             };
             let (tokens, logprobs, finished) = match ev {
-                GroupEvent::Tokens(t, l) => {
+                GroupEvent::Tokens(t, l, at) => {
+                    self.relay_from.get_or_insert(at);
                     // A finish queued right behind the tokens rides on the same message.
                     match sub.events.try_recv() {
                         Ok(GroupEvent::Finished(f)) => (t, l, Some(f)),
@@ -391,7 +431,7 @@ impl<'a> Run<'a> {
                             }
                             return End::Lost(why);
                         }
-                        Ok(GroupEvent::Tokens(more, more_l)) => ([t, more].concat(), [l, more_l].concat(), None),
+                        Ok(GroupEvent::Tokens(more, more_l, _)) => ([t, more].concat(), [l, more_l].concat(), None),
                         Err(_) => (t, l, None),
                     }
                 }
@@ -526,7 +566,8 @@ impl<'a> Run<'a> {
                 msg.prompt_token_ids = self.v.prompt.clone();
             }
         }
-        self.tx.send(Ok(msg)).await.map_err(|_| End::ClientGone)
+        let from = if msg.token_ids.is_empty() { None } else { self.relay_from.take() };
+        self.tx.send(Ok(Timed { msg, from })).await.map_err(|_| End::ClientGone)
     }
 }
 

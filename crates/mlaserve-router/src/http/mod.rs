@@ -17,7 +17,7 @@ pub mod openai;
 pub mod reasoning;
 pub mod tools;
 
-use crate::service::GenerationService;
+use crate::service::{record_relay, GenerationService, Timed};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -27,7 +27,6 @@ use axum::routing::{get, post};
 use axum::Json;
 use chat::ChatTemplate;
 use mlaserve_cluster::auth::Keys;
-use mlaserve_proto::v1::generation_server::Generation;
 use mlaserve_proto::v1::{self as pb, generate_request::Prompt};
 use openai::{ApiError, ChatRequest, Common, CompletionRequest};
 use serde_json::{json, Value};
@@ -183,7 +182,7 @@ async fn chat_completions(State(st): State<Arc<HttpState>>, headers: HeaderMap, 
 }
 
 /// One choice's stream of `mlaserve.v1` messages.
-type Choice = std::pin::Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Send>>;
+type Choice = std::pin::Pin<Box<dyn Stream<Item = Result<Timed, tonic::Status>> + Send>>;
 
 /// Runs the request through the generation service — `n` of them for `n` choices —
 /// and answers as JSON or SSE. With `n` > 1 the first choice runs alone until its first
@@ -199,7 +198,7 @@ async fn respond(st: Arc<HttpState>, kind: Kind, common: Common, prompt: Prompt)
             sp.seed = Some(seed.wrapping_add(i as u64));
         }
         let svc = st.svc.clone();
-        async move { svc.generate(tonic::Request::new(req)).await.map(|r| Box::pin(r.into_inner()) as Choice) }
+        async move { svc.generate_timed(tonic::Request::new(req)).await.map(|r| Box::pin(r) as Choice) }
     };
     let mut choices: Vec<Choice> = Vec::with_capacity(n);
     match start(0).await {
@@ -316,7 +315,7 @@ async fn whole(meta: Meta, mut stream: tokio_stream::StreamMap<usize, Choice>, n
     let mut finishes: Vec<Option<pb::Finish>> = vec![None; n];
     while let Some((i, msg)) = stream.next().await {
         let msg = match msg {
-            Ok(m) => m,
+            Ok(m) => m.msg,
             Err(s) => return ApiError::from_status(&s, meta.kind != Kind::Completion).into_response(),
         };
         texts[i].push_str(&msg.text);
@@ -384,8 +383,8 @@ fn events(
             }
         }
         while let Some((i, msg)) = stream.next().await {
-            let msg = match msg {
-                Ok(m) => m,
+            let (msg, relay_from) = match msg {
+                Ok(m) => (m.msg, m.from),
                 Err(s) => {
                     let _ = send(ApiError::from_status(&s, meta.kind != Kind::Completion).body()).await;
                     return;
@@ -434,8 +433,11 @@ fn events(
                 chunk[0]["delta"]["tool_calls"] = Value::Array(indexed);
             }
             let any = !text.is_empty() || !reasoning.is_empty() || finish.is_some() || has_lp;
-            if any && send(meta.with(true, chunk, Value::Null)).await.is_err() {
-                return; // the client went away: dropping `stream` aborts the requests
+            if any {
+                if send(meta.with(true, chunk, Value::Null)).await.is_err() {
+                    return; // the client went away: dropping `stream` aborts the requests
+                }
+                record_relay(relay_from, "http");
             }
         }
         if include_usage {
@@ -477,7 +479,7 @@ mod tests {
     /// A choice whose messages carry `texts`, the last one finishing with usage.
     fn choice(texts: &[&str]) -> Choice {
         let n = texts.len();
-        let msgs: Vec<Result<pb::GenerateResponse, tonic::Status>> = texts
+        let msgs: Vec<Result<Timed, tonic::Status>> = texts
             .iter()
             .enumerate()
             .map(|(i, t)| {
@@ -486,7 +488,8 @@ mod tests {
                     usage: Some(pb::Usage { prompt_tokens: 5, completion_tokens: n as u32, ..Default::default() }),
                     ..Default::default()
                 });
-                Ok(pb::GenerateResponse { text: t.to_string(), finish, ..Default::default() })
+                let msg = pb::GenerateResponse { text: t.to_string(), finish, ..Default::default() };
+                Ok(Timed { msg, from: None })
             })
             .collect();
         Box::pin(tokio_stream::iter(msgs))
