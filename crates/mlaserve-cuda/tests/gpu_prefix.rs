@@ -189,3 +189,62 @@ fn chunked_prefill_keeps_every_output_one_gpu() {
     }
     assert!(failed.is_empty(), "chunking changed outputs: {failed:?}");
 }
+
+/// One prompt of 300 tokens of the bundled model prefilled whole and in two chunks split
+/// at each of several points (a fresh cache each time): the logits of its last row, bit
+/// for bit, under each batch-invariant option set. Prints the largest difference per
+/// split (0 where chunking is invariant); asserts the absorbed-prefill options, which the
+/// engine-level test finds exact, and reports the expanded form's.
+#[test]
+fn one_prompt_whole_vs_two_chunks_one_gpu() {
+    use mlaserve_core::{Batch, SeqChunk};
+    if !require_gpu() {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let prompt = ids(77, 300, 4096);
+    let table: Vec<u32> = (0..8).collect();
+    let last_logits = |b: &mut CudaBackend, splits: &[usize]| {
+        let mut start = 0;
+        let mut out = Vec::new();
+        for (i, &end) in splits.iter().chain([prompt.len()].iter()).enumerate() {
+            let last = i == splits.len();
+            let batch = Batch {
+                seqs: vec![SeqChunk {
+                    tokens: prompt[start..end].to_vec(),
+                    start_pos: start,
+                    block_table: table.clone(),
+                    prefill: true,
+                }],
+                logit_rows: if last { vec![(end - start - 1) as u32] } else { vec![] },
+                ..Default::default()
+            };
+            out = b.forward(&batch).expect("forward").logits;
+            start = end;
+        }
+        out
+    };
+    let tc = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let mut failed = Vec::new();
+    for (mode, opts) in [
+        ("tensor cores (expanded prompts)", tc),
+        ("tensor cores, GEMMs mma.sync", CudaOptions { linear_tc: TcKernels::MmaSync, ..tc }),
+        ("tensor cores, GEMMs wgmma", CudaOptions { linear_tc: TcKernels::WgmmaTma, ..tc }),
+        ("tensor cores, prefill mma.sync", CudaOptions { prefill_kernel: PrefillKernel::MmaSync, ..tc }),
+        ("tensor cores, CUDA-core GEMMs", CudaOptions { gemm: GemmMode::BatchInvariant, ..tc }),
+        ("tensor cores, absorbed prefill", CudaOptions { prefill: PrefillPath::Absorbed, ..tc }),
+        ("CUDA cores", CudaOptions::new(BLOCKS, 0).batch_invariant_cuda_cores()),
+    ] {
+        let mut b = CudaBackend::load_with(&dir, opts).expect("load");
+        let whole = last_logits(&mut b, &[]);
+        for split in [1, 2, 8, 16, 17, 63, 64, 100, 299] {
+            let chunked = last_logits(&mut b, &[split]);
+            let diff = whole.iter().zip(&chunked).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            println!("{mode}: split at {split}: largest logit difference {diff:e}");
+            if diff != 0.0 && opts.prefill != PrefillPath::Flagged {
+                failed.push(format!("{mode} at {split}"));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "chunking changed the logits: {failed:?}");
+}
