@@ -129,7 +129,11 @@ __device__ __forceinline__ void softmax_tile(const Score& score, float scale_log
         mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
         mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
         ms[i] = mx[i] == -MLAS_INF ? 0.f : mx[i] * scale_log2;
-        alpha[i] = fast_exp2(m[i] * scale_log2 - ms[i]);
+        // Exactly 1 while the max holds: computed, m·scale − ms is the rounding residual
+        // of ms (an FMA keeps it), and a tile wholly past the row's position (a CTA whose
+        // rows reach further walks more of them) would rescale the row's sums and change
+        // their last bits with the CTA's extent.
+        alpha[i] = mx[i] == m[i] ? 1.f : fast_exp2(m[i] * scale_log2 - ms[i]);
         m[i] = mx[i];
     }
     float rs[2] = {0.f, 0.f};
