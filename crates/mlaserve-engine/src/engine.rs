@@ -498,11 +498,11 @@ impl<B: Backend> Engine<B> {
                     b.logprob_rows.extend((0..count as u32).map(|j| LogprobRow { row: first + j, top }));
                 }
                 if let Some(p) = &s.penalty {
-                    // Row j of a window follows drafts d1..dj: they are the output when it counts.
-                    let drafts = if count > 1 { s.drafts.as_slice() } else { &[] };
+                    // Row j of a window follows drafts d1..dj: they are the output when it counts
+                    // (a prefill's one row follows none).
                     for j in 0..count {
                         let mut e = RowEdits { row: first + j as u32, edits: Vec::new() };
-                        p.row_edits(&s.params, &drafts[..j.min(drafts.len())], &mut e.edits);
+                        p.row_edits(&s.params, &s.drafts.as_slice()[..j], &mut e.edits);
                         b.edits.push(e);
                     }
                 }

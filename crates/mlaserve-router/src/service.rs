@@ -177,12 +177,16 @@ impl GenerationService {
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let state = st.clone();
         let span = tracing::info_span!("request", request_id = %id);
-        let choices = async move {
-            let mut permits = permits.into_iter();
-            let (first_tx, first_rx) = oneshot::channel();
-            let choice = Choice { state: state.clone(), v: valid.clone(), id: id.clone(), arrival, deadline };
-            tokio::spawn(choice.run(tx.clone(), 0, Some(first_tx), permits.next()).in_current_span());
-            if valid.n > 1 {
+        let mut permits = permits.into_iter();
+        if valid.n == 1 {
+            // One choice: no coordinator, nothing copied.
+            let choice = Choice { state, v: valid, id, arrival, deadline };
+            tokio::spawn(choice.run(tx, 0, None, permits.next()).instrument(span));
+        } else {
+            let choices = async move {
+                let (first_tx, first_rx) = oneshot::channel();
+                let choice = Choice { state: state.clone(), v: valid.clone(), id: id.clone(), arrival, deadline };
+                tokio::spawn(choice.run(tx.clone(), 0, Some(first_tx), permits.next()).in_current_span());
                 // The others once the first has its prompt cached (or ended).
                 let _ = first_rx.await;
                 for i in 1..valid.n {
@@ -191,9 +195,9 @@ impl GenerationService {
                     let choice = Choice { state: state.clone(), v, id: id.clone(), arrival, deadline };
                     tokio::spawn(choice.run(tx.clone(), i, None, permits.next()).in_current_span());
                 }
-            }
-        };
-        tokio::spawn(tracing::Instrument::instrument(choices, span));
+            };
+            tokio::spawn(choices.instrument(span));
+        }
         metrics::gauge!("mlaserve_router_in_flight").set(st.admission.in_flight() as f64);
         Ok(ReceiverStream::new(rx))
     }
