@@ -7,10 +7,18 @@
 #
 #   tools/prefix_bench.sh [MLASERVE_BINARY]      # default: target/release/mlaserve
 #
-# Environment: BACKEND (cpu or cuda; default cpu), ROUNDS (default 2), CONC (default 8),
-# REQS (default 96), SYS ("MIN..=MAX" system prompt tokens, default 384..=640), TURNS
-# (default 4), PROMPT (user tokens per turn, default 32), NEW (default 32), KV_BLOCKS
-# (cuda only, default 2048), LOGS (default a temporary directory).
+# Environment: BACKEND (cpu or cuda; default cpu), MODEL (default the bundled model),
+# SERVE_ARGS (extra `serve` flags, e.g. `--load-format dummy`), ROUNDS (default 2), CONC
+# (default 8), REQS (default 96), SYS ("MIN..=MAX" system prompt tokens, default
+# 384..=640), TURNS (default 4), PROMPT (user tokens per turn, default 32), NEW (default
+# 32), VOCAB (ids drawn below it, default 4000), KV_BLOCKS (cuda only, default 2048),
+# LOGS (default a temporary directory).
+#
+# DeepSeek-V3's widths on one GPU, 4 layers (3 dense, 1 MoE) and the MTP layer on random
+# fp8 weights, system prompts of 1-2k tokens:
+#   bin/mlaserve gen-model --preset deepseek-v3 --fp8 --layers 4 --config-only --out /tmp/v3
+#   BACKEND=cuda MODEL=/tmp/v3 SERVE_ARGS="--load-format dummy" SYS=1024..=2048 \
+#       tools/prefix_bench.sh bin/mlaserve
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +31,8 @@ sys="${SYS:-384..=640}"
 turns="${TURNS:-4}"
 prompt="${PROMPT:-32}"
 new="${NEW:-32}"
+vocab="${VOCAB:-4000}"
+model="${MODEL:-$repo/models/mla-tiny-code}"
 logs="${LOGS:-$(mktemp -d)}"
 mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
@@ -36,13 +46,14 @@ trap cleanup EXIT
 kv=()
 [[ $backend == cuda ]] && kv=(--kv-blocks "${KV_BLOCKS:-2048}")
 for m in on off; do
-    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" --http-listen off \
-        --metrics-listen "127.0.0.1:$((port[$m] + 1))" "${flag[$m]}" "${kv[@]}" >"$logs/serve-$m.log" 2>&1 &
+    # shellcheck disable=SC2086
+    "$bin" serve --model "$model" --backend "$backend" --listen "127.0.0.1:${port[$m]}" --http-listen off \
+        --metrics-listen "127.0.0.1:$((port[$m] + 1))" "${flag[$m]}" "${kv[@]}" ${SERVE_ARGS:-} >"$logs/serve-$m.log" 2>&1 &
     pids+=($!)
 done
 for m in on off; do
     t0=$SECONDS
-    until curl -sf "http://127.0.0.1:$((port[$m] + 1))/metrics" >/dev/null; do
+    until curl -sf "http://127.0.0.1:$((port[$m] + 1))/metrics" | grep -q '^mlaserve_ready_groups 1'; do
         if ((SECONDS - t0 > 300)); then echo "serve ($m) did not come up:"; tail -20 "$logs/serve-$m.log"; exit 1; fi
         sleep 1
     done
@@ -61,7 +72,7 @@ for r in $(seq 1 "$rounds"); do
             f="$logs/$w-$m-$r.txt"
             # shellcheck disable=SC2086
             "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$conc" --requests "$reqs" \
-                --prompt-tokens "$prompt" --max-new-tokens "$new" --vocab 4000 ${args[$w]} >"$f" 2>/dev/null
+                --prompt-tokens "$prompt" --max-new-tokens "$new" --vocab "$vocab" ${args[$w]} >"$f" 2>/dev/null
             echo "$w caching $m round $r: $(grep -E 'throughput' "$f" | head -1); $(grep -E 'TTFT' "$f")"
         done
     done
