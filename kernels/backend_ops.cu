@@ -47,16 +47,34 @@ __device__ __forceinline__ void store4(bf16* p, float a, float b, float c, float
 }  // namespace bops
 
 // out[r] = table[tokens[r] - lo] (zeros when the token is outside [lo, lo + rows), or when
-// zero_pos0 and positions[r] == 0: vLLM's MTP convention). grid = n rows.
+// zero_pos0 and positions[r] == 0: vLLM's MTP convention). grid = (n rows, column
+// blocks striding gridDim.y · blockDim.x).
 extern "C" __global__ void embed_gather_f32(float* __restrict__ out, const bf16* __restrict__ table,
                                             const int* __restrict__ tokens, const int* __restrict__ positions,
                                             int h, int lo, int rows, int zero_pos0) {
     const int r = blockIdx.x;
     const int t = tokens[r] - lo;
     const bool zero = t < 0 || t >= rows || (zero_pos0 && positions[r] == 0);
+    float* o = out + static_cast<size_t>(r) * h;
+    const bf16* src = table + static_cast<size_t>(zero ? 0 : t) * h;
+    const int first = blockIdx.y * blockDim.x + threadIdx.x, step = gridDim.y * blockDim.x;
+    if (h % 8 == 0 && ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(o)) % 16) == 0) {
+        // Eight values a thread: one 16-byte load, two 16-byte stores.
+        for (int c = first; c < h / 8; c += step) {
+            float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (!zero) {
+                const uint4 p = reinterpret_cast<const uint4*>(src)[c];
+                const bf16* b = reinterpret_cast<const bf16*>(&p);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(b[j]);
+            }
+            reinterpret_cast<float4*>(o)[2 * c] = make_float4(v[0], v[1], v[2], v[3]);
+            reinterpret_cast<float4*>(o)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
+        }
+        return;
+    }
 #pragma unroll 4
-    for (int c = threadIdx.x; c < h; c += blockDim.x)
-        out[static_cast<size_t>(r) * h + c] = zero ? 0.f : __bfloat162float(table[static_cast<size_t>(t) * h + c]);
+    for (int c = first; c < h; c += step) o[c] = zero ? 0.f : __bfloat162float(src[c]);
 }
 
 // out[r*out_stride + c] = x[r*x_stride + c] / rms(x row) * w[c], c < dim. grid = rows.
@@ -97,6 +115,65 @@ __device__ void rmsnorm_rows(T* __restrict__ out, int out_stride, const float* _
     } else {
 #pragma unroll 4
         for (int c = threadIdx.x; c < dim; c += blockDim.x) bops::store(o + c, xr[c] * inv * w[c]);
+    }
+}
+// The residual add and the RMSNorm after it, in one pass over the row: x[r] += a[r]
+// (f32, as add_f32), then the normed row x[r] / rms(x[r]) * w into `of` (f32) and/or `ob`
+// (bf16), either may be null, both rows of width dim (x, a, of, ob dense [rows][dim]).
+// The sum of squares runs as rmsnorm_rows' does (the same per-thread order and block
+// reduction over 256 threads), so the outputs have the bits of add_f32 followed by
+// rmsnorm_f32_of32 / _obf16. grid = rows, 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    add_rmsnorm_f32(float* __restrict__ x, const float* __restrict__ a, float* __restrict__ of,
+                    bf16* __restrict__ ob, const float* __restrict__ w, int dim, float eps) {
+    __shared__ float red[32];
+    const size_t base = static_cast<size_t>(blockIdx.x) * dim;
+    float* xr = x + base;
+    const float* ar = a + base;
+    const bool vec = dim % 4 == 0 &&
+                     ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(ar) |
+                       reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(of ? of + base : nullptr)) %
+                      16) == 0 &&
+                     reinterpret_cast<uintptr_t>(ob ? ob + base : nullptr) % 8 == 0;
+    float ss = 0.f;
+    if (vec) {
+        float4* x4 = reinterpret_cast<float4*>(xr);
+        const float4* a4 = reinterpret_cast<const float4*>(ar);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            float4 v = x4[i];
+            const float4 d = a4[i];
+            v.x += d.x, v.y += d.y, v.z += d.z, v.w += d.w;
+            x4[i] = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+#pragma unroll 4
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+            const float v = xr[c] + ar[c];
+            xr[c] = v;
+            ss += v * v;
+        }
+    }
+    const float inv = rsqrtf(bops::block_sum(ss, red) / dim + eps);
+    // Each thread reads back only the elements it wrote above: no barrier needed.
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = x4[i], g = w4[i];
+            const float p = v.x * inv * g.x, q = v.y * inv * g.y, r = v.z * inv * g.z, t = v.w * inv * g.w;
+            if (of) bops::store4(of + base + 4 * i, p, q, r, t);
+            if (ob) bops::store4(ob + base + 4 * i, p, q, r, t);
+        }
+    } else {
+#pragma unroll 4
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+            const float v = xr[c] * inv * w[c];
+            if (of) of[base + c] = v;
+            if (ob) ob[base + c] = __float2bfloat16_rn(v);
+        }
     }
 }
 extern "C" __global__ void rmsnorm_f32_of32(float* out, int out_stride, const float* x, int x_stride,
@@ -147,16 +224,23 @@ extern "C" __global__ void to_bf16_f32(bf16* __restrict__ out, const float* __re
         out[i] = __float2bfloat16_rn(x[i]);
 }
 
-// out[i] = in[rows[i]] for rows of width h. grid = n_out.
+// out[i] = in[rows[i]] for rows of width h. grid = (n_out, column blocks striding
+// gridDim.y · blockDim.x).
 template <typename Tin, typename Tout>
 __device__ void gather(Tout* __restrict__ out, const Tin* __restrict__ in, const int* __restrict__ rows, int h) {
-    const size_t src = static_cast<size_t>(rows[blockIdx.x]) * h, dst = static_cast<size_t>(blockIdx.x) * h;
-    for (int c = threadIdx.x; c < h; c += blockDim.x) {
-        if constexpr (sizeof(Tin) == sizeof(Tout)) {
-            out[dst + c] = in[src + c];
-        } else {
-            bops::store(out + dst + c, static_cast<float>(in[src + c]));
+    const Tin* ip = in + static_cast<size_t>(rows[blockIdx.x]) * h;
+    Tout* op = out + static_cast<size_t>(blockIdx.x) * h;
+    const int first = blockIdx.y * blockDim.x + threadIdx.x, step = gridDim.y * blockDim.x;
+    if constexpr (sizeof(Tin) == sizeof(Tout)) {
+        constexpr int V = 16 / sizeof(Tin);  // values per 16-byte copy
+        if (h % V == 0 && ((reinterpret_cast<uintptr_t>(ip) | reinterpret_cast<uintptr_t>(op)) % 16) == 0) {
+            for (int c = first; c < h / V; c += step)
+                reinterpret_cast<uint4*>(op)[c] = reinterpret_cast<const uint4*>(ip)[c];
+            return;
         }
+        for (int c = first; c < h; c += step) op[c] = ip[c];
+    } else {
+        for (int c = first; c < h; c += step) bops::store(op + c, static_cast<float>(ip[c]));
     }
 }
 extern "C" __global__ void gather_rows_f32(float* out, const float* in, const int* rows, int h) {
@@ -338,7 +422,10 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
     for (int g = lane; g < n_group; g += 32) {
         const float* c = choice + g * per;
         float a = -INFINITY, b = -INFINITY;  // the two largest
-        for (int i = 0; i < per; ++i) {
+        // Lane g starts at element g of its group (the two largest values do not depend on
+        // the order): lanes reading groups 32 floats apart would all hit one bank.
+        for (int i0 = 0; i0 < per; ++i0) {
+            const int i = (i0 + g) % per;
             if (c[i] > a) {
                 b = a;
                 a = c[i];
@@ -364,40 +451,37 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
     for (int e = lane; e < experts; e += 32)
         if (!gkeep[e / per]) choice[e] = -INFINITY;
     __syncwarp();
-    // Top k: each lane keeps the first maximum of its contiguous slice (strictly greater
-    // replaces), lane 0 folds the 32 in slice order by the same rule, which gives the
-    // serial scan's pick (the first maximum, ties to the lower index).
-    __shared__ int cand_e[32];
-    __shared__ float cand_v[32];
-    const int span = (experts + 31) / 32, lo = lane * span, hi = min(experts, lo + span);
+    // Top k: each lane keeps the first maximum of its experts lane, lane + 32, ... (strictly
+    // greater replaces; consecutive lanes read consecutive words), then a butterfly over
+    // the warp keeps the larger value, ties to the lower expert: for values that are not
+    // NaN a total order, so the serial scan's pick (the first maximum, ties to the lower
+    // index).
     float sum = 0.f;
     int* oi = ids + static_cast<size_t>(blockIdx.x) * k;
     float* ow = weights + static_cast<size_t>(blockIdx.x) * k;
     for (int it = 0; it < k; ++it) {
         int best = -1;
         float bv = -INFINITY;
-        for (int e = lo; e < hi; ++e) {
+        for (int e = lane; e < experts; e += 32) {
             if (!taken[e] && (best < 0 || choice[e] > bv)) {
                 best = e;
                 bv = choice[e];
             }
         }
-        cand_e[lane] = best;
-        cand_v[lane] = bv;
-        __syncwarp();
-        if (lane == 0) {
-            int b = -1;
-            float v = -INFINITY;
-            for (int l = 0; l < 32; ++l) {
-                if (cand_e[l] >= 0 && (b < 0 || cand_v[l] > v)) {
-                    b = cand_e[l];
-                    v = cand_v[l];
-                }
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) {
+            const int oe = __shfl_xor_sync(0xffffffffu, best, d);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, d);
+            if (oe >= 0 && (best < 0 || ov > bv || (ov == bv && oe < best))) {
+                best = oe;
+                bv = ov;
             }
-            taken[b] = 1;
-            oi[it] = b;
-            ow[it] = score[b];
-            sum += score[b];
+        }
+        if (lane == 0) {
+            taken[best] = 1;
+            oi[it] = best;
+            ow[it] = score[best];
+            sum += score[best];
         }
         __syncwarp();
     }
@@ -406,9 +490,12 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
 }
 
 // out[t] += sum over its k slots in ascending expert id of weight * y[inv[t*k + j]].
-// grid = tokens. Thread 0 puts the token's slots in that order once (k <= COMBINE_MAX_K,
-// checked by the host); every thread then sums its columns, four at a time where h allows,
-// each column in the same order (so the same bits whatever the vector width).
+// grid = (tokens, column blocks): block (t, b) sums columns b·blockDim.x + i (float4s
+// where h % 4 == 0, else floats), striding gridDim.y·blockDim.x. Threads j < k rank slot
+// j among the token's distinct expert ids (k <= COMBINE_MAX_K, checked by the host; a
+// repeated id keeps its first slot, a negative one none, which routing never produces);
+// every column is then summed in that order, so the bits do not depend on the grid or
+// the vector width.
 constexpr int COMBINE_MAX_K = 32;
 extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float* __restrict__ y,
                                            const int* __restrict__ ids, const float* __restrict__ weights,
@@ -417,26 +504,33 @@ extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float*
     __shared__ float w_s[COMBINE_MAX_K];
     __shared__ int cnt_s;
     const int t = blockIdx.x;
-    if (threadIdx.x == 0) {
-        const int* id = ids + static_cast<size_t>(t) * k;
-        int prev = -1, c = 0;
-        for (int it = 0; it < k; ++it) {
-            int j = -1;
-            for (int q = 0; q < k; ++q)
-                if (id[q] > prev && (j < 0 || id[q] < id[j])) j = q;
-            if (j < 0) break;  // only repeated ids are left (routing never repeats one)
-            prev = id[j];
-            rows_s[c] = inv[t * k + j];
-            w_s[c] = weights[static_cast<size_t>(t) * k + j];
-            ++c;
+    const int* id = ids + static_cast<size_t>(t) * k;
+    if (threadIdx.x < k) {
+        const int j = threadIdx.x, v = id[j];
+        // Slot j counts if its id is valid and not repeated earlier; its place is the number
+        // of distinct valid ids below it.
+        bool first = v >= 0;
+        int rank = 0, distinct = 0;
+        for (int q = 0; q < k; ++q) {
+            const int u = id[q];
+            if (q < j && u == v) first = false;
+            bool uq = u >= 0;  // u's first slot is q
+            for (int p = 0; p < q; ++p) uq = uq && id[p] != u;
+            rank += uq && u < v;
+            distinct += uq;
         }
-        cnt_s = c;
+        if (first) {
+            rows_s[rank] = inv[t * k + j];
+            w_s[rank] = weights[static_cast<size_t>(t) * k + j];
+        }
+        if (j == 0) cnt_s = distinct;
     }
     __syncthreads();
     const int cnt = cnt_s;
     float* o = out + static_cast<size_t>(t) * h;
+    const int step = gridDim.y * blockDim.x;
     if (h % 4 == 0) {
-        for (int c4 = threadIdx.x; c4 < h / 4; c4 += blockDim.x) {
+        for (int c4 = blockIdx.y * blockDim.x + threadIdx.x; c4 < h / 4; c4 += step) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
             for (int i = 0; i < cnt; ++i) {
@@ -452,7 +546,7 @@ extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float*
             reinterpret_cast<float4*>(o)[c4] = r;
         }
     } else {
-        for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < h; c += step) {
             float acc = 0.f;
             for (int i = 0; i < cnt; ++i) acc = fmaf(w_s[i], y[static_cast<size_t>(rows_s[i]) * h + c], acc);
             o[c] += acc;
@@ -529,8 +623,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // comes from the weight's shape and the SM count only (plan::router_split), and the tile
 // shape decides neither the ranges nor the order within a chain, so y[r][c] depends on
 // row r of x and on w alone: not on m, on where the row sits in its tile, or on which of
-// the two entry points ran (router_f32_tile16 for a few rows, router_f32_tile64 for
-// many), and it equals the same sum on the CPU with f32 fused multiply-adds bit for bit.
+// the entry points ran (router_f32_tile16 for a few rows, router_f32_tile32 for tens,
+// router_f32_tile64 for many), and it equals the same sum on the CPU with f32 fused multiply-adds bit for bit.
 // Needs kchunk % 4 == 0 (plan::router_split gives multiples of 64, both entry points' k
 // tiles, so only the last range can end in a short tile); any m, n, k (k % 4 != 0 loads
 // 4-byte words; rows and columns past m and n are zero-filled and never stored).
@@ -651,6 +745,13 @@ extern "C" __global__ void __launch_bounds__(256)
     router_f32_tile16(float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w, int m, int n,
                       int k, int kchunk) {
     router::gemm<16, 16, 1, 1, 64, 4>(out, x, w, m, n, k, kchunk);
+}
+// Tens of rows (a decode step of a large batch): 32 × 32 outputs, 2 × 2 per thread,
+// 32-wide k tiles 4 deep: four times the blocks of the 64 × 64 tile, three tiles in flight.
+extern "C" __global__ void __launch_bounds__(256)
+    router_f32_tile32(float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w, int m, int n,
+                      int k, int kchunk) {
+    router::gemm<32, 32, 2, 2, 32, 4>(out, x, w, m, n, k, kchunk);
 }
 // Many rows (prefill): 64 × 64 outputs, 4 × 4 per thread (8 float4 shared loads per 64
 // FMAs), 32-wide k tiles double-buffered; several blocks per SM hide the loads.

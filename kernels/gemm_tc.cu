@@ -670,10 +670,14 @@ extern "C" __global__ void linear_tc_reduce_of32(float* y, const float* part, si
 // so the sum keeps about 16 bits of x (f32 accumulate), not bf16's 8. Block = 64 rows × 64
 // columns of one head, 4 warps of 16 columns as in gtc_tile, BK = 64 per stage (K past its
 // end zero-filled). Outputs: y (f32, may be null) and yb (bf16) at (r·heads + h)·y_stride
-// + c. With rope > 0 (the absorbed query) the blocks of column block 0 also write the
-// rotated q_pe: x's elements K.. K + rope of the row, at position pos[r], into y/yb
-// columns N.. N + rope. A row's result depends on that row alone (fixed k order).
-// Needs K, N, x_stride multiples of 8, 8, 4 (16-byte loads) and y_stride even.
+// + c. With rope > 0 (the absorbed query) the blocks also write the rotated q_pe: x's
+// elements K.. K + rope of the row, at position pos[r], into y/yb columns N.. N + rope
+// (spread over the column blocks). Split K (`part` not null, rope 0): grid.y runs over
+// (column block, k range z) and block z sums only k in [z·kchunk, (z + 1)·kchunk), into
+// part[z][r·heads + h][c] (f32, rows of N); heads_tc_reduce then adds the ranges in order
+// and writes y / yb. The ranges come from K alone, so a row's result depends on that row
+// alone either way (fixed k order). Needs K, N, x_stride multiples of 8, 8, 4 (16-byte
+// loads), y_stride even, kchunk a multiple of BK.
 namespace hts {
 constexpr int BM = 64, BN = 64, BK = 64, THREADS = 128, MT = 4, CHUNKS = BK / 8;
 }
@@ -681,13 +685,16 @@ constexpr int BM = 64, BN = 64, BK = 64, THREADS = 128, MT = 4, CHUNKS = BK / 8;
 extern "C" __global__ void __launch_bounds__(hts::THREADS)
     heads_tc(float* __restrict__ y, bf16* __restrict__ yb, const float* __restrict__ x, const bf16* __restrict__ w,
              int m, int heads, int K, int N, int x_stride, int y_stride, int wt, const float* __restrict__ cos_t,
-             const float* __restrict__ sin_t, const int* __restrict__ pos, int rope) {
+             const float* __restrict__ sin_t, const int* __restrict__ pos, int rope, float* __restrict__ part,
+             int kchunk) {
     using namespace hts;
     __shared__ __align__(128) bf16 ws[BN * BK];
     __shared__ __align__(128) bf16 xh[BM * BK];
     __shared__ __align__(128) bf16 xl[BM * BK];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int r0 = blockIdx.x * BM, n0 = blockIdx.y * BN, h = blockIdx.z;
+    const int nblocks = (N + BN - 1) / BN, nb = blockIdx.y % nblocks, z = blockIdx.y / nblocks;
+    const int r0 = blockIdx.x * BM, n0 = nb * BN, h = blockIdx.z;
+    const int kbeg = part ? z * kchunk : 0, kend = part ? min(K, kbeg + kchunk) : K;
     const int nr = min(BM, m - r0);
     const int mts = (nr + 15) / 16;
     const bf16* wh = w + static_cast<size_t>(h) * K * N;
@@ -699,18 +706,18 @@ extern "C" __global__ void __launch_bounds__(hts::THREADS)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[a][t][q] = 0.f;
     const uint32_t wsb = smem_u32(ws), xhb = smem_u32(xh), xlb = smem_u32(xl);
-    for (int k0 = 0; k0 < K; k0 += BK) {
+    for (int k0 = kbeg; k0 < kend; k0 += BK) {
         __syncthreads();  // the previous stage's reads are done
-        // W tile: [n][k] rows (wt = 0) or [k][n] rows (wt = 1), 64 × 64, zero past K / N.
+        // W tile: [n][k] rows (wt = 0) or [k][n] rows (wt = 1), 64 × 64, zero past kend / N.
         for (int i = tid; i < 64 * CHUNKS; i += THREADS) {
             const int row = i / CHUNKS, c = i % CHUNKS;
             const bf16* src;
             bool ok;
             if (wt) {
-                ok = k0 + row < K && n0 + c * 8 < N;
+                ok = k0 + row < kend && n0 + c * 8 < N;
                 src = wh + static_cast<size_t>(k0 + row) * N + n0 + c * 8;
             } else {
-                ok = n0 + row < N && k0 + c * 8 < K;
+                ok = n0 + row < N && k0 + c * 8 < kend;
                 src = wh + static_cast<size_t>(n0 + row) * K + k0 + c * 8;
             }
             cp_async_16(wsb + 2 * gtc_at(row, c), ok ? src : w, ok ? 16 : 0);
@@ -720,7 +727,7 @@ extern "C" __global__ void __launch_bounds__(hts::THREADS)
         for (int i = tid; i < BM * CHUNKS; i += THREADS) {
             const int row = i / CHUNKS, c = i % CHUNKS, kk = k0 + c * 8;
             float v[8];
-            if (row < nr && kk < K) {
+            if (row < nr && kk < kend) {
                 const float4* src = reinterpret_cast<const float4*>(
                     x + (static_cast<size_t>(r0 + row) * heads + h) * x_stride + kk);
                 const float4 p = src[0], q = src[1];
@@ -781,15 +788,20 @@ extern "C" __global__ void __launch_bounds__(hts::THREADS)
             for (int half = 0; half < 2; ++half) {
                 const int row = a * 16 + (lane >> 2) + 8 * half;
                 if (row >= nr) continue;
+                if (part) {
+                    const size_t o = ((static_cast<size_t>(z) * m + r0 + row) * heads + h) * N + col;
+                    store2(part + o, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
+                    continue;
+                }
                 const size_t o = (static_cast<size_t>(r0 + row) * heads + h) * y_stride + col;
                 if (y) store2(y + o, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
                 store2(yb + o, acc[a][t][2 * half], acc[a][t][2 * half + 1]);
             }
         }
     }
-    if (rope > 0 && blockIdx.y == 0) {
+    if (rope > 0 && !part) {
         const int half = rope / 2;
-        for (int i = tid; i < nr * half; i += THREADS) {
+        for (int i = nb * THREADS + tid; i < nr * half; i += nblocks * THREADS) {
             const int row = i / half, j = i % half, r = r0 + row;
             const float* qr = x + (static_cast<size_t>(r) * heads + h) * x_stride + K;
             const size_t p = static_cast<size_t>(pos[r]) * half + j;
@@ -801,4 +813,20 @@ extern "C" __global__ void __launch_bounds__(hts::THREADS)
             yb[o + 1] = __float2bfloat16_rn(b);
         }
     }
+}
+
+// heads_tc's split-K sums: y[r][h][c] = ((part[0] + part[1]) + part[2]) + ... for the m ·
+// heads rows of N columns, into y (f32, may be null) and yb (bf16) at (r·heads + h)·
+// y_stride + c. grid = ceil(m · heads · N / 256).
+extern "C" __global__ void __launch_bounds__(256)
+    heads_tc_reduce(float* __restrict__ y, bf16* __restrict__ yb, const float* __restrict__ part, int m, int heads,
+                    int N, int y_stride, int ksplit) {
+    const size_t len = static_cast<size_t>(m) * heads * N;
+    const size_t i = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;
+    if (i >= len) return;
+    float v = part[i];
+    for (int z = 1; z < ksplit; ++z) v = __fadd_rn(v, part[z * len + i]);
+    const size_t o = (i / N) * y_stride + i % N;
+    if (y) y[o] = v;
+    yb[o] = __float2bfloat16_rn(v);
 }

@@ -382,6 +382,8 @@ fn mla_pieces_match_reference() {
         (8, 16, 8, 32, 24, 2, 1, 1),
         // 140 rows: three 64-row chunks of the per-head tensor-core projections.
         (16, 128, 64, 512, 128, 35, 4, 100),
+        // 160 rows of 128 heads: W_UV's split-K partials in two slabs of rows.
+        (128, 128, 64, 512, 128, 40, 4, 70),
     ] {
         let tag = format!("h={heads} lora={lora}+{rope} b={batch} s={q_len} len={seq}");
         let (dqk, half) = (lora + rope, rope / 2);
@@ -498,6 +500,15 @@ fn mla_pieces_match_reference() {
             }
         }
         check(&format!("wuv {tag}"), &got, &want, 1e-2, &mut fails);
+        // The last row alone: the same bits (W_UV's k ranges come from its width alone).
+        let o1 = s.clone_htod(&o_h[(n - 1) * heads * lora..]).expect("o1");
+        let mut out1 = s.alloc_zeros::<bf16>(heads * vdim).expect("out1");
+        ops.wuv(s, &mut out1, &o1, &wuvd, 1, heads, lora, vdim).expect("wuv 1");
+        let alone = s.clone_dtoh(&out1).expect("out1");
+        let full = s.clone_dtoh(&out).expect("out");
+        if alone.iter().zip(&full[(n - 1) * heads * vdim..]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            fails.push(format!("wuv {tag}: the last row alone differs from the same row among {n}"));
+        }
     }
     assert!(fails.is_empty(), "failed: {fails:?}");
 }
@@ -510,7 +521,7 @@ fn small_backend_ops_match_reference() {
     let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(3);
     let mut fails = Vec::new();
-    for (h, vocab, n) in [(7168, 1000, 9), (64, 512, 33)] {
+    for (h, vocab, n) in [(7168, 1000, 9), (7168, 1000, 64), (64, 512, 33), (70, 300, 5)] {
         let table = rounded(&rand(&mut rng, vocab * h, -1.0, 1.0));
         let tokens: Vec<i32> = (0..n).map(|_| rng.below(vocab) as i32).collect();
         let pos: Vec<i32> = (0..n as i32).map(|i| i % 4).collect();
@@ -542,9 +553,41 @@ fn small_backend_ops_match_reference() {
         }
         check(&format!("rmsnorm_f32 strided h={h} n={n}"), &got, &want, 1e-5, &mut fails);
     }
+    // The fused residual add + RMSNorm: the bits of add then rmsnorm (f32 and bf16 out),
+    // x updated in place; vector widths and a scalar one.
+    for (h, n) in [(7168usize, 64usize), (7168, 1), (70, 9)] {
+        let x0 = rand(&mut rng, n * h, -2.0, 2.0);
+        let a = rand(&mut rng, n * h, -2.0, 2.0);
+        let w = rand(&mut rng, h, 0.5, 1.5);
+        let (ad, wd) = (s.clone_htod(&a).expect("a"), s.clone_htod(&w).expect("w"));
+        let mut x1 = s.clone_htod(&x0).expect("x");
+        ops.add(s, &mut x1, &ad).expect("add");
+        let mut f1 = s.alloc_zeros::<f32>(n * h).expect("f1");
+        let mut b1 = s.alloc_zeros::<bf16>(n * h).expect("b1");
+        ops.rmsnorm(s, &mut f1, h, &x1, h, &wd, n, 1e-6).expect("norm f32");
+        ops.rmsnorm(s, &mut b1, h, &x1, h, &wd, n, 1e-6).expect("norm bf16");
+        let mut x2 = s.clone_htod(&x0).expect("x");
+        let mut f2 = s.alloc_zeros::<f32>(n * h).expect("f2");
+        let mut b2 = s.alloc_zeros::<bf16>(n * h).expect("b2");
+        ops.add_rmsnorm(s, &mut x2, &ad, Some(&mut f2), Some(&mut b2), &wd, n, 1e-6).expect("add_rmsnorm");
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let same = bits(s.clone_dtoh(&x1).expect("x1")) == bits(s.clone_dtoh(&x2).expect("x2"))
+            && bits(s.clone_dtoh(&f1).expect("f1")) == bits(s.clone_dtoh(&f2).expect("f2"))
+            && s.clone_dtoh(&b1).expect("b1") == s.clone_dtoh(&b2).expect("b2");
+        println!("add_rmsnorm h={h} n={n}: the bits of add + rmsnorm: {same}");
+        if !same {
+            fails.push(format!("add_rmsnorm h={h} n={n}: differs from add + rmsnorm"));
+        }
+        let mut x3 = s.clone_htod(&x0).expect("x");
+        let mut b3 = s.alloc_zeros::<bf16>(n * h).expect("b3");
+        ops.add_rmsnorm(s, &mut x3, &ad, None, Some(&mut b3), &wd, n, 1e-6).expect("add_rmsnorm bf16 only");
+        if s.clone_dtoh(&b1).expect("b1") != s.clone_dtoh(&b3).expect("b3") {
+            fails.push(format!("add_rmsnorm h={h} n={n}: bf16 alone differs"));
+        }
+    }
     // Combine: k = 8 slots per token, rows of y in a random permutation; widths with the
     // kernel's float4 path (h % 4 == 0) and without.
-    for (h, n) in [(7168usize, 9usize), (64, 33), (70, 5)] {
+    for (h, n) in [(7168usize, 9usize), (7168, 64), (64, 33), (70, 5)] {
         let k = 8;
         let y = rand(&mut rng, n * k * h, -1.0, 1.0);
         let wts = rand(&mut rng, n * k, 0.0, 1.0);
@@ -575,6 +618,37 @@ fn small_backend_ops_match_reference() {
             }
         }
         check(&format!("moe_combine h={h} n={n} k={k}"), &s.clone_dtoh(&od).expect("o"), &want, 1e-5, &mut fails);
+    }
+    // Row gathers, exact: 16-byte copies (h a multiple of the vector), scalar ones (h = 70),
+    // an output row start that is not 16-byte aligned (written one element in), repeats.
+    for (h, n) in [(7168usize, 64usize), (70, 9), (64, 33)] {
+        let src_rows = 40;
+        let x = rounded(&rand(&mut rng, src_rows * h, -1.0, 1.0));
+        let rows: Vec<u32> = (0..n).map(|i| if i % 5 == 4 { 3 } else { rng.below(src_rows) as u32 }).collect();
+        let want: Vec<f32> = rows.iter().flat_map(|&r| x[r as usize * h..(r as usize + 1) * h].to_vec()).collect();
+        let rowsd = s.clone_htod(&rows.iter().map(|&r| r as i32).collect::<Vec<_>>()).expect("rows");
+        let xd = s.clone_htod(&x).expect("x");
+        let xbd = s.clone_htod(&to_bf(&x)).expect("xb");
+        for shift in [0usize, 1] {
+            let mut of = s.alloc_zeros::<f32>(n * h + 1).expect("of");
+            ops.gather(s, &mut of.slice_mut(shift..shift + n * h), &xd, &rowsd, &rows, h).expect("gather f32");
+            let got = s.clone_dtoh(&of).expect("of");
+            check(&format!("gather f32 h={h} n={n} +{shift}"), &got[shift..shift + n * h], &want, 0.0, &mut fails);
+            let mut ob = s.alloc_zeros::<bf16>(n * h + 1).expect("ob");
+            ops.gather(s, &mut ob.slice_mut(shift..shift + n * h), &xd, &rowsd, &rows, h).expect("gather f32->bf16");
+            let got: Vec<f32> = s.clone_dtoh(&ob).expect("ob").iter().map(|v| v.to_f32()).collect();
+            check(
+                &format!("gather f32->bf16 h={h} n={n} +{shift}"),
+                &got[shift..shift + n * h],
+                &want,
+                0.0,
+                &mut fails,
+            );
+            let mut ob = s.alloc_zeros::<bf16>(n * h + 1).expect("ob");
+            ops.gather(s, &mut ob.slice_mut(shift..shift + n * h), &xbd, &rowsd, &rows, h).expect("gather bf16");
+            let got: Vec<f32> = s.clone_dtoh(&ob).expect("ob").iter().map(|v| v.to_f32()).collect();
+            check(&format!("gather bf16 h={h} n={n} +{shift}"), &got[shift..shift + n * h], &want, 0.0, &mut fails);
+        }
     }
     assert!(fails.is_empty(), "failed: {fails:?}");
 }

@@ -2,8 +2,8 @@
 //! `router_f32_tile64`, `router_reduce_f32`) on fresh random inputs: against an f64 CPU
 //! reference, bit for bit against the same sum done on the CPU in the order the kernels
 //! document (per k range of `plan::router_split` an f32 FMA chain in increasing k, the
-//! ranges added in order), and bit for bit across batches and tiles. Plus the timing of
-//! both tiles against the first router kernel (printed, not asserted).
+//! ranges added in order), and bit for bit across batches and tiles. And the timing of
+//! both tiles per row count: `RouterTile::Auto` must take the faster one.
 //!
 //! Tolerance: max|Δ| / max|ref| ≤ 1e-5 against the f64 reference (f32 sums of up to 7168
 //! products; a dropped or doubled product is ~1e-3). Output buffers start as NaN, so a
@@ -18,7 +18,7 @@ use mlaserve_cuda::router::{Router, RouterTile};
 use mlaserve_cuda::Gpu;
 use mlaserve_cuda_lab::rng::Rng;
 
-const TILES: [RouterTile; 3] = [RouterTile::Auto, RouterTile::Decode, RouterTile::Prefill];
+const TILES: [RouterTile; 4] = [RouterTile::Auto, RouterTile::Decode, RouterTile::Mid, RouterTile::Prefill];
 const TOL: f64 = 1e-5;
 
 fn gpu() -> Option<Gpu> {
@@ -136,7 +136,7 @@ fn check_shapes(shapes: &[(usize, usize, usize)], exact_rows: Option<&[usize]>, 
             bits.push(b);
         }
         println!(
-            "router m={m} n={n} k={k} ({ksplit} k ranges of {kchunk}), tiles auto/decode/prefill: rel {} (tol \
+            "router m={m} n={n} k={k} ({ksplit} k ranges of {kchunk}), tiles auto/decode/mid/prefill: rel {} (tol \
              {TOL:.0e}); {} rows == the documented order: {bits:?} {}",
             rels.join(" "),
             rows.len(),
@@ -207,6 +207,40 @@ fn router_logits_are_batch_invariant() {
         );
         if !same {
             fails.push(format!("router logits depend on the batch (n={n} k={k} m={m})"));
+        }
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}
+
+/// [`RouterTile::Auto`]'s choice of tile at V3's router shape (256 experts × 7168):
+/// graph-replay times of the three tiles and of Auto per row count; Auto must run within
+/// 15% of the fastest tile at every m.
+#[test]
+fn router_auto_takes_the_faster_tile() {
+    use mlaserve_cuda_lab::bench::{time_graph, GRAPH_CALLS};
+    let Some(g) = gpu() else { return };
+    let router = Router::new(&g).expect("router");
+    let (n, k) = (256, 7168);
+    let mut rng = Rng::new(17);
+    let wd = g.stream.clone_htod(&rand(&mut rng, n * k, -1.0, 1.0)).expect("w");
+    let mut fails = Vec::new();
+    for m in [1usize, 8, 16, 32, 48, 64, 96, 128, 256, 1024] {
+        let x = g.stream.clone_htod(&rand(&mut rng, m * k, -1.0, 1.0)).expect("x");
+        let mut y = g.stream.alloc_zeros::<f32>(m * n).expect("y");
+        let mut us = Vec::new();
+        for tile in [RouterTile::Decode, RouterTile::Mid, RouterTile::Prefill, RouterTile::Auto] {
+            let t =
+                time_graph(&g, GRAPH_CALLS, 3, 30, || router.logits_with(&g.stream, &mut y, &x, &wd, m, n, k, tile))
+                    .expect("time");
+            us.push(t[t.len() / 2] * 1e3);
+        }
+        let best = us[0].min(us[1]).min(us[2]);
+        println!(
+            "router m={m:5}: decode tile {:7.1} us, middle tile {:7.1} us, prefill tile {:7.1} us, auto {:7.1} us",
+            us[0], us[1], us[2], us[3]
+        );
+        if us[3] > 1.15 * best {
+            fails.push(format!("m = {m}: auto {:.1} us, the fastest tile {best:.1} us", us[3]));
         }
     }
     assert!(fails.is_empty(), "failed: {fails:?}");

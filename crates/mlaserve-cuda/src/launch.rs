@@ -28,6 +28,14 @@ pub(crate) fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }
 }
 
+/// Blocks of `threads` over (row, column block): the column blocks of a row cover `width`
+/// columns at about `per_thread` a thread (kernels that stride by gridDim.y · blockDim.x,
+/// so any count is correct; more blocks fill the SMs when rows are few).
+pub(crate) fn row_blocks_cfg(rows: usize, width: usize, threads: u32, per_thread: usize) -> LaunchConfig {
+    let blocks = width.div_ceil(threads as usize * per_thread.max(1)).clamp(1, 65_535);
+    LaunchConfig { grid_dim: (rows as u32, blocks as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
 /// One block of `threads` per (head, row).
 pub(crate) fn head_cfg(heads: usize, rows: usize, threads: u32, smem: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (heads as u32, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 }

@@ -2,14 +2,15 @@
 //! f32, as transformers' DeepSeek gate computes them: the expert choice is discrete, so no
 //! bf16 or TF32 rounding), batch-invariant.
 //!
-//! The kernels (`router_f32_tile16`, `router_f32_tile64`, `router_reduce_f32` in
-//! kernels/backend_ops.cu) are a tiled CUDA-core GEMM with k cut into ranges fixed by the
+//! The kernels (`router_f32_tile16`, `router_f32_tile32`, `router_f32_tile64`,
+//! `router_reduce_f32` in kernels/backend_ops.cu) are a tiled CUDA-core GEMM with k cut into ranges fixed by the
 //! weight's shape ([`plan::router_split`]): every logit is one FMA chain per range in
 //! increasing k, and the ranges' partials are added in range order. Neither the rows of a
 //! call nor the tile that runs it enter that order, so a token's logits have the same
 //! bits in any batch. Decode calls (a few rows) are bound by reading W and get a tile of
 //! 16 columns, so that the ranges give every SM blocks to stream it; prefill calls are
-//! bound by the arithmetic and get 64 × 64 tiles with 4 × 4 outputs per thread.
+//! bound by the arithmetic and get 64 × 64 tiles with 4 × 4 outputs per thread; tens of
+//! rows (a large batch's decode step) get 32 × 32 tiles, four times the blocks.
 
 use std::sync::Arc;
 
@@ -23,9 +24,12 @@ use crate::kernels;
 use crate::launch::{i32_of, need};
 use crate::plan;
 
-/// [`RouterTile::Auto`] runs the decode tile up to this many rows, the prefill tile above
-/// (a first guess, not yet measured: `gpu_router`'s `router_timing` prints both at each m).
-pub const DECODE_MAX_ROWS: usize = 32;
+/// [`RouterTile::Auto`] runs the decode tile up to this many rows, the middle tile up to
+/// [`MID_MAX_ROWS`], the prefill tile above (`gpu_router::router_auto_takes_the_faster_tile`
+/// times the three at each m).
+pub const DECODE_MAX_ROWS: usize = 16;
+/// See [`DECODE_MAX_ROWS`].
+pub const MID_MAX_ROWS: usize = 64;
 /// Bytes of f32 partials one launch may write; more rows run in slabs.
 const PARTIAL_BYTES: usize = 64 << 20;
 
@@ -33,11 +37,15 @@ const PARTIAL_BYTES: usize = 64 << 20;
 /// differs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RouterTile {
-    /// [`RouterTile::Decode`] up to [`DECODE_MAX_ROWS`] rows, else [`RouterTile::Prefill`].
+    /// [`RouterTile::Decode`] up to [`DECODE_MAX_ROWS`] rows, [`RouterTile::Mid`] up to
+    /// [`MID_MAX_ROWS`], else [`RouterTile::Prefill`].
     Auto,
     /// `router_f32_tile16`: 16 rows × 16 columns per block, one logit per thread, 64-wide
     /// k tiles four deep.
     Decode,
+    /// `router_f32_tile32`: 32 rows × 32 columns per block, 2 × 2 logits per thread, 32-wide
+    /// k tiles four deep.
+    Mid,
     /// `router_f32_tile64`: 64 rows × 64 columns per block, 4 × 4 logits per thread, 32-wide
     /// k tiles double-buffered.
     Prefill,
@@ -48,8 +56,10 @@ impl RouterTile {
     fn pick(self, r: &Router, m: usize) -> (&CudaFunction, usize, usize) {
         match self {
             RouterTile::Auto if m <= DECODE_MAX_ROWS => RouterTile::Decode.pick(r, m),
+            RouterTile::Auto if m <= MID_MAX_ROWS => RouterTile::Mid.pick(r, m),
             RouterTile::Auto => RouterTile::Prefill.pick(r, m),
             RouterTile::Decode => (&r.tile16, 16, plan::ROUTER_DECODE_BN),
+            RouterTile::Mid => (&r.tile32, 32, 32),
             RouterTile::Prefill => (&r.tile64, 64, 64),
         }
     }
@@ -59,6 +69,7 @@ impl RouterTile {
 #[derive(Debug)]
 pub struct Router {
     tile16: CudaFunction,
+    tile32: CudaFunction,
     tile64: CudaFunction,
     reduce: CudaFunction,
     /// `linear_f32_of32`, the first router kernel (one warp per logit): the baseline of
@@ -76,6 +87,7 @@ impl Router {
     pub(crate) fn from_module(m: &Arc<CudaModule>, num_sms: usize) -> Result<Self> {
         Ok(Router {
             tile16: m.load_function("router_f32_tile16")?,
+            tile32: m.load_function("router_f32_tile32")?,
             tile64: m.load_function("router_f32_tile64")?,
             reduce: m.load_function("router_reduce_f32")?,
             warp: m.load_function("linear_f32_of32")?,
@@ -158,7 +170,7 @@ impl Router {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: router_f32_tile{16,64}(out, x, w, m, n, k, kchunk) (static shared
+            // SAFETY: router_f32_tile{16,32,64}(out, x, w, m, n, k, kchunk) (static shared
             // memory only) reads x rows r0..r0 + rows (rows × k floats: r0 + rows <= m, and
             // x holds m × k, checked) and w (n × k, checked), only rows < rows and < n and
             // k < k (the rest zero-filled), 16 bytes at a time only when k % 4 == 0 (row
@@ -166,8 +178,8 @@ impl Router {
             // range (grid.z = 1) `out` is y from row r0 and the kernel writes y[r][c] for
             // r < rows, c < n (y holds m × n, checked); with ksplit ranges block (.., .., z)
             // writes part[z][r][c] for the same r and c: ksplit × rows × n floats, within
-            // the ksplit × slab × n allocation. kchunk is a multiple of both tiles' k width
-            // (64) and the ranges cover k (plan::router_split).
+            // the ksplit × slab × n allocation. kchunk is a multiple of every tile's k width
+            // (64 or 32) and the ranges cover k (plan::router_split).
             unsafe {
                 s.launch_builder(f).arg(&out).arg(&xr).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kci).launch(cfg)
             }?;

@@ -75,18 +75,18 @@ impl CudaBackend {
         self.mark("attention")?;
         self.all_reduce(&mut a)?;
         self.mark("all-reduce")?;
-        self.ops.add(&s, x, &a)?;
-        self.ops.rmsnorm(&s, &mut xn, h, &*x, h, &block.post_norm, n, eps)?;
+        // The residual add and the post-attention norm in one launch.
         let mut f = match &block.ffn {
             Ffn::Dense(m) => {
+                self.ops.add_rmsnorm(&s, x, &a, None, Some(&mut xn), &block.post_norm, n, eps)?;
                 let f = self.mlp(m, &xn, n)?;
                 self.mark("dense MLP")?;
                 f
             }
             Ffn::Moe(m) => {
-                // The router reads the normed state in f32 (its choice is discrete).
+                // The router reads the normed state in f32 too (its choice is discrete).
                 let mut xf = s.alloc_zeros::<f32>(n * h)?;
-                self.ops.rmsnorm(&s, &mut xf, h, &*x, h, &block.post_norm, n, eps)?;
+                self.ops.add_rmsnorm(&s, x, &a, Some(&mut xf), Some(&mut xn), &block.post_norm, n, eps)?;
                 self.moe(m, &xn, &xf, n)?
             }
         };
@@ -115,20 +115,23 @@ impl CudaBackend {
         // DeepSeek's and transformers' q_a/kv_a norms use eps 1e-6 whatever rms_norm_eps says.
         let eps_lat = 1e-6;
         let mut q = s.alloc_zeros::<f32>(n * heads * qk)?;
+        let lat = lora + rope;
+        let mut kv = s.alloc_zeros::<f32>(n * lat)?;
         match &a.q_a {
             Some((qa, qn)) => {
                 let r = qa.out();
                 let mut cq = s.alloc_zeros::<f32>(n * r)?;
-                self.proj(qa, xn, n, &mut cq)?;
+                // q_a and kv_a read the same normed input (quantised once where both are fp8).
+                self.proj_pair(qa, &mut cq, &a.kv_a, &mut kv, xn, n)?;
                 let mut cqn = s.alloc_zeros::<bf16>(n * r)?;
                 self.ops.rmsnorm(s, &mut cqn, r, &cq, r, qn, n, eps_lat)?;
                 self.proj(&a.q_b, &cqn, n, &mut q)?;
             }
-            None => self.proj(&a.q_b, xn, n, &mut q)?,
+            None => {
+                self.proj(&a.q_b, xn, n, &mut q)?;
+                self.proj(&a.kv_a, xn, n, &mut kv)?;
+            }
         }
-        let lat = lora + rope;
-        let mut kv = s.alloc_zeros::<f32>(n * lat)?;
-        self.proj(&a.kv_a, xn, n, &mut kv)?;
         self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, n, eps_lat)?;
         self.mark("attention: q/kv projections, cache write")?;
         let scale = c.softmax_scale() as f32;

@@ -238,6 +238,38 @@ impl CudaBackend {
         }
     }
 
+    /// Two projections of the same input (`y1 = x · p1ᵀ`, `y2 = x · p2ᵀ`): where both are
+    /// fp8 of the same input width, `x` is quantised once for both (the same bytes each
+    /// would quantise on its own).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn proj_pair<T: GemmOut, U: GemmOut>(
+        &self,
+        p1: &Proj,
+        y1: &mut impl DevicePtrMut<T>,
+        p2: &Proj,
+        y2: &mut impl DevicePtrMut<U>,
+        x: &impl DevicePtr<bf16>,
+        n: usize,
+    ) -> Result<()> {
+        match (p1, p2) {
+            (Proj::Fp8(a), Proj::Fp8(b)) if a.inp == b.inp && a.x_inp == b.x_inp && n > 0 => {
+                let s = &self.gpu.stream;
+                let g = &self.fp8_kernels()?.gemm;
+                // SAFETY: act_quant writes every byte and scale of the n rows before either
+                // GEMM reads them.
+                let mut q = unsafe { s.alloc::<u8>(n * a.inp) }?;
+                let mut sc = unsafe { s.alloc::<f32>(n * a.inp / crate::fp8_plan::FP8_BLOCK) }?;
+                g.act_quant_padded(s, x, n, a.x_inp, a.inp, &mut q, &mut sc)?;
+                g.forward_quantized(s, a, &q, &sc, n, y1)?;
+                g.forward_quantized(s, b, &q, &sc, n, y2)
+            }
+            _ => {
+                self.proj(p1, x, n, y1)?;
+                self.proj(p2, x, n, y2)
+            }
+        }
+    }
+
     /// Weight bytes held in fp8 (codes and scales) and in all, this rank.
     pub fn fp8_bytes(&self) -> (u64, u64) {
         let wb = self.weight_bytes();

@@ -26,6 +26,23 @@ struct HeadsTc {
     w_kn: bool,
 }
 
+/// Bytes of split-K partials one `heads_tc` launch may write; more rows run in slabs.
+const HEADS_PARTIAL_BYTES: usize = 32 << 20;
+
+/// `heads_tc`'s split of K, from K alone (so a row's sums never depend on the batch):
+/// (ranges, width). Long sums (W_UV's K = 512) run as 128-wide ranges, four times the
+/// blocks of one pass over K: a decode call has a single 64-row tile per head, and
+/// the time of one block reading all of K bounds it. The absorbed query (rope) runs
+/// whole.
+fn heads_tc_split(k: usize, rope: usize) -> (usize, usize) {
+    const KCHUNK: usize = 128;
+    if rope == 0 && k >= 2 * KCHUNK && k.is_multiple_of(KCHUNK) {
+        (k / KCHUNK, KCHUNK)
+    } else {
+        (1, k)
+    }
+}
+
 /// Whether `heads_tc` (kernels/gemm_tc.cu) takes these widths: 16-byte rows of x and W,
 /// pairs of outputs.
 fn heads_tc_takes(k: usize, n: usize, x_stride: usize, y_stride: usize) -> bool {
@@ -248,44 +265,108 @@ impl Ops {
             }
             None => (0, 0, 0, None),
         };
-        let chunks = t.m.div_ceil(64);
-        if chunks > u32::MAX as usize || t.n.div_ceil(64) > 65_535 || t.heads > 65_535 {
+        let (ksplit, kchunk) = heads_tc_split(t.k, rd);
+        let nblocks = t.n.div_ceil(64);
+        if t.m.div_ceil(64) > u32::MAX as usize || nblocks * ksplit > 65_535 || t.heads > 65_535 {
             return Err(CudaError::shape(K, "grid too large"));
         }
-        let mut args = [0i32; 8];
-        for (a, v) in args.iter_mut().zip([t.m, t.heads, t.k, t.n, t.x_stride, t.y_stride, t.w_kn as usize, rd]) {
+        let mut args = [0i32; 7];
+        for (a, v) in args.iter_mut().zip([t.heads, t.k, t.n, t.x_stride, t.y_stride, t.w_kn as usize, rd]) {
             *a = i32_of(K, v)?;
         }
-        let cfg = LaunchConfig {
-            grid_dim: (chunks as u32, t.n.div_ceil(64) as u32, t.heads as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let (kci, ksi) = (i32_of(K, kchunk)?, i32_of(K, ksplit)?);
+        i32_of(K, t.m)?;
+        // Split K: rows in slabs whose partials fit HEADS_PARTIAL_BYTES (rows are
+        // independent, so slabs change no result; rope, which reads pos from row 0, only
+        // runs unsplit, in one slab).
+        let slab =
+            if ksplit == 1 { t.m } else { (HEADS_PARTIAL_BYTES / (ksplit * t.heads * t.n * 4)).max(64) / 64 * 64 }
+                .min(t.m);
+        let mut part = if ksplit > 1 {
+            // SAFETY: every partial a slab's reduce reads (ksplit × rows × heads × n) is
+            // written by that slab's heads_tc launch first, earlier on this stream.
+            Some(unsafe { s.alloc::<f32>(ksplit * slab * t.heads * t.n) }?)
+        } else {
+            None
         };
-        // SAFETY: heads_tc(y, yb, x, w, m, heads, K, N, x_stride, y_stride, wt, cos, sin,
-        // pos, rope): block (chunk, col block, h) reads x[(r·heads + h)·x_stride..][..K +
-        // rope] for its rows r < m, w[h·K·N..][..K·N], the rope tables at pos[r] (validated
-        // positions, the tables cover them) and writes y/yb[(r·heads + h)·y_stride..][..N +
-        // rope] for r < m only; every length is checked above (y null: not written); 16-byte
-        // loads: K, N, x_stride multiples of 8, 8, 4 (heads_tc_takes), 256-byte aligned buffers.
-        unsafe {
-            s.launch_builder(&self.heads_tc)
-                .arg(&yp)
-                .arg(yb)
-                .arg(x)
-                .arg(w)
-                .arg(&args[0])
-                .arg(&args[1])
-                .arg(&args[2])
-                .arg(&args[3])
-                .arg(&args[4])
-                .arg(&args[5])
-                .arg(&args[6])
-                .arg(&cp)
-                .arg(&sp)
-                .arg(&pp)
-                .arg(&args[7])
-                .launch(cfg)
-        }?;
+        let (partp, _gp) = match part.as_mut() {
+            Some(p) => {
+                let (ptr, g) = p.device_ptr_mut(s);
+                (ptr, Some(g))
+            }
+            None => (0, None),
+        };
+        let (xp, _gx) = x.device_ptr(s);
+        let (ybp, _gyb) = yb.device_ptr_mut(s);
+        let mut r0 = 0;
+        while r0 < t.m {
+            let rows = slab.min(t.m - r0);
+            let (row_x, row_y) = ((r0 * t.heads * t.x_stride) as u64, (r0 * t.heads * t.y_stride) as u64);
+            let (xr, ybr) = (xp + row_x * 4, ybp + row_y * 2);
+            let yr = if yp == 0 { 0 } else { yp + row_y * 4 };
+            let ri = rows as i32; // <= m, checked above
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(64) as u32, (nblocks * ksplit) as u32, t.heads as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: heads_tc(y, yb, x, w, m, heads, K, N, x_stride, y_stride, wt, cos, sin,
+            // pos, rope, part, kchunk) on rows r0.. r0 + rows: block (chunk, column block and
+            // k range, h) reads x[(r·heads + h)·x_stride..][..K + rope] for its rows r <
+            // rows, w[h·K·N..][..K·N], the rope tables at pos[r] (validated positions, the
+            // tables cover them; rope only unsplit, in one slab from row 0) and writes
+            // y/yb[(r·heads + h)·y_stride..][..N + rope] for r < rows only, or with a split
+            // part[z][r·heads + h][..N] (ksplit × slab × heads × N allocated); every length
+            // is checked above (y null: not written); 16-byte loads: K, N, x_stride
+            // multiples of 8, 8, 4 (heads_tc_takes), 256-byte aligned buffers, so row
+            // offsets of x_stride floats stay 16-byte aligned; kchunk a multiple of 64.
+            unsafe {
+                s.launch_builder(&self.heads_tc)
+                    .arg(&yr)
+                    .arg(&ybr)
+                    .arg(&xr)
+                    .arg(w)
+                    .arg(&ri)
+                    .arg(&args[0])
+                    .arg(&args[1])
+                    .arg(&args[2])
+                    .arg(&args[3])
+                    .arg(&args[4])
+                    .arg(&args[5])
+                    .arg(&cp)
+                    .arg(&sp)
+                    .arg(&pp)
+                    .arg(&args[6])
+                    .arg(&partp)
+                    .arg(&kci)
+                    .launch(cfg)
+            }?;
+            if ksplit > 1 {
+                let len = rows * t.heads * t.n;
+                let rcfg = LaunchConfig {
+                    grid_dim: (len.div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: heads_tc_reduce(y, yb, part, m, heads, N, y_stride, ksplit) reads
+                // part[z][i] for z < ksplit, i < rows × heads × N (all written by the launch
+                // above, on this stream) and writes y/yb[(i / N)·y_stride + i % N] from row
+                // r0: within the rows × heads × y_stride checked above.
+                unsafe {
+                    s.launch_builder(&self.heads_tc_reduce)
+                        .arg(&yr)
+                        .arg(&ybr)
+                        .arg(&partp)
+                        .arg(&ri)
+                        .arg(&args[0])
+                        .arg(&args[2])
+                        .arg(&args[4])
+                        .arg(&ksi)
+                        .launch(rcfg)
+                }?;
+            }
+            r0 += rows;
+        }
         Ok(())
     }
 

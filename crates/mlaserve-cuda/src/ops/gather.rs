@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::Ops;
 use crate::error::{CudaError, Result};
-use crate::launch::{i32_of, need, rows_cfg};
+use crate::launch::{i32_of, need, row_blocks_cfg};
 
 /// The gather entry points of `backend_ops.cu`, indexed by [`GatherInto::KERNEL`].
 pub(super) const KERNELS: [&str; 3] = ["gather_rows_f32", "gather_rows_f32_obf16", "gather_rows_bf16"];
@@ -27,6 +27,14 @@ impl GatherInto<bf16> for f32 {
 }
 impl GatherInto<bf16> for bf16 {
     const KERNEL: usize = 2;
+}
+
+/// `gather_rows_*`'s grid: a row's column blocks give each thread one 16-byte copy when
+/// the types match (four values where they convert).
+fn gather_cfg<I, O>(n: usize, h: usize) -> LaunchConfig {
+    let per_thread =
+        if std::mem::size_of::<I>() == std::mem::size_of::<O>() { 16 / std::mem::size_of::<I>() } else { 4 };
+    row_blocks_cfg(n, h, 256, per_thread)
 }
 
 impl Ops {
@@ -53,11 +61,11 @@ impl Ops {
         }
         let hi = i32_of(K, h)?;
         let (o, _g) = out.device_ptr_mut(s);
-        // SAFETY: gather_rows_*(out, x, rows, h): block i reads rows[i] (< n entries) and
+        // SAFETY: gather_rows_*(out, x, rows, h): blocks (i, ..) read rows[i] (< n entries) and
         // x[rows[i]*h..][..h] (every row checked in bounds on the host copy), writes
         // out[i*h..][..h] (n*h checked); the entry point is the one of (I, O).
         unsafe {
-            s.launch_builder(&self.gather[I::KERNEL]).arg(&o).arg(x).arg(rows).arg(&hi).launch(rows_cfg(n, 256, 0))
+            s.launch_builder(&self.gather[I::KERNEL]).arg(&o).arg(x).arg(rows).arg(&hi).launch(gather_cfg::<I, O>(n, h))
         }?;
         Ok(())
     }
@@ -81,9 +89,9 @@ impl Ops {
         }
         let hi = i32_of(K, h)?;
         let f = &self.gather[<bf16 as GatherInto<bf16>>::KERNEL];
-        // SAFETY: block i reads rows[i] (n entries) — a token index from moe_sort, < the
+        // SAFETY: blocks (i, ..) read rows[i] (n entries) — a token index from moe_sort, < the
         // tokens whose rows x holds — and x[rows[i]*h..][..h], writes out[i*h..][..h].
-        unsafe { s.launch_builder(f).arg(out).arg(x).arg(rows).arg(&hi).launch(rows_cfg(n, 256, 0)) }?;
+        unsafe { s.launch_builder(f).arg(out).arg(x).arg(rows).arg(&hi).launch(gather_cfg::<bf16, bf16>(n, h)) }?;
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use half::bf16;
 
 use super::Ops;
 use crate::error::{CudaError, Result};
-use crate::launch::{i32_of, need, rows_cfg};
+use crate::launch::{i32_of, need, row_blocks_cfg, rows_cfg};
 use crate::linear::{GemmMode, GemmOut, Linear};
 use crate::tensor_map::bf16_tensor_map;
 
@@ -364,9 +364,9 @@ impl Ops {
             return Ok(());
         }
         let (ki, hi) = (i32_of(K, k)?, i32_of(K, h)?);
-        // SAFETY: block t reads ids/weights/inv[t*k..][..k] (k <= COMBINE_MAX_K, the size
-        // of its shared order) and rows inv[..] < n*k of y (a permutation built by the
-        // caller), writes out[t*h..][..h]; lengths checked. float4 accesses only when
+        // SAFETY: blocks (t, ..) read ids/weights/inv[t*k..][..k] (k <= COMBINE_MAX_K, the
+        // size of its shared order) and rows inv[..] < n*k of y (a permutation built by the
+        // caller), write disjoint columns of out[t*h..][..h]; lengths checked. float4 accesses only when
         // h % 4 == 0, on cudarc's 256-byte aligned allocations.
         unsafe {
             s.launch_builder(&self.combine)
@@ -377,7 +377,7 @@ impl Ops {
                 .arg(inv)
                 .arg(&ki)
                 .arg(&hi)
-                .launch(rows_cfg(n, 256, 0))
+                .launch(row_blocks_cfg(n, if h.is_multiple_of(4) { h / 4 } else { h }, 256, 1))
         }?;
         Ok(())
     }

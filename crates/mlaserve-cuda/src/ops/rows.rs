@@ -8,7 +8,7 @@ use half::bf16;
 
 use super::Ops;
 use crate::error::{CudaError, Result};
-use crate::launch::{i32_of, need, rows_cfg};
+use crate::launch::{i32_of, need, row_blocks_cfg, rows_cfg};
 use crate::linear::GemmOut;
 
 impl Ops {
@@ -37,7 +37,7 @@ impl Ops {
         }
         let (hi, loi, ri, z) = (i32_of(K, h)?, i32_of(K, lo)?, i32_of(K, rows)?, zero_pos0 as i32);
         let (o, _g) = out.device_ptr_mut(s);
-        // SAFETY: block r reads tokens[r], positions[r] (n entries each), writes out[r*h..][..h]
+        // SAFETY: blocks (r, ..) read tokens[r], positions[r] (n entries each), write out[r*h..][..h]
         // (out holds n*h), and reads table row tokens[r]-lo only when it lies in [0, rows)
         // (table holds rows*h).
         unsafe {
@@ -50,7 +50,7 @@ impl Ops {
                 .arg(&loi)
                 .arg(&ri)
                 .arg(&z)
-                .launch(rows_cfg(n, 256, 0))
+                .launch(row_blocks_cfg(n, h, 256, 8))
         }?;
         Ok(())
     }
@@ -92,6 +92,62 @@ impl Ops {
                 .arg(&os)
                 .arg(&xp)
                 .arg(&xs)
+                .arg(w)
+                .arg(&d)
+                .arg(&eps)
+                .launch(rows_cfg(rows, 256, 0))
+        }?;
+        Ok(())
+    }
+
+    /// The residual add and the RMSNorm after it in one launch: `x += a` (`[rows][dim]`
+    /// f32), then RMSNorm(x) · w into `of` (f32) and/or `ob` (bf16), dense rows; the bits
+    /// of [`Ops::add`] followed by [`Ops::rmsnorm`] into each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rmsnorm(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &mut CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        of: Option<&mut CudaSlice<f32>>,
+        ob: Option<&mut CudaSlice<bf16>>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "add_rmsnorm_f32";
+        let dim = w.len();
+        need(K, "x", x.len(), rows * dim)?;
+        need(K, "a", a.len(), rows * dim)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = i32_of(K, dim)?;
+        let (ofp, _g1) = match of {
+            Some(o) => {
+                need(K, "of", o.len(), rows * dim)?;
+                let (p, g) = o.device_ptr_mut(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (obp, _g2) = match ob {
+            Some(o) => {
+                need(K, "ob", o.len(), rows * dim)?;
+                let (p, g) = o.device_ptr_mut(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        // SAFETY: block r reads and writes x[r*dim..][..dim], reads a[r*dim..][..dim] and
+        // w[..dim], writes of/ob[r*dim..][..dim] where not null, r < rows; the lengths are
+        // checked above.
+        unsafe {
+            s.launch_builder(&self.add_norm)
+                .arg(x)
+                .arg(a)
+                .arg(&ofp)
+                .arg(&obp)
                 .arg(w)
                 .arg(&d)
                 .arg(&eps)
