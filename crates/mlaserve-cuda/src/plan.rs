@@ -117,7 +117,7 @@ pub fn tc_split(n: usize, k: usize, num_sms: usize) -> (usize, usize) {
     (k.div_ceil(kchunk.max(1)).max(1), kchunk.max(TC_BK))
 }
 
-/// Columns per block of the router's decode tile (`router_f32_tile16`, kernels/backend_ops.cu),
+/// Columns per block of the router's decode tile (`router_f32_tile16`, kernels/router.cu),
 /// which sets how many blocks a k range gives a decode call.
 pub const ROUTER_DECODE_BN: usize = 16;
 /// The router's k ranges are multiples of this (the larger k tile of its two entry points).

@@ -3,7 +3,7 @@
 //! bf16 or TF32 rounding), batch-invariant.
 //!
 //! The kernels (`router_f32_tile16`, `router_f32_tile32`, `router_f32_tile64`,
-//! `router_reduce_f32` in kernels/backend_ops.cu) are a tiled CUDA-core GEMM with k cut into ranges fixed by the
+//! `router_reduce_f32` in kernels/router.cu) are a tiled CUDA-core GEMM with k cut into ranges fixed by the
 //! weight's shape ([`plan::router_split`]): every logit is one FMA chain per range in
 //! increasing k, and the ranges' partials are added in range order. Neither the rows of a
 //! call nor the tile that runs it enter that order, so a token's logits have the same
@@ -80,11 +80,11 @@ pub struct Router {
 
 impl Router {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Self::from_module(&gpu.load_module(kernels::BACKEND_OPS)?, gpu.num_sms)
+        Self::from_module(&gpu.load_module(kernels::ROUTER)?, gpu.num_sms)
     }
 
-    /// From an already loaded `backend_ops` module ([`crate::ops::Ops`] shares its own).
-    pub(crate) fn from_module(m: &Arc<CudaModule>, num_sms: usize) -> Result<Self> {
+    /// From an already loaded `router` module.
+    fn from_module(m: &Arc<CudaModule>, num_sms: usize) -> Result<Self> {
         Ok(Router {
             tile16: m.load_function("router_f32_tile16")?,
             tile32: m.load_function("router_f32_tile32")?,

@@ -43,7 +43,7 @@ fn heads_tc_split(k: usize, rope: usize) -> (usize, usize) {
     }
 }
 
-/// Whether `heads_tc` (kernels/gemm_tc.cu) takes these widths: 16-byte rows of x and W,
+/// Whether `heads_tc` (kernels/heads_tc.cu) takes these widths: 16-byte rows of x and W,
 /// pairs of outputs.
 fn heads_tc_takes(k: usize, n: usize, x_stride: usize, y_stride: usize) -> bool {
     k.is_multiple_of(8) && n.is_multiple_of(8) && x_stride.is_multiple_of(4) && y_stride.is_multiple_of(2)

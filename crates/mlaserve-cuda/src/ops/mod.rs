@@ -71,6 +71,7 @@ impl Ops {
         let m = gpu.load_module(kernels::BACKEND_OPS)?;
         let f = |n: &str| m.load_function(n);
         let tc = gpu.load_module(kernels::GEMM_TC)?;
+        let heads = gpu.load_module(kernels::HEADS_TC)?;
         Ok(Ops {
             embed: f("embed_gather_f32")?,
             norm_f32: f("rmsnorm_f32_of32")?,
@@ -97,13 +98,13 @@ impl Ops {
             gather: [f(gather::KERNELS[0])?, f(gather::KERNELS[1])?, f(gather::KERNELS[2])?],
             kv_write: f("kv_cache_write_bf16")?,
             q_absorb: f("q_absorb_f32")?,
-            heads_tc: tc.load_function("heads_tc")?,
-            heads_tc_reduce: tc.load_function("heads_tc_reduce")?,
+            heads_tc: heads.load_function("heads_tc")?,
+            heads_tc_reduce: heads.load_function("heads_tc_reduce")?,
             attn: f("mla_attn_varlen_f32")?,
             wuv: f("wuv_f32_obf16")?,
             route: f("moe_route_f32")?,
             combine: f("moe_combine_f32")?,
-            router: Router::from_module(&m, gpu.num_sms)?,
+            router: Router::new(gpu)?,
             num_sms: gpu.num_sms,
             max_smem: gpu.max_smem_optin,
         })
