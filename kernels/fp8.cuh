@@ -32,19 +32,11 @@ __device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
 // read as zeros, so a weight whose input width is padded to whole 128-groups with zero
 // columns sees the same groups and scales as the unpadded row's (its last group holds
 // kx % 128 channels). 8 warps per block, warp = (row, group) in row-major order.
-template <typename Tin>
-__device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int m, int k,
-                          int kx) {
-    const int groups = k / f8::QB;
-    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-    if (wid >= static_cast<size_t>(m) * groups) return;
-    const int lane = threadIdx.x & 31;
-    const size_t row = wid / groups;
-    const int g = static_cast<int>(wid % groups);
-    const int ch = g * f8::QB + 4 * lane;
-    const size_t at = row * k + ch;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (ch < kx) load4(x + row * kx + ch, v);
+// One (row, 128-group) of a quantised activation from its lanes' four values each (lane
+// l holds channels 4l .. 4l + 3 of the group): s = amax / 448 over the warp, codes
+// e4m3(v / s) into q[at .. at + 4), the scale into *sc_out by lane 0.
+__device__ __forceinline__ void quant_group(const float (&v)[4], uint8_t* __restrict__ q, size_t at,
+                                            float* __restrict__ sc_out, int lane) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     amax = warp_max(amax);
     // An all-zero group keeps scale 1 (its bytes are then ±0).
@@ -56,7 +48,22 @@ __device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, fl
         packed |= static_cast<uint32_t>(b) << (8 * i);
     }
     *reinterpret_cast<uint32_t*>(q + at) = packed;
-    if (lane == 0) s[row * groups + g] = sc;
+    if (lane == 0) *sc_out = sc;
+}
+
+template <typename Tin>
+__device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int m, int k,
+                          int kx) {
+    const int groups = k / f8::QB;
+    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (wid >= static_cast<size_t>(m) * groups) return;
+    const int lane = threadIdx.x & 31;
+    const size_t row = wid / groups;
+    const int g = static_cast<int>(wid % groups);
+    const int ch = g * f8::QB + 4 * lane;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (ch < kx) load4(x + row * kx + ch, v);
+    quant_group(v, q, row * k + ch, s + row * groups + g, lane);
 }
 
 // ---------------------------------------------------------------- shared pieces

@@ -47,6 +47,33 @@ extern "C" __global__ void __launch_bounds__(256)
     act_quant(x, q, s, m, k, kx);
 }
 
+// SiLU-and-multiply fused with the next fp8 GEMM's activation quantisation: for row r and
+// channel c < d, v = bf16(silu(gate) · up) with gate at in[r·2dp + c] and up at
+// in[r·2dp + dp + c] (silu_mul_bf16's value, rounded as it stores it), channels d .. k
+// zero; then act_quant's codes q [m][k] and scales s [m][k / 128] of v: the bytes
+// silu_mul_bf16 followed by act_quant_bf16 write. One warp per (row, group), as
+// act_quant. Needs d and dp multiples of 4.
+extern "C" __global__ void __launch_bounds__(256)
+    silu_mul_quant(const bf16* in, uint8_t* q, float* s, int m, int k, int d, int dp) {
+    const int groups = k / f8::QB;
+    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (wid >= static_cast<size_t>(m) * groups) return;
+    const int lane = threadIdx.x & 31;
+    const size_t row = wid / groups;
+    const int g = static_cast<int>(wid % groups);
+    const int ch = g * f8::QB + 4 * lane;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (ch < d) {
+        float gv[4], uv[4];
+        load4(in + row * 2 * dp + ch, gv);
+        load4(in + row * 2 * dp + dp + ch, uv);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            v[i] = __bfloat162float(__float2bfloat16_rn(gv[i] / (1.f + __expf(-gv[i])) * uv[i]));
+    }
+    quant_group(v, q, row * k + ch, s + row * groups + g, lane);
+}
+
 #define FP8_STREAM(NAME, T, MT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(f8s::THREADS, f8s::Cfg<MT>::BLOCKS_PER_SM)                        \
         NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, float* part,    \

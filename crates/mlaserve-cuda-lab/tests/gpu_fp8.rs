@@ -30,6 +30,37 @@ fn act_quant_is_bit_exact() {
     assert!(r.is_none(), "{}", r.unwrap_or_default());
 }
 
+/// SiLU-and-multiply fused with the down projection's quantisation (`silu_quant`): the
+/// bytes and scales of `silu_mul_bf16` followed by `act_quant_bf16`, at V3's expert and
+/// dense widths (TP 1 and TP 8) and a padded tiny one (96 channels of a 128-wide weight,
+/// halves 128 apart).
+#[test]
+fn silu_quant_is_silu_then_act_quant() {
+    use mlaserve_cuda::elementwise::SiluMul;
+    let Some(gpu) = gpu() else { return };
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
+    let silu = SiluMul::new(&gpu).expect("silu");
+    let s = &gpu.stream;
+    let mut rng = Rng::new(29);
+    for (m, d, dp, k) in
+        [(64usize, 2048usize, 2048usize, 2048usize), (7, 256, 256, 256), (3, 18432, 18432, 18432), (5, 96, 128, 128)]
+    {
+        let gu: Vec<half::bf16> = (0..m * 2 * dp).map(|_| half::bf16::from_f32(rng.uniform(-6.0, 6.0))).collect();
+        let gud = s.clone_htod(&gu).expect("gu");
+        let mut act = s.alloc_zeros::<half::bf16>(m * d).expect("act");
+        silu.launch_padded(s, &mut act, &gud, d, dp).expect("silu");
+        let (mut q1, mut s1) = (s.alloc_zeros::<u8>(m * k).expect("q"), s.alloc_zeros::<f32>(m * k / 128).expect("s"));
+        fp8.act_quant_padded(s, &act, m, d, k, &mut q1, &mut s1).expect("quant");
+        let (mut q2, mut s2) = (s.alloc_zeros::<u8>(m * k).expect("q"), s.alloc_zeros::<f32>(m * k / 128).expect("s"));
+        fp8.silu_quant(s, &gud, m, d, dp, k, &mut q2, &mut s2).expect("silu_quant");
+        let same_q = s.clone_dtoh(&q1).expect("q1") == s.clone_dtoh(&q2).expect("q2");
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let same_s = bits(s.clone_dtoh(&s1).expect("s1")) == bits(s.clone_dtoh(&s2).expect("s2"));
+        println!("silu_quant m={m} d={d} dp={dp} k={k}: codes {same_q}, scales {same_s}");
+        assert!(same_q && same_s, "silu_quant differs from silu_mul_bf16 + act_quant (m={m} d={d} dp={dp} k={k})");
+    }
+}
+
 /// A row narrower than its padded width (tiny models' 64-, 32- and 48-wide inputs,
 /// and 300 = two blocks and a 44-wide tail) quantises as the CPU backend's
 /// `quantize_act_row` does on the unpadded row: the same bytes and scales, zeros in

@@ -84,6 +84,7 @@ impl QuantIn for f32 {
 pub struct Fp8Gemm {
     quant_bf16: CudaFunction,
     quant_f32: CudaFunction,
+    silu_quant: CudaFunction,
     /// `fp8_stream{1,2,4}_*`: [bf16 out, f32 out] per m-tile count 1, 2, 4.
     stream: [[CudaFunction; 2]; 3],
     /// The streaming kernel's split-K arrival counters ([`fp8_plan::STREAM_COUNTERS`]),
@@ -116,6 +117,7 @@ impl Fp8Gemm {
         Ok(Fp8Gemm {
             quant_bf16: f("act_quant_bf16")?,
             quant_f32: f("act_quant_f32")?,
+            silu_quant: f("silu_mul_quant")?,
             stream: [st(1)?, st(2)?, st(4)?],
             counters: gpu.stream.alloc_zeros::<u32>(fp8_plan::STREAM_COUNTERS)?,
             wg: if wgmma {
@@ -198,6 +200,59 @@ impl Fp8Gemm {
         // 4-byte stores stay aligned (kx % 4 == 0, k % 128 == 0, cudarc buffers 256-byte
         // aligned, callers' views start at whole rows).
         unsafe { s.launch_builder(f).arg(&xp).arg(&qp).arg(&sp).arg(&mi).arg(&ki).arg(&kxi).launch(cfg) }?;
+        Ok(())
+    }
+
+    /// SiLU-and-multiply of `gu` (`[m][2dp]` bf16: the gate at columns `0..d`, the up
+    /// projection at `dp..dp + d`) fused with the activation quantisation for a weight of
+    /// `k` input channels (`d ≤ k < d + 128`, `k % 128 == 0`): the codes and scales that
+    /// `SiluMul::launch_padded` followed by [`Fp8Gemm::act_quant_padded`] give, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn silu_quant(
+        &self,
+        s: &Arc<CudaStream>,
+        gu: &impl DevicePtr<bf16>,
+        m: usize,
+        d: usize,
+        dp: usize,
+        k: usize,
+        q: &mut impl DevicePtrMut<u8>,
+        scale: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const K: &str = "silu_mul_quant";
+        fp8_plan::check_act(m, k).map_err(|e| CudaError::shape(K, e))?;
+        if d > k || k - d >= FP8_BLOCK || !d.is_multiple_of(4) || !dp.is_multiple_of(4) || dp < d {
+            return Err(CudaError::shape(K, format!("{d} channels (halves {dp} apart) padded to {k}")));
+        }
+        need(K, "gu", gu.len(), m * 2 * dp)?;
+        need(K, "q", q.len(), m * k)?;
+        need(K, "scale", scale.len(), m * k / FP8_BLOCK)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let warps = m * (k / FP8_BLOCK);
+        let blocks = u32::try_from(warps.div_ceil(8)).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let (mi, ki, di, dpi) = (i32_of(K, m)?, i32_of(K, k)?, i32_of(K, d)?, i32_of(K, dp)?);
+        let (gp, _g1) = gu.device_ptr(s);
+        let (qp, _g2) = q.device_ptr_mut(s);
+        let (sp, _g3) = scale.device_ptr_mut(s);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: silu_mul_quant(in, q, s, m, k, d, dp): warp w < m·k/128 reads
+        // in[row·2dp + c ..][..4] and in[row·2dp + dp + c ..][..4] only for channels c < d
+        // ≤ dp, and writes q[row·k + 128g ..][..128] and s[row·k/128 + g]: within the
+        // lengths checked above; 8-byte loads aligned (d, dp multiples of 4, cudarc buffers
+        // 256-byte aligned), 4-byte stores (k % 128 == 0).
+        unsafe {
+            s.launch_builder(&self.silu_quant)
+                .arg(&gp)
+                .arg(&qp)
+                .arg(&sp)
+                .arg(&mi)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&dpi)
+                .launch(cfg)
+        }?;
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
+use super::proj::Proj;
 use super::route::Absorbed;
 use super::weights::{Attn, Ffn, Grouped, Mlp, Moe};
 use super::{BlockRef, CudaBackend, Step};
@@ -344,6 +345,18 @@ impl CudaBackend {
         let (i, half) = (m.inter(), m.half());
         let mut gu = s.alloc_zeros::<bf16>(rows * 2 * half)?;
         self.proj(&m.gate_up, x, rows, &mut gu)?;
+        if let Proj::Fp8(down) = &m.down {
+            if down.x_inp == i && rows > 0 {
+                // SiLU fused with the down projection's activation quantisation.
+                let g = &self.fp8_kernels()?.gemm;
+                // SAFETY: silu_quant writes every byte and scale of the rows before the GEMM
+                // reads them.
+                let mut q = unsafe { s.alloc::<u8>(rows * down.inp) }?;
+                let mut sc = unsafe { s.alloc::<f32>(rows * down.inp / fp8_plan::FP8_BLOCK) }?;
+                g.silu_quant(s, &gu, rows, i, half, down.inp, &mut q, &mut sc)?;
+                return g.forward_quantized(s, down, &q, &sc, rows, out);
+            }
+        }
         let mut act = s.alloc_zeros::<bf16>(rows * i)?;
         self.silu.launch_padded(s, &mut act, &gu, i, half)?;
         self.proj(&m.down, &act, rows, out)
@@ -512,11 +525,9 @@ impl CudaBackend {
         }
         self.mark("MoE routed experts: gate_up")?;
         let i = down.x_inp;
-        let mut hid = unsafe { s.alloc::<bf16>(rows * i) }?;
-        self.silu.launch_padded(s, &mut hid, &gu, i, half)?;
         let mut aq = unsafe { s.alloc::<u8>(rows * down.inp) }?;
         let mut asc = unsafe { s.alloc::<f32>(rows * down.inp / fp8_plan::FP8_BLOCK) }?;
-        fp8.gemm.act_quant_padded(s, &hid, rows, i, down.inp, &mut aq, &mut asc)?;
+        fp8.gemm.silu_quant(s, &gu, rows, i, half, down.inp, &mut aq, &mut asc)?;
         self.mark("MoE routed experts: SiLU")?;
         if tiled {
             grouped.forward_tiled(s, down, &aq, &asc, off, Some(act), rows, ys)?;
