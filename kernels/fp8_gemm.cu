@@ -74,6 +74,51 @@ extern "C" __global__ void __launch_bounds__(256)
     quant_group(v, q, row * k + ch, s + row * groups + g, lane);
 }
 
+// RMSNorm fused with the activation quantisation of the fp8 GEMM that reads its output:
+// row r of x (f32, row stride x_stride, `dim` wide), v = bf16(x / rms(x) · w)
+// (rmsnorm_f32_obf16's value, rounded as it stores it), channels dim .. k zero, into
+// act_quant's codes q [rows][k] and scales s [rows][k / 128]. The sum of squares runs as
+// rmsnorm_rows' 16-byte path does (the same per-thread order over 256 threads and the
+// same block reduction), so the bytes are those of rmsnorm_f32_obf16 then
+// act_quant_bf16. grid = rows, 256 threads; warp w quantises groups w, w + 8, ... Needs
+// dim and x_stride multiples of 4 (16-byte rows of x and w).
+extern "C" __global__ void __launch_bounds__(256)
+    rmsnorm_quant_f32(const float* __restrict__ x, int x_stride, const float* __restrict__ w, uint8_t* __restrict__ q,
+                      float* __restrict__ s, int dim, int k, float eps) {
+    __shared__ float red[32];
+    const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(blockIdx.x) * x_stride);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    float ss = 0.f;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+        const float4 v = x4[i];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    // The block sum of backend_ops.cu's bops::block_sum: warp sums, then every thread adds
+    // the warps' in order.
+    ss = warp_sum(ss);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < nw; ++i) t += red[i];
+    const float inv = rsqrtf(t / dim + eps);
+    const int groups = k / f8::QB;
+    const size_t row = blockIdx.x;
+    for (int g = warp; g < groups; g += nw) {
+        const int ch = g * f8::QB + 4 * lane;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (ch < dim) {
+            const float4 a = x4[ch / 4], b = w4[ch / 4];
+            v[0] = __bfloat162float(__float2bfloat16_rn(a.x * inv * b.x));
+            v[1] = __bfloat162float(__float2bfloat16_rn(a.y * inv * b.y));
+            v[2] = __bfloat162float(__float2bfloat16_rn(a.z * inv * b.z));
+            v[3] = __bfloat162float(__float2bfloat16_rn(a.w * inv * b.w));
+        }
+        quant_group(v, q, row * k + ch, s + row * groups + g, lane);
+    }
+}
+
 #define FP8_STREAM(NAME, T, MT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(f8s::THREADS, f8s::Cfg<MT>::BLOCKS_PER_SM)                        \
         NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, float* part,    \

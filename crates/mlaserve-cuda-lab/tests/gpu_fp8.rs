@@ -61,6 +61,39 @@ fn silu_quant_is_silu_then_act_quant() {
     }
 }
 
+/// RMSNorm fused with the quantisation (`rmsnorm_quant`): the bytes of `Ops::rmsnorm`
+/// into bf16 then `act_quant`, at V3's hidden and q_lora widths, a row stride wider than
+/// the row, and a padded tiny width (96 channels of a 128-wide weight).
+#[test]
+fn rmsnorm_quant_is_rmsnorm_then_act_quant() {
+    use mlaserve_cuda::linear::TcKernels;
+    use mlaserve_cuda::ops::Ops;
+    let Some(gpu) = gpu() else { return };
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
+    let ops = Ops::new(&gpu, TcKernels::Auto).expect("ops");
+    let s = &gpu.stream;
+    let mut rng = Rng::new(31);
+    for (m, dim, stride, k) in
+        [(64usize, 7168usize, 7168usize, 7168usize), (1, 7168, 7168, 7168), (9, 1536, 2112, 1536), (5, 96, 96, 128)]
+    {
+        let x: Vec<f32> = (0..m * stride).map(|_| rng.uniform(-3.0, 3.0)).collect();
+        let w: Vec<f32> = (0..dim).map(|_| rng.uniform(0.5, 1.5)).collect();
+        let (xd, wd) = (s.clone_htod(&x).expect("x"), s.clone_htod(&w).expect("w"));
+        let mut xn = s.alloc_zeros::<half::bf16>(m * dim).expect("xn");
+        ops.rmsnorm(s, &mut xn, dim, &xd, stride, &wd, m, 1e-6).expect("norm");
+        let (mut q1, mut s1) = (s.alloc_zeros::<u8>(m * k).expect("q"), s.alloc_zeros::<f32>(m * k / 128).expect("s"));
+        fp8.act_quant_padded(s, &xn, m, dim, k, &mut q1, &mut s1).expect("quant");
+        let (mut q2, mut s2) = (s.alloc_zeros::<u8>(m * k).expect("q"), s.alloc_zeros::<f32>(m * k / 128).expect("s"));
+        let ran = fp8.rmsnorm_quant(s, &xd, stride, &wd, m, k, 1e-6, &mut q2, &mut s2).expect("rmsnorm_quant");
+        assert!(ran.is_some(), "rmsnorm_quant declined dim {dim} stride {stride}");
+        let same_q = s.clone_dtoh(&q1).expect("q1") == s.clone_dtoh(&q2).expect("q2");
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let same_s = bits(s.clone_dtoh(&s1).expect("s1")) == bits(s.clone_dtoh(&s2).expect("s2"));
+        println!("rmsnorm_quant m={m} dim={dim} stride={stride} k={k}: codes {same_q}, scales {same_s}");
+        assert!(same_q && same_s, "rmsnorm_quant differs from rmsnorm + act_quant (m={m} dim={dim} k={k})");
+    }
+}
+
 /// A row narrower than its padded width (tiny models' 64-, 32- and 48-wide inputs,
 /// and 300 = two blocks and a 44-wide tail) quantises as the CPU backend's
 /// `quantize_act_row` does on the unpadded row: the same bytes and scales, zeros in

@@ -85,6 +85,7 @@ pub struct Fp8Gemm {
     quant_bf16: CudaFunction,
     quant_f32: CudaFunction,
     silu_quant: CudaFunction,
+    norm_quant: CudaFunction,
     /// `fp8_stream{1,2,4}_*`: [bf16 out, f32 out] per m-tile count 1, 2, 4.
     stream: [[CudaFunction; 2]; 3],
     /// The streaming kernel's split-K arrival counters ([`fp8_plan::STREAM_COUNTERS`]),
@@ -118,6 +119,7 @@ impl Fp8Gemm {
             quant_bf16: f("act_quant_bf16")?,
             quant_f32: f("act_quant_f32")?,
             silu_quant: f("silu_mul_quant")?,
+            norm_quant: f("rmsnorm_quant_f32")?,
             stream: [st(1)?, st(2)?, st(4)?],
             counters: gpu.stream.alloc_zeros::<u32>(fp8_plan::STREAM_COUNTERS)?,
             wg: if wgmma {
@@ -254,6 +256,64 @@ impl Fp8Gemm {
                 .launch(cfg)
         }?;
         Ok(())
+    }
+
+    /// RMSNorm of `m` rows of `x` (f32, row stride `x_stride`, `w.len()` wide) fused with
+    /// the activation quantisation for a weight of `k` input channels (`dim ≤ k < dim +
+    /// 128`): the codes and scales of `Ops::rmsnorm` into bf16 followed by
+    /// [`Fp8Gemm::act_quant_padded`], bit for bit. `None` (nothing launched) where the
+    /// widths do not allow it (the width or the row stride not a multiple of 4).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_quant(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &impl DevicePtr<f32>,
+        x_stride: usize,
+        w: &CudaSlice<f32>,
+        m: usize,
+        k: usize,
+        eps: f32,
+        q: &mut impl DevicePtrMut<u8>,
+        scale: &mut impl DevicePtrMut<f32>,
+    ) -> Result<Option<()>> {
+        const K: &str = "rmsnorm_quant_f32";
+        let dim = w.len();
+        if !dim.is_multiple_of(4) || !x_stride.is_multiple_of(4) {
+            return Ok(None);
+        }
+        fp8_plan::check_act(m, k).map_err(|e| CudaError::shape(K, e))?;
+        if dim > k || k - dim >= FP8_BLOCK || x_stride < dim {
+            return Err(CudaError::shape(K, format!("{dim} channels (row stride {x_stride}) padded to {k}")));
+        }
+        if m == 0 {
+            return Ok(Some(()));
+        }
+        need(K, "x", x.len(), (m - 1) * x_stride + dim)?;
+        need(K, "q", q.len(), m * k)?;
+        need(K, "scale", scale.len(), m * k / FP8_BLOCK)?;
+        let (xs, di, ki) = (i32_of(K, x_stride)?, i32_of(K, dim)?, i32_of(K, k)?);
+        u32::try_from(m).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let (xp, _g1) = x.device_ptr(s);
+        let (qp, _g2) = q.device_ptr_mut(s);
+        let (sp, _g3) = scale.device_ptr_mut(s);
+        let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: rmsnorm_quant_f32(x, x_stride, w, q, s, dim, k, eps): block r < m reads
+        // x[r·x_stride ..][..dim] and w[..dim] 16 bytes at a time (dim and x_stride
+        // multiples of 4, cudarc buffers 256-byte aligned), writes q[r·k ..][..k] and
+        // s[r·k/128 ..][..k/128]: within the lengths checked above.
+        unsafe {
+            s.launch_builder(&self.norm_quant)
+                .arg(&xp)
+                .arg(&xs)
+                .arg(w)
+                .arg(&qp)
+                .arg(&sp)
+                .arg(&di)
+                .arg(&ki)
+                .arg(&eps)
+                .launch(cfg)
+        }?;
+        Ok(Some(()))
     }
 
     /// `y[m][out] = x[m][x_inp] · Wᵀ`: quantises the bf16 activation (into stream-ordered

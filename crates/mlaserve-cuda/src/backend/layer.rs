@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
-use super::proj::Proj;
+use super::proj::{Normed, Proj};
 use super::route::Absorbed;
 use super::weights::{Attn, Ffn, Grouped, Mlp, Moe};
 use super::{BlockRef, CudaBackend, Step};
@@ -62,21 +62,29 @@ impl CudaBackend {
             BlockRef::Target(l) => (&self.blocks[l], l),
             BlockRef::Mtp(d) => (&self.mtp[d].block, self.cfg.num_hidden_layers + d),
         };
-        let mut xn = s.alloc_zeros::<bf16>(n * h)?;
-        self.ops.rmsnorm(&s, &mut xn, h, &*x, h, &block.in_norm, n, eps)?;
+        // The input norm, quantised in its launch where the projections that read it are fp8.
+        let first = match &block.attn.q_a {
+            Some((qa, _)) => qa,
+            None => &block.attn.q_b,
+        };
+        let xin = self.norm_for(&[first, &block.attn.kv_a], &*x, h, &block.in_norm, n, eps)?;
         // The cache is written inside; take it out of `self` for the call.
         let mut cache = std::mem::replace(&mut self.caches[cache_idx], s.alloc_zeros::<bf16>(1)?);
         let block = match which {
             BlockRef::Target(l) => &self.blocks[l],
             BlockRef::Mtp(d) => &self.mtp[d].block,
         };
-        let a = self.attention(&block.attn, &xn, &mut cache, st);
+        let a = self.attention(&block.attn, &xin, &mut cache, st);
         self.caches[cache_idx] = cache;
         let mut a = a?;
         self.mark("attention")?;
         self.all_reduce(&mut a)?;
         self.mark("all-reduce")?;
         // The residual add and the post-attention norm in one launch.
+        let mut xn = match xin {
+            Normed::Bf16(b) => b,
+            Normed::Fp8 { .. } => s.alloc_zeros::<bf16>(n * h)?,
+        };
         let mut f = match &block.ffn {
             Ffn::Dense(m) => {
                 self.ops.add_rmsnorm(&s, x, &a, None, Some(&mut xn), &block.post_norm, n, eps)?;
@@ -97,16 +105,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// MLA over normed `xn` (`[n][h]` bf16): writes the latent cache, returns `o_proj`'s
-    /// output `[n][h]` f32. Attention per the step's route (`route.rs`): each row's
-    /// `o` (o_proj's input) comes from exactly one of the two forms.
-    fn attention(
-        &self,
-        a: &Attn,
-        xn: &CudaSlice<bf16>,
-        cache: &mut CudaSlice<bf16>,
-        st: &Step,
-    ) -> Result<CudaSlice<f32>> {
+    /// MLA over normed `xn` (`[n][h]`, bf16 or quantised for q_a and kv_a): writes the
+    /// latent cache, returns `o_proj`'s output `[n][h]` f32. Attention per the step's route
+    /// (`route.rs`): each row's `o` (o_proj's input) comes from exactly one of the two forms.
+    fn attention(&self, a: &Attn, xn: &Normed, cache: &mut CudaSlice<bf16>, st: &Step) -> Result<CudaSlice<f32>> {
         let s = &self.gpu.stream;
         let c = &self.cfg;
         let n = st.n;
@@ -118,19 +120,24 @@ impl CudaBackend {
         let mut q = s.alloc_zeros::<f32>(n * heads * qk)?;
         let lat = lora + rope;
         let mut kv = s.alloc_zeros::<f32>(n * lat)?;
-        match &a.q_a {
-            Some((qa, qn)) => {
+        match (&a.q_a, xn) {
+            (Some((qa, qn)), xn) => {
                 let r = qa.out();
                 let mut cq = s.alloc_zeros::<f32>(n * r)?;
-                // q_a and kv_a read the same normed input (quantised once where both are fp8).
-                self.proj_pair(qa, &mut cq, &a.kv_a, &mut kv, xn, n)?;
-                let mut cqn = s.alloc_zeros::<bf16>(n * r)?;
-                self.ops.rmsnorm(s, &mut cqn, r, &cq, r, qn, n, eps_lat)?;
-                self.proj(&a.q_b, &cqn, n, &mut q)?;
+                match xn {
+                    // q_a and kv_a read the same normed input (quantised once where both are fp8).
+                    Normed::Bf16(xb) => self.proj_pair(qa, &mut cq, &a.kv_a, &mut kv, xb, n)?,
+                    Normed::Fp8 { .. } => {
+                        self.proj_normed(qa, xn, n, &mut cq)?;
+                        self.proj_normed(&a.kv_a, xn, n, &mut kv)?;
+                    }
+                }
+                let cqn = self.norm_for(&[&a.q_b], &cq, r, qn, n, eps_lat)?;
+                self.proj_normed(&a.q_b, &cqn, n, &mut q)?;
             }
-            None => {
-                self.proj(&a.q_b, xn, n, &mut q)?;
-                self.proj(&a.kv_a, xn, n, &mut kv)?;
+            (None, xn) => {
+                self.proj_normed(&a.q_b, xn, n, &mut q)?;
+                self.proj_normed(&a.kv_a, xn, n, &mut kv)?;
             }
         }
         self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, n, eps_lat)?;

@@ -25,6 +25,13 @@ use crate::fp8_plan::{self, Fp8Path, StoredFp8, FP8_BLOCK};
 use crate::gpu::Gpu;
 use crate::linear::{GemmOut, Linear};
 
+/// A normed activation as the projections that read it take it: bf16, or already
+/// quantised for fp8 weights of its width (codes `[n][inp]`, scales `[n][inp / 128]`).
+pub(crate) enum Normed {
+    Bf16(CudaSlice<bf16>),
+    Fp8 { q: CudaSlice<u8>, scale: CudaSlice<f32>, x_inp: usize, inp: usize },
+}
+
 /// A weight `[out][inp]` on the device, in the precision it runs in.
 #[derive(Debug)]
 pub(crate) enum Proj {
@@ -235,6 +242,62 @@ impl CudaBackend {
         match p {
             Proj::Bf16(l) => self.gemm.forward(s, l, x, n, y),
             Proj::Fp8(l) => self.fp8_kernels()?.gemm.forward(s, l, x, n, y),
+        }
+    }
+
+    /// RMSNorm of `n` rows of `x` (f32, row stride `x_stride`, `w.len()` wide; `eps`) as the
+    /// input of the projections `ps`: quantised inside the norm's launch where every one of
+    /// them is fp8 of that width ([`crate::fp8::Fp8Gemm::rmsnorm_quant`], the bytes the
+    /// bf16 norm and the GEMM's own quantisation give), else bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn norm_for(
+        &self,
+        ps: &[&Proj],
+        x: &impl DevicePtr<f32>,
+        x_stride: usize,
+        w: &CudaSlice<f32>,
+        n: usize,
+        eps: f32,
+    ) -> Result<Normed> {
+        let s = &self.gpu.stream;
+        let dim = w.len();
+        let fp8: Vec<&Fp8Linear> =
+            ps.iter().filter_map(|p| if let Proj::Fp8(l) = p { Some(l) } else { None }).collect();
+        if n > 0
+            && !fp8.is_empty()
+            && fp8.len() == ps.len()
+            && fp8.iter().all(|l| l.x_inp == dim && l.inp == fp8[0].inp)
+        {
+            let inp = fp8[0].inp;
+            // SAFETY: rmsnorm_quant writes every byte and scale of the n rows before a GEMM
+            // reads them (when it launches at all).
+            let mut q = unsafe { s.alloc::<u8>(n * inp) }?;
+            let mut scale = unsafe { s.alloc::<f32>(n * inp / crate::fp8_plan::FP8_BLOCK) }?;
+            let g = &self.fp8_kernels()?.gemm;
+            if g.rmsnorm_quant(s, x, x_stride, w, n, inp, eps, &mut q, &mut scale)?.is_some() {
+                return Ok(Normed::Fp8 { q, scale, x_inp: dim, inp });
+            }
+        }
+        let mut xn = s.alloc_zeros::<bf16>(n * dim)?;
+        self.ops.rmsnorm(s, &mut xn, dim, x, x_stride, w, n, eps)?;
+        Ok(Normed::Bf16(xn))
+    }
+
+    /// `y[n][p.out] = x · pᵀ` from a [`Normed`] input ([`CudaBackend::norm_for`] made it for
+    /// `p`).
+    pub(super) fn proj_normed<T: GemmOut>(
+        &self,
+        p: &Proj,
+        x: &Normed,
+        n: usize,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        match (p, x) {
+            (_, Normed::Bf16(xb)) => self.proj(p, xb, n, y),
+            (Proj::Fp8(l), Normed::Fp8 { q, scale, x_inp, inp }) if l.x_inp == *x_inp && l.inp == *inp => {
+                self.fp8_kernels()?.gemm.forward_quantized(&self.gpu.stream, l, q, scale, n, y)
+            }
+            _ => Err(crate::CudaError::shape("fp8 gemm", "a quantised input made for another weight")),
         }
     }
 
