@@ -26,17 +26,20 @@ impl CudaBackend {
         progress: Arc<LoadProgress>,
     ) -> Result<Self> {
         let bad = |e: Error| CudaError::Shape { kernel: "load", msg: e.to_string() };
+        let open_t0 = std::time::Instant::now();
         let cfg = mlaserve_model::load_config(dir).map_err(bad)?;
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
         cfg.check_tp(world).map_err(bad)?;
         let mut w = Weights::open(dir, cfg.fp8).map_err(bad)?;
         progress.set_total(w.data_bytes());
         w.set_progress(progress);
+        let open_s = open_t0.elapsed().as_secs_f64();
         let gpu = Gpu::new(opts.ordinal)?;
         let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
         let dq = crate::fp8_dequant::Fp8Dequant::new(&gpu)?;
         let stage = std::cell::RefCell::new(crate::stage::Stager::new(&gpu)?);
+        let setup_s = open_t0.elapsed().as_secs_f64() - open_s;
         let load_t0 = std::time::Instant::now();
         let fp8 = if cfg.fp8.is_some() { proj::Fp8Kernels::new(&gpu, &opts) } else { None };
         let l = Loader {
@@ -75,12 +78,16 @@ impl CudaBackend {
         let (t, gb) = (load_t0.elapsed().as_secs_f64(), st.stats.bytes as f64 / 1e9);
         tracing::info!(
             "weights read and uploaded in {t:.2} s ({:.2} GB/s): {gb:.2} GB staged, host copies {:.2} s, waits for \
-             the GPU {:.2} s",
+             the GPU {:.2} s; before them: checkpoint opened {open_s:.2} s, device set up {setup_s:.2} s",
             w.data_bytes() as f64 / 1e9 / t,
             st.stats.copy_s,
             st.stats.wait_s
         );
         drop(st);
-        Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), fp8, opts, comm, free_at_start)
+        drop(w);
+        let asm_t0 = std::time::Instant::now();
+        let be = Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), fp8, opts, comm, free_at_start);
+        tracing::info!("backend assembled in {:.2} s", asm_t0.elapsed().as_secs_f64());
+        be
     }
 }
