@@ -51,19 +51,32 @@ __device__ __forceinline__ void quant_group(const float (&v)[4], uint8_t* __rest
     if (lane == 0) *sc_out = sc;
 }
 
+// The (row, 128-group) a warp of a quantiser quantises (one warp per group, 8 warps a
+// block, `m` rows of `k` channels) and its lane's first channel; false for the warps past
+// the last group.
+struct QuantSlot {
+    size_t row;
+    int g, groups, ch, lane;
+};
+__device__ __forceinline__ bool quant_slot(int m, int k, QuantSlot& t) {
+    t.groups = k / f8::QB;
+    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (wid >= static_cast<size_t>(m) * t.groups) return false;
+    t.lane = threadIdx.x & 31;
+    t.row = wid / t.groups;
+    t.g = static_cast<int>(wid % t.groups);
+    t.ch = t.g * f8::QB + 4 * t.lane;
+    return true;
+}
+
 template <typename Tin>
 __device__ void act_quant(const Tin* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, int m, int k,
                           int kx) {
-    const int groups = k / f8::QB;
-    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-    if (wid >= static_cast<size_t>(m) * groups) return;
-    const int lane = threadIdx.x & 31;
-    const size_t row = wid / groups;
-    const int g = static_cast<int>(wid % groups);
-    const int ch = g * f8::QB + 4 * lane;
+    QuantSlot t;
+    if (!quant_slot(m, k, t)) return;
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (ch < kx) load4(x + row * kx + ch, v);
-    quant_group(v, q, row * k + ch, s + row * groups + g, lane);
+    if (t.ch < kx) load4(x + t.row * kx + t.ch, v);
+    quant_group(v, q, t.row * k + t.ch, s + t.row * t.groups + t.g, t.lane);
 }
 
 // ---------------------------------------------------------------- shared pieces

@@ -55,23 +55,18 @@ extern "C" __global__ void __launch_bounds__(256)
 // act_quant. Needs d and dp multiples of 4.
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_quant(const bf16* in, uint8_t* q, float* s, int m, int k, int d, int dp) {
-    const int groups = k / f8::QB;
-    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-    if (wid >= static_cast<size_t>(m) * groups) return;
-    const int lane = threadIdx.x & 31;
-    const size_t row = wid / groups;
-    const int g = static_cast<int>(wid % groups);
-    const int ch = g * f8::QB + 4 * lane;
+    QuantSlot t;
+    if (!quant_slot(m, k, t)) return;
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (ch < d) {
+    if (t.ch < d) {
         float gv[4], uv[4];
-        load4(in + row * 2 * dp + ch, gv);
-        load4(in + row * 2 * dp + dp + ch, uv);
+        load4(in + t.row * 2 * dp + t.ch, gv);
+        load4(in + t.row * 2 * dp + dp + t.ch, uv);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             v[i] = __bfloat162float(__float2bfloat16_rn(gv[i] / (1.f + __expf(-gv[i])) * uv[i]));
     }
-    quant_group(v, q, row * k + ch, s + row * groups + g, lane);
+    quant_group(v, q, t.row * k + t.ch, s + t.row * t.groups + t.g, t.lane);
 }
 
 // RMSNorm fused with the activation quantisation of the fp8 GEMM that reads its output:

@@ -188,14 +188,12 @@ impl Fp8Gemm {
         if m == 0 {
             return Ok(());
         }
-        let warps = m * (k / FP8_BLOCK);
-        let blocks = u32::try_from(warps.div_ceil(8)).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let cfg = quant_cfg(K, m, k)?;
         let (mi, ki, kxi) = (i32_of(K, m)?, i32_of(K, k)?, i32_of(K, kx)?);
         let f = if I::F32 { &self.quant_f32 } else { &self.quant_bf16 };
         let (xp, _g1) = x.device_ptr(s);
         let (qp, _g2) = q.device_ptr_mut(s);
         let (sp, _g3) = scale.device_ptr_mut(s);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: act_quant_*(x, q, s, m, k, kx): warp w < m·k/128 reads x[row·kx + c ..
         // c + 4] only for channels c < kx, and writes q[row·k + 128g ..][..128] and
         // s[row·k/128 + g]: all within the lengths checked above; 8/16-byte loads and
@@ -232,13 +230,11 @@ impl Fp8Gemm {
         if m == 0 {
             return Ok(());
         }
-        let warps = m * (k / FP8_BLOCK);
-        let blocks = u32::try_from(warps.div_ceil(8)).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let cfg = quant_cfg(K, m, k)?;
         let (mi, ki, di, dpi) = (i32_of(K, m)?, i32_of(K, k)?, i32_of(K, d)?, i32_of(K, dp)?);
         let (gp, _g1) = gu.device_ptr(s);
         let (qp, _g2) = q.device_ptr_mut(s);
         let (sp, _g3) = scale.device_ptr_mut(s);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: silu_mul_quant(in, q, s, m, k, d, dp): warp w < m·k/128 reads
         // in[row·2dp + c ..][..4] and in[row·2dp + dp + c ..][..4] only for channels c < d
         // ≤ dp, and writes q[row·k + 128g ..][..128] and s[row·k/128 + g]: within the
@@ -520,4 +516,12 @@ impl Fp8Gemm {
         }?;
         Ok(())
     }
+}
+
+/// The grid of the quantisers (`act_quant_*`, `silu_mul_quant`): one warp per (row,
+/// 128-channel group) of `m` rows of `k` channels, 8 warps a block.
+fn quant_cfg(kernel: &'static str, m: usize, k: usize) -> Result<LaunchConfig> {
+    let warps = m * (k / FP8_BLOCK);
+    let blocks = u32::try_from(warps.div_ceil(8)).map_err(|_| CudaError::shape(kernel, "too many rows"))?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, SyncOnDrop};
 
 use crate::error::{CudaError, Result};
 
@@ -21,6 +21,25 @@ pub(crate) fn need(kernel: &'static str, what: &str, len: usize, want: usize) ->
 /// `v` as a kernel's `int` argument, or a shape error naming the kernel.
 pub(crate) fn i32_of(kernel: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::shape(kernel, format!("{v} overflows i32")))
+}
+
+/// The device address of an optional buffer (0, the kernels' null, when absent) and the
+/// guard that records its use on `s`; a present one must hold `len` elements.
+pub(crate) fn opt_ptr_mut<'a, T>(
+    kernel: &'static str,
+    what: &'static str,
+    s: &'a CudaStream,
+    buf: Option<&'a mut CudaSlice<T>>,
+    len: usize,
+) -> Result<(u64, Option<SyncOnDrop<'a>>)> {
+    match buf {
+        Some(b) => {
+            need(kernel, what, b.len(), len)?;
+            let (p, g) = b.device_ptr_mut(s);
+            Ok((p, Some(g)))
+        }
+        None => Ok((0, None)),
+    }
 }
 
 /// One block of `threads` per row.

@@ -9,7 +9,7 @@ use half::bf16;
 
 use super::Ops;
 use crate::error::{CudaError, Result};
-use crate::launch::{head_cfg, i32_of, need, rows_cfg};
+use crate::launch::{head_cfg, i32_of, need, opt_ptr_mut, rows_cfg};
 use crate::layout::AttnMeta;
 use crate::rope::RopeTables;
 
@@ -247,14 +247,7 @@ impl Ops {
         if t.x_stride < t.k + rd || t.y_stride < t.n + rd {
             return Err(CudaError::shape(K, "strides narrower than the row"));
         }
-        let (yp, _gy) = match y {
-            Some(y) => {
-                need(K, "y", y.len(), t.m * t.heads * t.y_stride)?;
-                let (p, g) = y.device_ptr_mut(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
+        let (yp, _gy) = opt_ptr_mut(K, "y", s, y, t.m * t.heads * t.y_stride)?;
         let (cp, sp, pp, _gr) = match rope {
             Some((tab, pos)) => {
                 need(K, "pos", pos.len(), t.m)?;
@@ -289,13 +282,8 @@ impl Ops {
         } else {
             None
         };
-        let (partp, _gp) = match part.as_mut() {
-            Some(p) => {
-                let (ptr, g) = p.device_ptr_mut(s);
-                (ptr, Some(g))
-            }
-            None => (0, None),
-        };
+        let plen = part.as_ref().map_or(0, |p| p.len());
+        let (partp, _gp) = opt_ptr_mut(K, "part", s, part.as_mut(), plen)?;
         let (xp, _gx) = x.device_ptr(s);
         let (ybp, _gyb) = yb.device_ptr_mut(s);
         let mut r0 = 0;

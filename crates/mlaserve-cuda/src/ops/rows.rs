@@ -8,7 +8,7 @@ use half::bf16;
 
 use super::Ops;
 use crate::error::{CudaError, Result};
-use crate::launch::{i32_of, need, row_blocks_cfg, rows_cfg};
+use crate::launch::{i32_of, need, opt_ptr_mut, row_blocks_cfg, rows_cfg};
 use crate::linear::GemmOut;
 
 impl Ops {
@@ -123,22 +123,8 @@ impl Ops {
             return Ok(());
         }
         let d = i32_of(K, dim)?;
-        let (ofp, _g1) = match of {
-            Some(o) => {
-                need(K, "of", o.len(), rows * dim)?;
-                let (p, g) = o.device_ptr_mut(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
-        let (obp, _g2) = match ob {
-            Some(o) => {
-                need(K, "ob", o.len(), rows * dim)?;
-                let (p, g) = o.device_ptr_mut(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
+        let (ofp, _g1) = opt_ptr_mut(K, "of", s, of, rows * dim)?;
+        let (obp, _g2) = opt_ptr_mut(K, "ob", s, ob, rows * dim)?;
         // SAFETY: block r reads and writes x[r*dim..][..dim], reads a[r*dim..][..dim] and
         // w[..dim], writes of/ob[r*dim..][..dim] where not null, r < rows; the lengths are
         // checked above.
