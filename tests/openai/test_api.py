@@ -222,6 +222,8 @@ def checks(client, http, metrics):
         raise AssertionError("a 5 MiB body must be refused")
     except openai.APIStatusError as e:
         assert e.status_code == 413 and e.body.get("code") == "request_too_large", (e.status_code, e.body)
+        # The unread rest of the body ends the connection; the client must not reuse it.
+        assert e.response.headers.get("connection") == "close", dict(e.response.headers)
     expect_error(openai.NotFoundError, "model",
                  lambda: client.completions.create(model="gpt-4", prompt="x", max_tokens=2))
     ok = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
