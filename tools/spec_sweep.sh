@@ -10,8 +10,11 @@
 # Environment: BACKEND (cpu or cuda; default cpu), CONC (default "1 4 16 64 256"), PROMPT
 # (prompt tokens, default 64), NEW (new tokens, default 128), REQS (requests per stream and
 # run, default 2; at least 8 a run), ROUNDS (runs per server and concurrency, default 3),
-# LOGS (default a temporary directory). The three servers run side by side; with
-# BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of cache.
+# LOGS (default a temporary directory), TP (default 1). The three servers run side by
+# side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
+# cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
+# behind a router, as in a deployment, and the servers run one after another (groups
+# sharing GPUs would spin their NCCL kernels on the same SMs).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,58 +41,109 @@ trap cleanup EXIT
 
 kv=()
 [[ $backend == cuda ]] && kv=(--kv-blocks "${KV_BLOCKS:-2048}")
-for m in "${modes[@]}"; do
-    # shellcheck disable=SC2086
-    "$bin" serve --model "$repo/models/mla-tiny-code" --backend "$backend" --listen "127.0.0.1:${port[$m]}" --http-listen off \
-        --metrics-listen "127.0.0.1:$((port[$m] + 1))" ${flags[$m]} "${kv[@]}" >"$logs/serve-$m.log" 2>&1 &
-    pids+=($!)
-done
-for m in "${modes[@]}"; do
-    t0=$SECONDS
-    until curl -sf "http://127.0.0.1:$((port[$m] + 1))/metrics" >/dev/null; do
-        if ((SECONDS - t0 > 300)); then echo "serve ($m) did not come up:"; tail -20 "$logs/serve-$m.log"; exit 1; fi
+tp="${TP:-1}"
+model="$repo/models/mla-tiny-code"
+
+# Starts server m (its processes' pids in spids[m]).
+declare -A spids
+start() {
+    local m=$1 p=${port[$1]} r lead
+    if ((tp > 1)); then
+        # The engine's metrics (the k chosen) are rank 0's, on p + 1 as `serve`'s are.
+        for ((r = tp - 1; r >= 0; r--)); do
+            lead=()
+            ((r == 0)) && lead=(--listen "127.0.0.1:$((p + 2))" --metrics-listen "127.0.0.1:$((p + 1))")
+            # shellcheck disable=SC2086
+            "$bin" worker --model "$model" --backend "$backend" --world-size "$tp" --rank "$r" \
+                --tp-addr "127.0.0.1:$((p + 5))" "${lead[@]}" ${flags[$m]} "${kv[@]}" >"$logs/worker-$m-$r.log" 2>&1 &
+            spids[$m]+="$! "
+        done
+        "$bin" router --model "$model" --worker "http://127.0.0.1:$((p + 2))" --listen "127.0.0.1:$p" \
+            --http-listen "127.0.0.1:$((p + 4))" --metrics-listen "127.0.0.1:$((p + 3))" >"$logs/router-$m.log" 2>&1 &
+    else
+        # shellcheck disable=SC2086
+        "$bin" serve --model "$model" --backend "$backend" --listen "127.0.0.1:$p" --http-listen off \
+            --metrics-listen "127.0.0.1:$((p + 1))" ${flags[$m]} "${kv[@]}" >"$logs/serve-$m.log" 2>&1 &
+    fi
+    spids[$m]+="$! "
+    pids+=(${spids[$m]})
+}
+ready() {
+    local m=$1 t0=$SECONDS at=$((port[$1] + 1))
+    ((tp > 1)) && at=$((port[$1] + 3))
+    until curl -sf "http://127.0.0.1:$((port[$m] + 1))/metrics" >/dev/null &&
+        curl -s "http://127.0.0.1:$at/metrics" | grep -q "^mlaserve_ready_groups 1"; do
+        if ((SECONDS - t0 > 300)); then echo "server $m did not come up:"; tail -n 20 "$logs"/*-"$m"*.log; exit 1; fi
         sleep 0.5
     done
-done
+}
+stop() {
+    # shellcheck disable=SC2086
+    kill ${spids[$1]} 2>/dev/null
+    # shellcheck disable=SC2086
+    wait ${spids[$1]} 2>/dev/null
+}
 
 # The adaptive server's cumulative decisions per k, "k0 k1 k2 k3".
 steps_per_k() {
-    local m v
-    m=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics")
+    local v t
+    t=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics")
     for k in 0 1 2 3; do
-        v=$(grep "^mlaserve_speculation_steps_total{k=\"$k\"}" <<<"$m" | awk '{print $2}')
+        v=$(grep "^mlaserve_speculation_steps_total{k=\"$k\"}" <<<"$t" | awk '{print $2}')
         printf '%s ' "${v:-0}"
     done
 }
 
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice
-for c in $conc; do
-    n=$((reqs * c)); ((n < 8)) && n=8
-    declare -A runs=()
-    before=$(steps_per_k)
-    for ((r = 0; r < rounds; r++)); do
-        for ((i = 0; i < 3; i++)); do
-            m=${modes[$(((i + r) % 3))]}
-            log="$logs/bench-$m-$c-$r.log"
-            "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$c" --requests "$n" \
-                --prompt-tokens "$prompt" --max-new-tokens "$new" >"$log" 2>&1 ||
-                { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
-            runs[$m]+="$(awk '/^throughput/ {print $2}' "$log") "
-        done
-    done
-    for m in "${modes[@]}"; do
-        tps[$m,$c]=$(tr ' ' '\n' <<<"${runs[$m]}" | grep . | median)
-        echo "$m, $c streams: ${runs[$m]}-> ${tps[$m,$c]} tokens/s"
-    done
-    read -r -a a <<<"$before"
+declare -A tps choice runs before
+bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
+    local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
+    ((n < 8)) && n=8
+    "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$c" --requests "$n" \
+        --prompt-tokens "$prompt" --max-new-tokens "$new" >"$log" 2>&1 ||
+        { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
+    runs[$m,$c]+="$(awk '/^throughput/ {print $2}' "$log") "
+}
+decided() {  # decided STREAMS: the adaptive server's decisions since `before`
+    local a b
+    read -r -a a <<<"${before[$1]}"
     read -r -a b <<<"$(steps_per_k)"
-    choice[$c]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+    choice[$1]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+}
+if ((tp > 1)); then
+    # Groups of several GPUs cannot share them side by side (their NCCL kernels spin on
+    # the same SMs): one server at a time, every concurrency and round on it.
+    for m in "${modes[@]}"; do
+        start "$m"
+        ready "$m"
+        for c in $conc; do
+            [[ $m == adaptive ]] && before[$c]=$(steps_per_k)
+            for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
+            [[ $m == adaptive ]] && decided "$c"
+        done
+        stop "$m"
+    done
+else
+    for m in "${modes[@]}"; do start "$m"; done
+    for m in "${modes[@]}"; do ready "$m"; done
+    for c in $conc; do
+        before[$c]=$(steps_per_k)
+        for ((r = 0; r < rounds; r++)); do
+            for ((i = 0; i < 3; i++)); do bench "${modes[$(((i + r) % 3))]}" "$c" "$r"; done
+        done
+        decided "$c"
+    done
+fi
+for c in $conc; do
+    for m in "${modes[@]}"; do
+        tps[$m,$c]=$(tr ' ' '\n' <<<"${runs[$m,$c]}" | grep . | median)
+        echo "$m, $c streams: ${runs[$m,$c]}-> ${tps[$m,$c]} tokens/s"
+    done
 done
 
 echo
-echo "backend $backend, $prompt-token prompts, $new new tokens, median of $rounds interleaved runs;"
+echo "backend $backend, TP $tp, $prompt-token prompts, $new new tokens, median of $rounds interleaved runs;"
 echo "generated tokens/s (logs: $logs)"
 echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"

@@ -17,15 +17,11 @@
 # flags, e.g. "--heads 16,128").
 #
 # `--tp N`: tensor parallelism on N GPUs (N = 2, 4 or 8; run on a kind with N GPUs): the
-# CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0, a
+# CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0 in bf16
+# and fp8, prefix-cache hits, the sampling surface, graphs == eager on TP ranks, a
 # stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
 # rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
 # TP 1 .. N, and `bench mla-decode`.
-#
-# `--tp-graphs N`: the experiment of CUDA graphs on TP ranks (`--tp-graphs`, off by
-# default): its test and a `bench step --tp N --tp-graphs`. Kept apart from the checks of
-# what ships: on two H200s both capture every graph, replay bit-identical to eager for
-# several rounds, then hang (docs/status.md, "Open").
 #
 # Runs every GPU test binary in .gpu/tests/ (mlaserve-cuda's and mlaserve-cuda-lab's),
 # compute-sanitizer memcheck on the kernel tests, a SASS summary of the embedded kernels,
@@ -49,12 +45,9 @@ case "${1:-}" in
     --quick) quick="--quick" ;;
     --backend) mode=backend ;;   # per-test processes + targeted memcheck, no benchmark
     --tp) mode=tp; tp_n="${2:?--tp needs the number of GPUs}" ;;
-    --tp-graphs) mode=tp_graphs; tp_n="${2:?--tp-graphs needs the number of GPUs}" ;;
     --decode) mode=decode ;;
     --fp8) mode=fp8 ;;   # fp8 GEMM checks, memcheck, and the side-by-side benchmark
 esac
-# The test of an experiment that is off by default; only `--tp-graphs` runs it.
-EXPERIMENTAL_TESTS=tp2_decode_steps_through_graphs_equal_eager
 # Every step's time limit is cut to what is left of this budget (a device call has one).
 deadline=$((SECONDS + ${MLASERVE_CHECK_BUDGET_S:-270}))
 
@@ -140,17 +133,6 @@ if [[ "$mode" == decode ]]; then
     exit "$failures"
 fi
 
-# The experiment of CUDA graphs on TP ranks (see the header).
-if [[ "$mode" == tp_graphs ]]; then
-    export MLASERVE_REQUIRE_GPUS="$tp_n"
-    step "gpu_graphs::$EXPERIMENTAL_TESTS" "$out/tests.log" timeout 120 \
-        "$gpu_dir/tests/gpu_graphs" --exact "$EXPERIMENTAL_TESTS" --nocapture --test-threads=1
-    step "bench step --tp $tp_n, graphs on TP ranks" "$out/bench-step.log" timeout 120 \
-        "$gpu_dir/bin/mlaserve" bench step --tp "$tp_n" --tp-graphs
-    printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
-    exit "$failures"
-fi
-
 # TP mode (see the header).
 if [[ "$mode" == tp ]]; then
     export MLASERVE_REQUIRE_GPUS="$tp_n"
@@ -158,7 +140,10 @@ if [[ "$mode" == tp ]]; then
     for spec in gpu_backend:tiny_v3_tp2_tp4_tp8_match_cpu gpu_prefill:tiny_v3_expanded_prefill_tp2_matches_cpu \
         gpu_sample:tiny_v3_backend_samples_match_core_rule \
         gpu_engine:tp_groups_greedy_k3_equals_k0_cuda_core_batch_invariant \
-        gpu_engine:a_stalled_rank_fails_the_step_within_the_timeout; do
+        gpu_engine:a_stalled_rank_fails_the_step_within_the_timeout \
+        gpu_engine:fp8_greedy_k3_equals_k0_batch_invariant_tp1_tp2 gpu_prefix:cache_hits_keep_every_output_tp2 \
+        gpu_sampling_surface:engine_k3_equals_k0_with_the_whole_surface_one_gpu_and_tp2 \
+        gpu_graphs:tp2_decode_steps_through_graphs_equal_eager; do
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
             --nocapture --test-threads=1
     done
@@ -254,7 +239,6 @@ if [[ "$mode" == backend ]]; then
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
         for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
-            [[ "$name" == "$EXPERIMENTAL_TESTS" ]] && continue   # --tp-graphs runs it
             step "$bin::$name" "$out/tests.log" timeout 150 "$t" --exact "$name" --nocapture --test-threads=1
         done
     done

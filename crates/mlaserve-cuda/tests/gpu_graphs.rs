@@ -19,7 +19,7 @@
 //! decoding together (k = 0, every step a full bucket); k = 3 is reported.
 //!
 //! With two GPUs, the decode rounds also run on tensor-parallel groups of two ranks,
-//! graphs on (`CudaOptions::tp_graphs`) against eager.
+//! graphs on (the default) against eager.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -168,7 +168,7 @@ fn decode_steps_through_graphs_equal_eager() {
 }
 
 /// The same rounds on tensor-parallel groups of two ranks (threads, GPUs 0 and 1, NCCL):
-/// a group with graphs on its ranks (`tp_graphs`) against an eager group. Each rank holds
+/// a group with graphs on its ranks (the default) against an eager group. Each rank holds
 /// one backend of each group and makes the same calls, so both communicators see the
 /// same collectives in the same order. Full buckets must be bit-identical, as on one
 /// rank, and both ranks' outputs agree. On a TP rank each capture is launched at once, so
@@ -191,8 +191,7 @@ fn tp2_decode_steps_through_graphs_equal_eager() {
                     let gi = mlaserve_cuda::TpInit { rank, world: 2, id: gid, timeout };
                     let ei = mlaserve_cuda::TpInit { rank, world: 2, id: eid, timeout };
                     let base = CudaOptions::new(BLOCKS, rank);
-                    let mut g = CudaBackend::load_tp(dir, CudaOptions { tp_graphs: true, ..base }, Some(&gi))
-                        .expect("load graph rank");
+                    let mut g = CudaBackend::load_tp(dir, base, Some(&gi)).expect("load graph rank");
                     let mut e = CudaBackend::load_tp(dir, CudaOptions { graphs: false, ..base }, Some(&ei))
                         .expect("load eager rank");
                     let (f, calls) = run_rounds(&mut g, &mut e, &format!("TP2 rank {rank}"), rank != 0);

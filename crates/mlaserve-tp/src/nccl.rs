@@ -116,13 +116,56 @@ impl NcclComm {
         }
     }
 
-    /// Aborts the communicator (dropping a cudarc `Comm` calls ncclCommAbort, which makes
-    /// NCCL's kernels return) and builds the error.
+    /// Aborts the communicator and builds the error. Dropping a cudarc `Comm` calls
+    /// ncclCommAbort, which raises NCCL's abort flags at once (its kernels return) and
+    /// then waits until every CUDA graph that captured the communicator's collectives is
+    /// destroyed. Those graphs belong to the caller, who can destroy them only once this
+    /// error reaches it, so the abort runs on a thread of its own.
     fn abort(&self, what: &str, why: &str) -> Error {
-        drop(self.comm.borrow_mut().take());
+        if let Some(comm) = self.comm.borrow_mut().take() {
+            abort_comm(comm, Duration::ZERO);
+        }
         self.error(what, &format!("{why}; communicator aborted"))
     }
 }
+
+impl Drop for NcclComm {
+    /// The same abort on its own thread, waited for a few seconds: should a CUDA graph
+    /// that captured this communicator outlive it, the wait ends with a warning instead
+    /// of hanging the rank's exit.
+    fn drop(&mut self) {
+        if let Some(comm) = self.comm.get_mut().take() {
+            if !abort_comm(comm, Duration::from_secs(5)) {
+                eprintln!(
+                    "rank {} of {}: ncclCommAbort did not return within 5 s (a CUDA graph still holds \
+                     the communicator); left to finish in the background",
+                    self.rank, self.world
+                );
+            }
+        }
+    }
+}
+
+/// Runs ncclCommAbort (a cudarc `Comm`'s drop) on a thread of its own and waits at most
+/// `wait` for it: whether it returned in time. Should the thread not start, the abort
+/// runs here.
+fn abort_comm(comm: Comm, wait: Duration) -> bool {
+    let comm = Aborting(comm);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new().name("nccl-abort".into()).spawn(move || {
+        drop(comm);
+        let _ = tx.send(());
+    });
+    spawned.is_err() || wait.is_zero() || rx.recv_timeout(wait).is_ok()
+}
+
+/// A communicator on its way to ncclCommAbort on another thread (its drop is the abort).
+struct Aborting(#[allow(dead_code)] Comm);
+
+// SAFETY: NCCL allows a communicator to be used from any thread as long as calls do not
+// overlap; once taken out of its `NcclComm` this is the only handle, and the thread it
+// moves to only drops it (the abort).
+unsafe impl Send for Aborting {}
 
 /// A rank's host-staged NCCL [`Collective`], on a stream of its own.
 #[derive(Debug)]

@@ -18,10 +18,18 @@
 //! - The head (logits, argmax, sampling) stays eager: the rows it serves change every
 //!   step, and it is a few launches.
 //!
-//! Eager, always: tensor-parallel ranks (see `graph_key`), profiling (its marks wait for
-//! the stream), the batch-invariant mode (no decode kernel), models whose MoE sorts on the host (a mid-step wait), steps with
+//! Eager, always: profiling (its marks wait for the stream), the batch-invariant mode (no
+//! decode kernel), models whose MoE sorts on the host (a mid-step wait), steps with
 //! prefill chunks or mixed window lengths, and shapes past the buckets. A capture that
-//! fails is logged and not retried for its key; that step runs eagerly.
+//! fails is logged and not retried for its key; that step runs eagerly (on a
+//! tensor-parallel rank it fails the step instead: its peers would run the step's
+//! collectives without it).
+//!
+//! Tensor-parallel ranks capture their NCCL collectives in the graphs (NCCL's persistent
+//! plans). Every rank takes the same keys in the same order (the same batches), a new
+//! graph is launched right after its capture so that the captured collectives run before
+//! the communicator's next eager one, and the graphs are destroyed before the
+//! communicator: NCCL's abort waits for every graph that captured it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -94,6 +102,12 @@ pub(crate) struct Graphs {
     pub steps: u64,
     /// Graph launches so far.
     pub replays: u64,
+}
+
+impl Graphs {
+    pub(super) fn map_is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
 }
 
 impl std::fmt::Debug for Graphs {
@@ -189,17 +203,11 @@ impl CudaBackend {
     /// module's list).
     pub(super) fn graph_key(&self, batch: &Batch, stage: Stage) -> Option<GraphKey> {
         let o = &self.opts;
-        // Single-rank backends unless `tp_graphs`: with a communicator, a step captured with
-        // its NCCL collectives hung on two H200s (ranks as threads and as processes alike,
-        // with or without NCCL_RUNTIME_CONNECT=0, NCCL_GRAPH_REGISTER=0,
-        // NCCL_GRAPH_MIXING_SUPPORT=0; the same steps run eagerly are fine) while captures
-        // were not launched at once (graph_step). docs/status.md tracks it.
         if !o.graphs
             || !o.decode_kernel
             || o.prefill == PrefillPath::Expanded
             || (o.prefill == PrefillPath::Flagged && batch.seqs.iter().any(|c| c.prefill))
             || self.prof.is_some()
-            || (self.comm.is_some() && !o.tp_graphs)
         {
             return None;
         }
@@ -283,14 +291,14 @@ impl CudaBackend {
     /// failed (logged; the key runs eagerly from now on).
     fn capture(&mut self, key: GraphKey) -> Result<bool> {
         let s = self.gpu.stream.clone();
-        // Nothing of earlier work may be pending in the capture's view.
+        // Nothing of earlier work may be pending in the capture's view. In a group the
+        // wait is bounded (the warm-up step's collectives need every peer).
+        self.settle("graph capture")?;
         self.gpu.sync()?;
         let mode = match self.opts.graph_capture {
             CaptureMode::Relaxed => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
             CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         };
-        // Graphs on TP ranks are experimental: each capture's outcome goes to stderr.
-        let report = self.opts.tp_graphs;
         s.begin_capture(mode)?;
         let body = self.body_on_io(key);
         // Always ended, so the stream leaves capture mode whatever happened.
@@ -298,9 +306,7 @@ impl CudaBackend {
         let why = match (body, graph) {
             (Ok(()), Ok(Some(g))) => match g.upload() {
                 Ok(()) => {
-                    if report {
-                        eprintln!("CUDA graph captured: {key:?}");
-                    }
+                    tracing::debug!(?key, "CUDA graph captured");
                     self.graphs.map.insert(key, g);
                     return Ok(true);
                 }
@@ -312,10 +318,16 @@ impl CudaBackend {
         };
         // Work freed inside a failed capture records errors on the context: clear them.
         let _ = self.gpu.ctx.check_err();
-        tracing::warn!(?key, %why, "CUDA graph capture failed; this shape runs eagerly");
-        if report {
-            eprintln!("CUDA graph capture failed: {key:?}: {why}");
+        // A tensor-parallel rank cannot fall back alone: its peers, having captured, run
+        // the step's collectives once more (the launch after a capture) and would wait
+        // for it. The step fails instead, and with it the group.
+        if self.comm.is_some() {
+            return Err(CudaError::shape(
+                "cuda graph",
+                format!("capture of {key:?} failed on a tensor-parallel rank: {why}"),
+            ));
         }
+        tracing::warn!(?key, %why, "CUDA graph capture failed; this shape runs eagerly");
         self.graphs.failed.insert(key, why);
         Ok(false)
     }
@@ -398,6 +410,14 @@ impl CudaBackend {
             Stage::Mtp(_) => Some(s.clone_dtod(&io.x.slice(..n * h))?),
         };
         Ok(GraphOut { x, normed: s.clone_dtod(&io.normed.slice(..n * h))? })
+    }
+
+    /// Destroys every graph (they replay no more; later steps capture afresh). A graph
+    /// holding captured NCCL collectives keeps its communicator alive: NCCL's abort and
+    /// destroy wait until every such graph is gone, so a tensor-parallel rank destroys its
+    /// graphs before its communicator (`Drop for CudaBackend`).
+    pub(super) fn drop_graphs(&mut self) {
+        self.graphs.map.clear();
     }
 
     /// Graph-path steps, graph launches and graphs held so far (tests and benchmarks).

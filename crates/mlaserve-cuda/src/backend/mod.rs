@@ -133,6 +133,26 @@ pub struct CudaBackend {
     fp8: Option<proj::Fp8Kernels>,
 }
 
+impl Drop for CudaBackend {
+    /// The graphs go before the communicator (the fields' order would drop it first):
+    /// NCCL's `ncclCommAbort` waits until every graph that captured its collectives is
+    /// destroyed, so the other order never returns (measured: a TP-2 group with graphs
+    /// hung at its end).
+    fn drop(&mut self) {
+        if self.comm.is_some() && !self.graphs.map_is_empty() {
+            // No graph in flight when destroyed, and the context idle after, so that
+            // CUDA has released the graphs' hold on NCCL's plans before the abort. The
+            // wait is bounded: with a peer gone it fails and aborts the communicator.
+            let settled = self.settle("shutdown").is_ok();
+            self.drop_graphs();
+            if settled {
+                let _ = self.gpu.ctx.synchronize();
+            }
+        }
+        self.comm = None;
+    }
+}
+
 /// Wall time per phase of the forward passes since profiling was switched on; each mark
 /// waits for the stream, so a profiled step is slower than an unprofiled one.
 #[derive(Debug)]

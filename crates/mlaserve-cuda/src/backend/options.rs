@@ -26,11 +26,8 @@ pub struct CudaOptions {
     /// Run decode steps (uniform windows of 1 to 4 tokens) as CUDA graphs, one per batch
     /// bucket and window length (`graphs.rs`); off, every step is launched kernel by kernel
     /// (vLLM's `enforce_eager`). They need the decode kernel, so the batch-invariant mode
-    /// runs eagerly either way, and so do tensor-parallel ranks unless `tp_graphs`.
+    /// runs eagerly either way. Tensor-parallel ranks capture their collectives too.
     pub graphs: bool,
-    /// Graphs on tensor-parallel ranks too (experimental, off): each capture is launched
-    /// at once, and each capture's outcome goes to stderr.
-    pub tp_graphs: bool,
     /// The stream capture mode of the graphs (thread-local unless relaxed).
     pub graph_capture: CaptureMode,
     /// The tensor-core kernels of [`GemmMode::InvariantTc`] and of the MoE experts
@@ -84,7 +81,6 @@ impl CudaOptions {
             ordered_all_reduce: false,
             prefill: PrefillPath::Auto,
             graphs: true,
-            tp_graphs: false,
             graph_capture: CaptureMode::ThreadLocal,
             linear_tc: TcKernels::Auto,
             prefill_kernel: PrefillKernel::WgmmaTma,

@@ -110,10 +110,6 @@ pub struct CudaFlags {
     /// not in bits: keep one for the runs whose outputs are compared.
     #[arg(long, value_enum, default_value_t = PrefillKernelArg::Tma)]
     pub prefill_kernel: PrefillKernelArg,
-    /// CUDA backend: CUDA graphs on tensor-parallel ranks too (experimental); each
-    /// capture's outcome goes to stderr.
-    #[arg(long)]
-    pub tp_graphs: bool,
     /// CUDA backend: the stream capture mode of the CUDA graphs (`relaxed` to diagnose a
     /// capture that fails).
     #[arg(long, value_enum, default_value_t = GraphCapture::ThreadLocal)]
@@ -142,7 +138,6 @@ impl CudaFlags {
                 PrefillKernelArg::Wgmma => PrefillKernel::Wgmma,
                 PrefillKernelArg::Tma => PrefillKernel::WgmmaTma,
             },
-            tp_graphs: self.tp_graphs,
             fp8_kernels: !self.dequantize_fp8,
             graph_capture: match self.graph_capture {
                 GraphCapture::ThreadLocal => mlaserve_cuda::CaptureMode::ThreadLocal,
@@ -166,9 +161,6 @@ impl CudaFlags {
             "--graph-capture".to_string(),
             name(self.graph_capture.to_possible_value()),
         ];
-        if self.tp_graphs {
-            a.push("--tp-graphs".to_string());
-        }
         if self.dequantize_fp8 {
             a.push("--dequantize-fp8".to_string());
         }
@@ -317,20 +309,12 @@ mod tests {
     fn cuda_flags_parse_and_round_trip() {
         let parse = |args: &[&str]| Cli::try_parse_from([&["mlaserve"], args].concat()).map(|c| c.b.cuda);
         let d = parse(&[]).expect("defaults");
-        assert_eq!((d.linear_tc, d.prefill_kernel, d.tp_graphs), (LinearTc::Auto, PrefillKernelArg::Tma, false));
+        assert_eq!((d.linear_tc, d.prefill_kernel), (LinearTc::Auto, PrefillKernelArg::Tma));
         assert_eq!((d.graph_capture, d.dequantize_fp8), (GraphCapture::ThreadLocal, false));
-        let args = [
-            "--linear-tc",
-            "mma.sync",
-            "--prefill-kernel",
-            "wgmma",
-            "--tp-graphs",
-            "--graph-capture",
-            "relaxed",
-            "--dequantize-fp8",
-        ];
+        let args =
+            ["--linear-tc", "mma.sync", "--prefill-kernel", "wgmma", "--graph-capture", "relaxed", "--dequantize-fp8"];
         let f = parse(&args).expect("flags");
-        assert_eq!((f.linear_tc, f.prefill_kernel, f.tp_graphs), (LinearTc::MmaSync, PrefillKernelArg::Wgmma, true));
+        assert_eq!((f.linear_tc, f.prefill_kernel), (LinearTc::MmaSync, PrefillKernelArg::Wgmma));
         assert!(f.dequantize_fp8 && f.to_args().contains(&"--dequantize-fp8".to_string()));
         assert_eq!(f.graph_capture, GraphCapture::Relaxed);
         let again = f.to_args();
