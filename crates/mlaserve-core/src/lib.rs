@@ -8,6 +8,7 @@ pub mod backend;
 pub mod collective;
 pub mod config;
 pub mod error;
+pub mod kv_cache;
 pub mod logits;
 pub mod memory;
 pub mod request;
@@ -17,6 +18,7 @@ pub use backend::{argmax, Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
 pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};
+pub use kv_cache::{KvCacheDtype, KV_FP8_GROUP};
 pub use logits::{
     host_choices, penalty_sub, row_logprobs, Choices, LogitEdit, LogprobRow, RowEdits, RowLogprobs, MAX_TOP_LOGPROBS,
 };

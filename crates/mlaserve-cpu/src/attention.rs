@@ -11,9 +11,9 @@
 //! and `kv_b_proj` are split by heads, `o_proj` by input (the caller all-reduces), and
 //! the latent projections are replicated.
 
-use crate::fp8::{load_linear, Fp8Act};
+use crate::fp8::{kv_fp8_round, load_linear, Fp8Act};
 use crate::ops::{dot, rms_norm, Linear, Rope};
-use mlaserve_core::{ModelConfig, Result, BLOCK_SIZE};
+use mlaserve_core::{KvCacheDtype, ModelConfig, Result, BLOCK_SIZE};
 use mlaserve_model::{names, Shard, Weights};
 use rayon::prelude::*;
 
@@ -28,16 +28,35 @@ pub enum AttnMode {
     Expanded,
 }
 
-/// One layer's latent cache: `[num_blocks, BLOCK_SIZE, latent]` f32.
+/// One layer's latent cache: `[num_blocks, BLOCK_SIZE, latent]` f32. With the fp8 format
+/// each entry is stored as the fp8 layout reads it back ([`kv_fp8_round`]); the arrays
+/// stay f32, since the reference computes what the format means, not its bytes.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     pub data: Vec<f32>,
     latent: usize,
+    /// `Some(kv_lora_rank)` for [`KvCacheDtype::Fp8`].
+    fp8_lora: Option<usize>,
 }
 
 impl LayerCache {
+    /// An f32 cache (`KvCacheDtype::Auto`).
     pub fn new(num_blocks: usize, latent: usize) -> Self {
-        LayerCache { data: vec![0f32; num_blocks * BLOCK_SIZE * latent], latent }
+        LayerCache { data: vec![0f32; num_blocks * BLOCK_SIZE * latent], latent, fp8_lora: None }
+    }
+    /// A cache in `dtype`, for latents of `lora` latent channels then RoPE channels.
+    pub fn with_dtype(num_blocks: usize, latent: usize, lora: usize, dtype: KvCacheDtype) -> Self {
+        let fp8_lora = (dtype == KvCacheDtype::Fp8).then_some(lora);
+        LayerCache { fp8_lora, ..Self::new(num_blocks, latent) }
+    }
+    /// Stores `row` (`[c_kv, k_pe]`) as the entry of position `pos`.
+    fn write(&mut self, table: &[u32], pos: usize, row: &[f32]) {
+        let s = self.slot(table, pos);
+        let e = &mut self.data[s..s + self.latent];
+        e.copy_from_slice(row);
+        if let Some(lora) = self.fp8_lora {
+            kv_fp8_round(e, lora);
+        }
     }
     fn slot(&self, table: &[u32], pos: usize) -> usize {
         (table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE) * self.latent
@@ -170,8 +189,7 @@ impl Mla {
             let (ckv, kpe) = row.split_at_mut(self.lora);
             rms_norm(ckv, &self.kv_a_norm, self.eps);
             rope.apply(kpe, pos);
-            let s = cache.slot(layout.tables[seq], pos);
-            cache.data[s..s + lat].copy_from_slice(row);
+            cache.write(layout.tables[seq], pos, row);
         }
         let cache = &*cache;
         // Expanded form: up-project each sequence's cached latents once per step.

@@ -17,7 +17,7 @@
 //! (`q · s`, one rounding) and multiplied as every other linear: the "dequantised model".
 
 use crate::ops::Linear;
-use mlaserve_core::Result;
+use mlaserve_core::{Result, KV_FP8_GROUP};
 use mlaserve_model::fp8::{fp8_e4m3_to_f32, quantize_act_row};
 use mlaserve_model::{Fp8Tensor, Shard, Weights};
 
@@ -101,6 +101,24 @@ pub fn load_linear(w: &Weights, name: &str, full: [usize; 2], shard: Option<Shar
         return Ok(Linear::fp8(f, out, inp));
     }
     Ok(Linear::new(w.f32_shard(name, &full, shard)?, out, inp))
+}
+
+/// Rounds one latent cache entry (`[c_kv (lora), k_pe]`) in place to what the fp8 cache
+/// layout ([`mlaserve_core::KvCacheDtype::Fp8`]) stores and reads back: `c_kv` quantised
+/// per [`KV_FP8_GROUP`] channels exactly as an fp8 linear's input
+/// ([`quantize_act_row`]: `s = amax / 448`, `q = e4m3(x / s)`) and read as `q · s` (one
+/// f32 rounding), `k_pe` rounded to bf16 (nearest even).
+pub fn kv_fp8_round(entry: &mut [f32], lora: usize) {
+    let (ckv, kpe) = entry.split_at_mut(lora);
+    let mut q = vec![0u8; lora];
+    let mut s = vec![0f32; lora.div_ceil(KV_FP8_GROUP)];
+    quantize_act_row(ckv, KV_FP8_GROUP, &mut q, &mut s);
+    for (i, (x, &qi)) in ckv.iter_mut().zip(&q).enumerate() {
+        *x = fp8_e4m3_to_f32(qi) * s[i / KV_FP8_GROUP];
+    }
+    for x in kpe {
+        *x = half::bf16::from_f32(*x).to_f32();
+    }
 }
 
 #[cfg(test)]
@@ -187,5 +205,29 @@ mod tests {
                 .sum();
             assert!(((y[o] as f64) - want).abs() <= want.abs() * 1e-7 + 1e-12, "{} vs {want}", y[o]);
         }
+    }
+
+    /// The latent channels read back as their fp8 codes times the group's scale, each
+    /// within half an e4m3 step of the input; the RoPE channels as bf16.
+    #[test]
+    fn kv_fp8_round_is_the_fp8_layout() {
+        let lora = 320; // two whole groups and a partial one
+        let x: Vec<f32> = (0..lora + 64).map(|i| (i as f32 * 0.37).sin() * (1.0 + i as f32 / 50.0)).collect();
+        let mut e = x.clone();
+        kv_fp8_round(&mut e, lora);
+        let mut q = vec![0u8; lora];
+        let mut s = vec![0f32; 3];
+        quantize_act_row(&x[..lora], KV_FP8_GROUP, &mut q, &mut s);
+        for i in 0..lora {
+            let g = i / KV_FP8_GROUP;
+            assert_eq!(e[i], fp8_e4m3_to_f32(q[i]) * s[g], "channel {i}");
+            // 3 mantissa bits: within 1/16 of the value, or half the subnormal step.
+            let tol = (x[i].abs() / 16.0).max(s[g] * 2f32.powi(-10));
+            assert!((e[i] - x[i]).abs() <= tol, "channel {i}: {} -> {}", x[i], e[i]);
+        }
+        for i in lora..lora + 64 {
+            assert_eq!(e[i], half::bf16::from_f32(x[i]).to_f32(), "RoPE channel {i}");
+        }
+        assert_ne!(e[..lora], x[..lora], "the latent channels were not quantised");
     }
 }

@@ -14,7 +14,9 @@ pub mod ops;
 
 use attention::{AttnMode, LayerCache, Mla, StepLayout};
 use fp8::{load_linear, Fp8Act};
-use mlaserve_core::{Backend, Batch, Choices, Collective, Error, ForwardOutput, ModelConfig, Result, SingleRank};
+use mlaserve_core::{
+    Backend, Batch, Choices, Collective, Error, ForwardOutput, KvCacheDtype, ModelConfig, Result, SingleRank,
+};
 use mlaserve_model::{names, LoadProgress, Shard, Weights};
 use moe::{Mlp, Moe};
 use ops::{rms_norm, Linear, Rope};
@@ -36,6 +38,9 @@ pub struct CpuOptions {
     /// it, as the CUDA backend does (its activations between kernels are bf16), so a GPU
     /// run can be held to this one tightly; off by default (the input quantised from f32).
     pub fp8_bf16_inputs: bool,
+    /// How the latent cache is stored ([`KvCacheDtype::Fp8`]: DeepSeek's fp8 layout, its
+    /// rounding computed at every cache write; `Auto`: f32).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl CpuOptions {
@@ -51,7 +56,13 @@ impl CpuOptions {
 
 impl Default for CpuOptions {
     fn default() -> Self {
-        CpuOptions { num_blocks: 256, attn_mode: AttnMode::Absorbed, fp8_activations: true, fp8_bf16_inputs: false }
+        CpuOptions {
+            num_blocks: 256,
+            attn_mode: AttnMode::Absorbed,
+            fp8_activations: true,
+            fp8_bf16_inputs: false,
+            kv_cache_dtype: KvCacheDtype::Auto,
+        }
     }
 }
 
@@ -222,7 +233,7 @@ impl CpuBackend {
         }
         progress.finish();
         let caches = (0..cfg.num_hidden_layers + mtp.len())
-            .map(|_| LayerCache::new(opts.num_blocks, cfg.latent_dim()))
+            .map(|_| LayerCache::with_dtype(opts.num_blocks, cfg.latent_dim(), cfg.kv_lora_rank, opts.kv_cache_dtype))
             .collect();
         let rope = Rope::new(&cfg.rope_inv_freq(), cfg.rope_attention_factor(), cfg.max_position_embeddings);
         Ok(CpuBackend { cfg, comm, embed, blocks, final_norm, lm_head, mtp, caches, rope, opts })

@@ -11,17 +11,25 @@
 mod common;
 
 use common::{bundled_eval_prompts, bundled_model};
-use mlaserve_cpu::CpuBackend;
+use mlaserve_core::{KvCacheDtype, SingleRank};
+use mlaserve_cpu::{CpuBackend, CpuOptions};
 use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Speculation, Usage};
 use std::collections::HashMap;
 
 /// Runs `prompts` greedily (EOS ignored) and returns tokens per prompt and the usage total.
 fn run(prompts: &[Vec<u32>], k: usize, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
-    run_with(prompts, k, Speculation::Fixed, new_tokens)
+    run_with(prompts, k, Speculation::Fixed, new_tokens, KvCacheDtype::Auto)
 }
 
-fn run_with(prompts: &[Vec<u32>], k: usize, speculation: Speculation, new_tokens: u32) -> (Vec<Vec<u32>>, Usage) {
-    let backend = CpuBackend::load(&bundled_model(), 256).expect("load bundled model");
+fn run_with(
+    prompts: &[Vec<u32>],
+    k: usize,
+    speculation: Speculation,
+    new_tokens: u32,
+    kv_cache_dtype: KvCacheDtype,
+) -> (Vec<Vec<u32>>, Usage) {
+    let opts = CpuOptions { num_blocks: 256, kv_cache_dtype, ..Default::default() };
+    let backend = CpuBackend::load_with(&bundled_model(), opts, Box::new(SingleRank)).expect("load bundled model");
     let cfg = EngineConfig { num_speculative_tokens: Some(k), speculation, max_num_seqs: 64, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let params = SamplingParams { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
@@ -68,6 +76,38 @@ fn bundled_model_acceptance_matches_teacher_forced_and_is_lossless() {
     // Lossless: the same greedy tokens without speculation (first 20 prompts).
     let (plain, _) = run(&prompts[..20], 0, 64);
     assert_eq!(plain, spec[..20].to_vec(), "k = 3 output differs from k = 0");
-    let (adaptive, _) = run_with(&prompts[..20], 3, Speculation::Adaptive, 64);
+    let (adaptive, _) = run_with(&prompts[..20], 3, Speculation::Adaptive, 64, KvCacheDtype::Auto);
     assert_eq!(plain, adaptive, "adaptive k output differs from k = 0");
+}
+
+/// The fp8 latent cache (`--kv-cache-dtype fp8`) on the same 50 prompts: acceptance per
+/// draft position within 2 points of the f32 cache's, and k = 3 still equal to k = 0.
+#[test]
+fn bundled_model_with_an_fp8_cache_keeps_its_acceptance() {
+    let prompts = bundled_eval_prompts();
+    let per_position = |u: &Usage| -> Vec<f64> {
+        let mut reached = u.decode_steps;
+        u.verified_per_position
+            .iter()
+            .map(|&acc| {
+                let r = acc as f64 / reached as f64;
+                reached = acc;
+                r
+            })
+            .collect()
+    };
+    let (_, base) = run(&prompts, 3, 64);
+    let (spec, fp8) = run_with(&prompts, 3, Speculation::Fixed, 64, KvCacheDtype::Fp8);
+    let (want, got) = (per_position(&base), per_position(&fp8));
+    for (d, (w, g)) in want.iter().zip(&got).enumerate() {
+        eprintln!("draft position {}: fp8 cache {:.1}% vs f32 cache {:.1}%", d + 1, 100.0 * g, 100.0 * w);
+        assert!((g - w).abs() <= 0.02, "position {}: {g:.3} vs {w:.3}", d + 1);
+    }
+    eprintln!(
+        "mean acceptance length (k = 3): fp8 cache {:.3}, f32 cache {:.3}",
+        fp8.mean_acceptance_length(),
+        base.mean_acceptance_length()
+    );
+    let (plain, _) = run_with(&prompts[..20], 0, Speculation::Fixed, 64, KvCacheDtype::Fp8);
+    assert_eq!(plain, spec[..20].to_vec(), "fp8 cache: k = 3 output differs from k = 0");
 }

@@ -144,10 +144,9 @@ mod tp {
         NcclCollective::new(ordinal(tp)?, tp.rank, tp.world_size, &ids[ID_BYTES..], t)
     }
 
-    fn cpu_backend(tp: &TpArgs, ids: &[u8], model: &Path, kv_blocks: usize) -> mlaserve_core::Result<CpuBackend> {
+    fn cpu_backend(tp: &TpArgs, ids: &[u8], model: &Path, opts: CpuOptions) -> mlaserve_core::Result<CpuBackend> {
         let t = Duration::from_secs(tp.collective_timeout_s);
         let inner = NcclCollective::new(ordinal(tp)?, tp.rank, tp.world_size, &ids[..ID_BYTES], t)?;
-        let opts = CpuOptions { num_blocks: kv_blocks, ..Default::default() };
         CpuBackend::load_with(model, opts, Box::new(inner))
     }
 
@@ -197,7 +196,10 @@ mod tp {
             "--load-format dummy: random weights are made on the GPU; this group runs on the CPU backend"
         );
         let (model, engine_args) = (a.worker.model.clone(), a.worker.engine.clone());
-        let kv_blocks = engine_args.kv_blocks_or_default();
+        let cpu_opts = a.backend.cpu_options(engine_args.kv_blocks_or_default());
+        if gpu {
+            a.backend.check_cuda_kv_cache()?;
+        }
         if a.tp.rank > 0 {
             let ids = if via_etcd {
                 let (eps, cluster) = (a.worker.etcd.clone(), a.worker.cluster.clone());
@@ -215,7 +217,7 @@ mod tp {
             return if gpu {
                 follow(&a, cuda_backend(&a.backend, &a.tp, &ids, &model, &engine_args), &ids)
             } else {
-                follow(&a, cpu_backend(&a.tp, &ids, &model, kv_blocks), &ids)
+                follow(&a, cpu_backend(&a.tp, &ids, &model, cpu_opts), &ids)
             };
         }
         let ids = new_group_ids()?;
@@ -253,7 +255,7 @@ mod tp {
             } else {
                 let make = move || {
                     join()?;
-                    let b = cpu_backend(&tp, &ids, &model, kv_blocks)?;
+                    let b = cpu_backend(&tp, &ids, &model, cpu_opts)?;
                     TpLeader::new(b, plans(&tp, &ids)?)
                 };
                 mlaserve_engine::EngineHandle::spawn(make, cfg).await?
