@@ -58,10 +58,7 @@ impl<B: Backend, C: Collective> TpLeader<B, C> {
     }
 
     fn send(&self, words: &[u32]) -> Result<()> {
-        let mut len = [words.len() as u32];
-        self.comm.broadcast_u32(&mut len, 0)?;
-        let mut buf = words.to_vec();
-        self.comm.broadcast_u32(&mut buf, 0)
+        send_plan(&self.comm, words)
     }
 
     /// Tells the followers to leave their loop.
@@ -147,10 +144,7 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
 pub fn run_follower<B: Backend, C: Collective>(backend: &mut B, comm: &C) -> Result<()> {
     let mut hidden: VecDeque<(u32, B::Hidden)> = VecDeque::new();
     loop {
-        let mut len = [0u32];
-        comm.broadcast_u32(&mut len, 0)?;
-        let mut w = vec![0u32; len[0] as usize];
-        comm.broadcast_u32(&mut w, 0)?;
+        let w = receive_plan(comm)?;
         let mut r = Reader { w: &w, i: 0 };
         match r.next()? {
             OP_SHUTDOWN => return Ok(()),
@@ -311,9 +305,63 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows, edits, logprob_rows })
 }
 
+/// Words of the frame every plan crosses in: the first holds the plan's length, the
+/// rest its start. A follower posts the frame's broadcast before it knows the length, so
+/// a plan that fits takes one collective; a longer one sends its remainder in a second
+/// broadcast of exactly that many words.
+const FRAME: usize = 4096;
+
+/// Rank 0's side of [`receive_plan`].
+fn send_plan<C: Collective>(comm: &C, words: &[u32]) -> Result<()> {
+    let len = u32::try_from(words.len()).map_err(|_| Error::Collective(format!("a plan of {} words", words.len())))?;
+    let head = words.len().min(FRAME - 1);
+    let mut frame = vec![0u32; FRAME];
+    frame[0] = len;
+    frame[1..1 + head].copy_from_slice(&words[..head]);
+    comm.broadcast_u32(&mut frame, 0)?;
+    if words.len() > head {
+        comm.broadcast_u32(&mut words[head..].to_vec(), 0)?;
+    }
+    Ok(())
+}
+
+/// The next plan from rank 0 ([`send_plan`]).
+fn receive_plan<C: Collective>(comm: &C) -> Result<Vec<u32>> {
+    let mut frame = vec![0u32; FRAME];
+    comm.broadcast_u32(&mut frame, 0)?;
+    let len = frame[0] as usize;
+    let head = len.min(FRAME - 1);
+    let mut w = frame[1..1 + head].to_vec();
+    if len > head {
+        let mut rest = vec![0u32; len - head];
+        comm.broadcast_u32(&mut rest, 0)?;
+        w.extend_from_slice(&rest);
+    }
+    Ok(w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Plans shorter than, as long as, and longer than a frame cross whole and in order.
+    #[test]
+    fn plans_cross_in_frames() {
+        let sizes = [0, 1, FRAME - 2, FRAME - 1, FRAME, 3 * FRAME + 5, 7];
+        let plan = |n: usize| (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect::<Vec<u32>>();
+        let mut g = crate::LocalGroup::new(2, std::time::Duration::from_secs(10));
+        let (c1, c0) = (g.pop().unwrap(), g.pop().unwrap());
+        std::thread::scope(|s| {
+            let follower = s.spawn(|| sizes.iter().map(|_| receive_plan(&c1).unwrap()).collect::<Vec<_>>());
+            for &n in &sizes {
+                send_plan(&c0, &plan(n)).unwrap();
+            }
+            let got = follower.join().unwrap();
+            for (&n, w) in sizes.iter().zip(&got) {
+                assert_eq!(*w, plan(n), "a plan of {n} words");
+            }
+        });
+    }
 
     #[test]
     fn plan_round_trip() {

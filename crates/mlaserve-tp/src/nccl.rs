@@ -227,9 +227,21 @@ impl Collective for NcclCollective {
         self.dtoh(&out)
     }
     fn broadcast_u32(&self, buf: &mut [u32], root: usize) -> Result<()> {
-        let mut d = self.htod(buf)?;
+        // Only the root's words travel: the others receive into zeroed device memory, and
+        // the root's own buffer is left as it was (no copy back).
+        let is_root = root == self.comm.rank();
+        let mut d = if is_root {
+            self.htod(buf)?
+        } else {
+            self.comm
+                .stream()
+                .alloc_zeros::<u32>(buf.len())
+                .map_err(|e| Error::Backend(format!("cuMemAlloc: {e:?}")))?
+        };
         self.run("broadcast", |c| c.broadcast_in_place(&mut d, root as i32).map_err(nccl_err("ncclBroadcast")))?;
-        buf.copy_from_slice(&self.dtoh(&d)?);
+        if !is_root {
+            buf.copy_from_slice(&self.dtoh(&d)?);
+        }
         Ok(())
     }
 }
