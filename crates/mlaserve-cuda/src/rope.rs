@@ -18,7 +18,7 @@ pub fn rope_tables(inv_freq: &[f64], attention_factor: f64, max_pos: usize) -> (
 }
 
 #[cfg(feature = "cuda")]
-pub use device::RopeTables;
+pub use device::{PendingRope, RopeTables};
 
 #[cfg(feature = "cuda")]
 mod device {
@@ -26,7 +26,7 @@ mod device {
 
     use cudarc::driver::{CudaSlice, CudaStream};
 
-    use crate::error::Result;
+    use crate::error::{CudaError, Result};
 
     /// YaRN RoPE cos/sin tables `[max_pos][rope/2]` (attention factor folded in), on the device.
     #[derive(Debug)]
@@ -42,6 +42,30 @@ mod device {
         pub fn new(s: &Arc<CudaStream>, inv_freq: &[f64], attention_factor: f64, max_pos: usize) -> Result<Self> {
             let (cos, sin) = super::rope_tables(inv_freq, attention_factor, max_pos);
             Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim: 2 * inv_freq.len() })
+        }
+    }
+
+    /// The host tables of [`RopeTables::new`] being computed on a thread of their own: at
+    /// V3's config (163,840 positions) they take a few tenths of a second on one core,
+    /// which a load overlaps with reading the weights.
+    #[derive(Debug)]
+    pub struct PendingRope {
+        tables: std::thread::JoinHandle<(Vec<f32>, Vec<f32>)>,
+        dim: usize,
+    }
+
+    impl PendingRope {
+        pub fn start(inv_freq: Vec<f64>, attention_factor: f64, max_pos: usize) -> Self {
+            let dim = 2 * inv_freq.len();
+            let tables = std::thread::spawn(move || super::rope_tables(&inv_freq, attention_factor, max_pos));
+            PendingRope { tables, dim }
+        }
+
+        /// Waits for the tables and uploads them.
+        pub fn upload(self, s: &Arc<CudaStream>) -> Result<RopeTables> {
+            let (cos, sin) =
+                self.tables.join().map_err(|_| CudaError::shape("rope", "the thread computing the tables panicked"))?;
+            Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim: self.dim })
         }
     }
 }

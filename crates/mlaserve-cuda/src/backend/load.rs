@@ -30,6 +30,8 @@ impl CudaBackend {
         let cfg = mlaserve_model::load_config(dir).map_err(bad)?;
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
         cfg.check_tp(world).map_err(bad)?;
+        // The RoPE tables compute on the host while the weights are read.
+        let rope = super::Early::rope(&cfg);
         let mut w = Weights::open(dir, cfg.fp8).map_err(bad)?;
         progress.set_total(w.data_bytes());
         w.set_progress(progress);
@@ -86,7 +88,8 @@ impl CudaBackend {
         drop(st);
         drop(w);
         let asm_t0 = std::time::Instant::now();
-        let be = Self::assemble(cfg, gpu, (embed, blocks, final_norm, lm_head, mtp), fp8, opts, comm, free_at_start);
+        let parts = (embed, blocks, final_norm, lm_head, mtp);
+        let be = Self::assemble(cfg, gpu, parts, fp8, opts, comm, super::Early { free_at_start, rope });
         tracing::info!("backend assembled in {:.2} s", asm_t0.elapsed().as_secs_f64());
         be
     }

@@ -153,6 +153,19 @@ impl Drop for CudaBackend {
     }
 }
 
+/// What a constructor starts before the weights, for [`CudaBackend::assemble`]: the
+/// device's free memory then, and the RoPE tables computing on the host meanwhile.
+struct Early {
+    free_at_start: usize,
+    rope: crate::rope::PendingRope,
+}
+
+impl Early {
+    fn rope(cfg: &ModelConfig) -> crate::rope::PendingRope {
+        crate::rope::PendingRope::start(cfg.rope_inv_freq(), cfg.rope_attention_factor(), cfg.max_position_embeddings)
+    }
+}
+
 /// Wall time per phase of the forward passes since profiling was switched on; each mark
 /// waits for the stream, so a profiled step is slower than an unprofiled one.
 #[derive(Debug)]
@@ -257,6 +270,7 @@ impl CudaBackend {
         world: usize,
     ) -> Result<Self> {
         cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "synthetic", msg: e.to_string() })?;
+        let rope = Early::rope(&cfg);
         let gpu = Gpu::new(opts.ordinal)?;
         let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
@@ -265,7 +279,7 @@ impl CudaBackend {
             return Err(CudaError::shape("synthetic", "fp8 weights asked for, but the fp8 kernels do not load here"));
         }
         let parts = synthetic::Synth { gpu: &gpu, fill, rank, world, fp8: fp8.as_ref() }.model(&cfg)?;
-        Self::assemble(cfg, gpu, parts, fp8, opts, comm, free_at_start)
+        Self::assemble(cfg, gpu, parts, fp8, opts, comm, Early { free_at_start, rope })
     }
 
     #[allow(clippy::type_complexity)]
@@ -276,8 +290,9 @@ impl CudaBackend {
         fp8: Option<proj::Fp8Kernels>,
         opts: CudaOptions,
         comm: Option<DeviceComm>,
-        free_at_start: usize,
+        early: Early,
     ) -> Result<Self> {
+        let Early { free_at_start, rope } = early;
         let (embed, blocks, final_norm, lm_head, mtp) = parts;
         let lat = cfg.latent_dim();
         let (free_after_weights, total) = gpu.free_memory()?;
@@ -292,12 +307,7 @@ impl CudaBackend {
         let caches = (0..blocks.len() + mtp.len())
             .map(|_| gpu.stream.alloc_zeros::<half::bf16>(opts.num_blocks * BLOCK_SIZE * lat))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let rope = RopeTables::new(
-            &gpu.stream,
-            &cfg.rope_inv_freq(),
-            cfg.rope_attention_factor(),
-            cfg.max_position_embeddings,
-        )?;
+        let rope = rope.upload(&gpu.stream)?;
         let ops = Ops::new(&gpu, opts.linear_tc)?;
         let gemm = Gemm::new(&gpu, opts.gemm, opts.linear_tc)?;
         let silu = SiluMul::new(&gpu)?;
