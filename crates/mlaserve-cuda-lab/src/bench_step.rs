@@ -71,6 +71,9 @@ pub struct StepBenchOpts {
     /// Prefill chunks to time after the decode sweep: (requests, new tokens each), every
     /// chunk over a cached prefix of `context` tokens, as chunked prefill runs them.
     pub prefill: Vec<(usize, usize)>,
+    /// Conditional acceptance per draft position: the report projects each k's tokens per
+    /// second at it ([`crate::spec_projection`]).
+    pub acceptance: Vec<f64>,
 }
 
 impl Default for StepBenchOpts {
@@ -93,6 +96,7 @@ impl Default for StepBenchOpts {
             batch_invariant: false,
             base: CudaOptions::new(0, 0),
             prefill: vec![(1, 2048), (4, 512), (16, 128)],
+            acceptance: Vec::new(),
         }
     }
 }
@@ -141,6 +145,9 @@ pub struct StepBenchReport {
     pub weight_bytes: (u64, u64),
     /// The memory plan, when the cache was sized from the device's memory.
     pub memory: Option<mlaserve_core::memory::MemoryPlan>,
+    /// Conditional acceptance per draft position to project tokens per second at (none:
+    /// no projection).
+    pub acceptance: Vec<f64>,
 }
 
 impl fmt::Display for StepBenchReport {
@@ -180,6 +187,33 @@ impl fmt::Display for StepBenchReport {
         }
         for r in &self.rows {
             write_profile(f, &format!("batch {} k {}", r.batch, r.k), &r.profile)?;
+        }
+        if !self.acceptance.is_empty() {
+            let rates: Vec<String> = self.acceptance.iter().map(|a| format!("{a:.3}")).collect();
+            writeln!(
+                f,
+                "speculation at acceptance {} per draft position: tokens/s = batch x expected tokens per step / \
+                 step time (* the best k)",
+                rates.join(" / ")
+            )?;
+            writeln!(
+                f,
+                "{:>6} {:>3} {:>12} {:>10} {:>11} {:>8}",
+                "batch", "k", "tokens/step", "step_ms", "tokens/s", "x k=0"
+            )?;
+            let steps: Vec<_> = self.rows.iter().map(|r| (r.batch, r.k, r.target_ms + r.draft_ms)).collect();
+            for p in crate::spec_projection::project(&steps, &self.acceptance) {
+                let k0 = p.per_k.iter().find(|r| r.0 == 0).map(|r| r.3);
+                for &(k, ms, tokens, tps) in &p.per_k {
+                    let star = if k == p.best { "*" } else { "" };
+                    let ratio = k0.map_or(String::from("-"), |z| format!("{:.3}", tps / z));
+                    writeln!(
+                        f,
+                        "{:>6} {:>3} {:>12.2} {:>10.3} {:>10.0}{star:1} {:>8}",
+                        p.batch, k, tokens, ms, tps, ratio
+                    )?;
+                }
+            }
         }
         if !self.prefill.is_empty() {
             writeln!(f, "prefill: chunks over a cached prefix of {} tokens each", self.context)?;
@@ -523,5 +557,6 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             (all, fp8)
         },
         memory: be.memory_plan(),
+        acceptance: opts.acceptance.clone(),
     })
 }

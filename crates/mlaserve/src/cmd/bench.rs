@@ -61,6 +61,14 @@ struct StepArgs {
     /// Batch sizes (requests per step), comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 8, 64])]
     batches: Vec<usize>,
+    /// Drafts per step to time (k; each step then runs k MTP stages), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [0, 3])]
+    ks: Vec<usize>,
+    /// Conditional acceptance per draft position (e.g. the bundled model's
+    /// `eval.json`: 0.907,0.930,0.912): the report adds each k's projected tokens per
+    /// second per batch size and the best k.
+    #[arg(long, value_delimiter = ',')]
+    acceptance: Vec<f64>,
     /// Cached tokens per request before the step.
     #[arg(long, default_value_t = 1024)]
     context: usize,
@@ -315,6 +323,9 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         anyhow::ensure!(u > 0.0 && u <= 1.0, "--gpu-memory-utilization {u} is not in (0, 1]");
     }
     anyhow::ensure!(a.batches.iter().all(|&b| b > 0), "--batches: every batch size must be positive");
+    let kmax = mlaserve_engine::MAX_SPECULATIVE_TOKENS;
+    anyhow::ensure!(!a.ks.is_empty() && a.ks.iter().all(|&k| k <= kmax), "--ks: each k must be 0 ..= {kmax}");
+    anyhow::ensure!(a.acceptance.iter().all(|r| (0.0..=1.0).contains(r)), "--acceptance: each rate must be in [0, 1]");
     let defaults = mlaserve_cuda_lab::bench_step::StepBenchOpts::default();
     let prefill = match a.prefill.as_slice() {
         [] => defaults.prefill.clone(),
@@ -330,6 +341,8 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         shard_of: a.shard_of,
         gpu_memory_utilization: a.gpu_memory_utilization,
         batches: a.batches.clone(),
+        ks: a.ks.clone(),
+        acceptance: a.acceptance.clone(),
         context: a.context,
         profile: a.profile,
         host_logits: a.host_logits,
@@ -373,6 +386,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
                 .args(a.fp8.then_some("--fp8"))
                 .args(a.gpu_memory_utilization.map(|u| format!("--gpu-memory-utilization={u}")))
                 .args(["--batches", &a.batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(",")])
+                .args(["--ks", &a.ks.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(",")])
                 .args(["--rank", &r.to_string(), "--nccl-id", &hex])
                 .args(a.profile.then_some("--profile"))
                 .args(a.host_logits.then_some("--host-logits"))
