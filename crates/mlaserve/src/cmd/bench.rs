@@ -64,9 +64,9 @@ struct StepArgs {
     /// Drafts per step to time (k; each step then runs k MTP stages), comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [0, 3])]
     ks: Vec<usize>,
-    /// Conditional acceptance per draft position (e.g. the bundled model's
-    /// `eval.json`: 0.907,0.930,0.912): the report adds each k's projected tokens per
-    /// second per batch size and the best k.
+    /// Conditional acceptance per draft position (e.g. the bundled model's, as the engine
+    /// measures it on its held-out prompts: 0.907,0.930,0.912): the report adds each k's
+    /// projected tokens per second per batch size and the best k.
     #[arg(long, value_delimiter = ',')]
     acceptance: Vec<f64>,
     /// Cached tokens per request before the step.
