@@ -260,6 +260,13 @@ pub trait Backend {
     fn now(&self) -> std::time::Instant {
         std::time::Instant::now()
     }
+
+    /// CUDA graphs captured so far. A call that captured one took several times a
+    /// replay's time, so the engine keeps such steps out of the costs adaptive
+    /// speculation measures. 0 for backends without graphs.
+    fn graph_captures(&self) -> u64 {
+        0
+    }
 }
 
 /// A mutable borrow of a backend is a backend (so a caller can keep ownership).
@@ -295,5 +302,8 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn now(&self) -> std::time::Instant {
         (**self).now()
+    }
+    fn graph_captures(&self) -> u64 {
+        (**self).graph_captures()
     }
 }

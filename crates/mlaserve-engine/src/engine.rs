@@ -304,6 +304,7 @@ impl<B: Backend> Engine<B> {
             return events;
         }
         let t0 = self.backend.now();
+        let captures = self.backend.graph_captures();
         let sched = schedule(&mut self.running, &mut self.waiting, &mut self.blocks, &self.lim);
         if sched.tokens == 0 {
             return events;
@@ -346,7 +347,11 @@ impl<B: Backend> Engine<B> {
         self.verify(&out, &mut events, &mut finished, &mut jobs);
         let t3 = self.backend.now();
         self.times.verify_us += (t3 - t2).as_micros() as u64;
-        self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only);
+        // A step that captured a CUDA graph is no cost sample (a capture takes several
+        // steps' time, once per shape).
+        let captured = self.backend.graph_captures() != captures;
+        self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only && !captured);
+        let captures = self.backend.graph_captures();
         let mut draft_err = None;
         let mut drafted = false;
         if !jobs.is_empty() {
@@ -376,7 +381,8 @@ impl<B: Backend> Engine<B> {
                 }
                 self.mtp.skip();
             }
-            self.policy.drafted(k, (self.backend.now() - t3).as_micros() as u64, decode_only);
+            let captured = self.backend.graph_captures() != captures;
+            self.policy.drafted(k, (self.backend.now() - t3).as_micros() as u64, decode_only && !captured);
         }
         if !drafted || draft_err.is_some() {
             self.return_tables();

@@ -29,6 +29,10 @@ pub struct SynthCost {
     pub mtp_call_us: u64,
     pub mtp_token_us: u64,
     pub jitter_us: u64,
+    /// The first call of each kind at each token count costs this much more and counts
+    /// as a graph capture ([`Backend::graph_captures`]), as the CUDA backend's first step
+    /// at a new shape does.
+    pub capture_us: u64,
 }
 
 /// Deterministic toy backend (see the module docs).
@@ -55,6 +59,8 @@ pub struct SyntheticBackend {
     clock_us: u64,
     /// Per MTP layer, an entry per cache slot (see `mtp_forward`).
     mtp_cache: Vec<Vec<u64>>,
+    /// Shapes (MTP call?, tokens) already "captured" under [`SynthCost::capture_us`].
+    captured: std::collections::HashSet<(bool, usize)>,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -91,11 +97,16 @@ impl SyntheticBackend {
             epoch: Instant::now(),
             clock_us: 0,
             mtp_cache: vec![vec![0; num_blocks * BLOCK_SIZE]; n_mtp],
+            captured: std::collections::HashSet::new(),
         }
     }
 
-    /// Advances the clock by one call of `call_us` plus `token_us` per token.
-    fn spend(&mut self, call_us: u64, token_us: u64, tokens: usize) {
+    /// Advances the clock by one call of `call_us` plus `token_us` per token (plus a
+    /// capture's cost at a new shape, under [`SynthCost::capture_us`]).
+    fn spend(&mut self, mtp: bool, call_us: u64, token_us: u64, tokens: usize) {
+        if self.cost.capture_us > 0 && self.captured.insert((mtp, tokens)) {
+            self.clock_us += self.cost.capture_us;
+        }
         let calls = self.forward_calls + self.mtp_calls;
         let jitter = if self.cost.jitter_us > 0 { mix(calls, 0x717) % (self.cost.jitter_us + 1) } else { 0 };
         self.clock_us += call_us + token_us * tokens as u64 + jitter;
@@ -154,7 +165,7 @@ impl Backend for SyntheticBackend {
         batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
         self.forward_calls += 1;
         let c = self.cost;
-        self.spend(c.forward_call_us, c.forward_token_us, batch.num_tokens());
+        self.spend(false, c.forward_call_us, c.forward_token_us, batch.num_tokens());
         if std::mem::take(&mut self.fail_next_forward) {
             return Err(mlaserve_core::Error::Backend("injected failure".into()));
         }
@@ -218,7 +229,7 @@ impl Backend for SyntheticBackend {
         }
         self.mtp_calls += 1;
         let c = self.cost;
-        self.spend(c.mtp_call_us, c.mtp_token_us, batch.num_tokens());
+        self.spend(true, c.mtp_call_us, c.mtp_token_us, batch.num_tokens());
         // The layer's own cache: every row writes an entry at its position (a hash of
         // its inputs), then reads every entry before it (attention), which decides
         // whether its prediction errs — so an entry that is not what the row's tokens
@@ -292,5 +303,9 @@ impl Backend for SyntheticBackend {
         } else {
             self.epoch + Duration::from_micros(self.clock_us)
         }
+    }
+
+    fn graph_captures(&self) -> u64 {
+        self.captured.len() as u64
     }
 }

@@ -7,6 +7,7 @@
 mod common;
 
 use common::{random_arrivals, run_all, Arrival, TestRng};
+use mlaserve_core::Backend as _;
 use mlaserve_engine::testing::{SynthCost, SyntheticBackend};
 use mlaserve_engine::{Engine, EngineConfig, SamplingParams, SpecStats, Speculation};
 
@@ -93,6 +94,26 @@ fn adaptive_k_follows_the_measured_costs_and_never_changes_the_output() {
             }
         }
     }
+}
+
+/// A backend whose first call at each shape captures a CUDA graph (costing several steps'
+/// time, once): those steps are no cost samples, so the choice still follows the steady
+/// costs. Counted, a capture's cost made k = 2 and 3 look dear, and the periodic
+/// re-measurements reach only the choice's neighbours.
+#[test]
+fn graph_captures_are_kept_out_of_the_costs() {
+    let a = arrivals(&SamplingParams::default());
+    let flat = SynthCost { forward_call_us: 4000, mtp_call_us: 100, jitter_us: 400, ..Default::default() };
+    let base = run_all(&mut engine(SynthCost::default(), Speculation::Fixed, 0), &a);
+    let mut e = engine(SynthCost { capture_us: 40_000, ..flat }, Speculation::Adaptive, 3);
+    let out = run_all(&mut e, &a);
+    assert!(e.backend().graph_captures() > 10, "the synthetic backend captured nothing");
+    for (i, (x, y)) in base.iter().zip(&out).enumerate() {
+        assert_eq!(x.tokens, y.tokens, "request {i} differs from k = 0");
+    }
+    let st = e.stats().speculation;
+    eprintln!("captures on: steps per k {:?}", st.steps_per_k);
+    assert!(share(&st, 3) >= 0.6, "k = 3 chosen too rarely: {st:?}");
 }
 
 /// Fixed k takes the maximum at every step, as before.

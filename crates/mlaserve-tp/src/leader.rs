@@ -124,6 +124,10 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         self.inner.hidden_to_host(&h.inner)
     }
 
+    fn graph_captures(&self) -> u64 {
+        self.inner.graph_captures()
+    }
+
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);

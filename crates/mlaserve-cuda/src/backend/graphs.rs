@@ -102,6 +102,8 @@ pub(crate) struct Graphs {
     pub steps: u64,
     /// Graph launches so far.
     pub replays: u64,
+    /// Captures attempted so far (`Backend::graph_captures`).
+    pub captures: u64,
 }
 
 impl Graphs {
@@ -299,6 +301,7 @@ impl CudaBackend {
             CaptureMode::Relaxed => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
             CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         };
+        self.graphs.captures += 1;
         s.begin_capture(mode)?;
         let body = self.body_on_io(key);
         // Always ended, so the stream leaves capture mode whatever happened.

@@ -595,6 +595,10 @@ impl Backend for CudaBackend {
         &self.cfg
     }
 
+    fn graph_captures(&self) -> u64 {
+        self.graphs.captures
+    }
+
     fn num_blocks(&self) -> usize {
         self.opts.num_blocks
     }
