@@ -40,8 +40,11 @@ mod device {
     impl RopeTables {
         /// As mlaserve-cpu's `Rope::new`: f32 angle, cos/sin in f64, times the factor.
         pub fn new(s: &Arc<CudaStream>, inv_freq: &[f64], attention_factor: f64, max_pos: usize) -> Result<Self> {
-            let (cos, sin) = super::rope_tables(inv_freq, attention_factor, max_pos);
-            Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim: 2 * inv_freq.len() })
+            Self::upload(s, super::rope_tables(inv_freq, attention_factor, max_pos), 2 * inv_freq.len())
+        }
+
+        fn upload(s: &Arc<CudaStream>, (cos, sin): (Vec<f32>, Vec<f32>), dim: usize) -> Result<Self> {
+            Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim })
         }
     }
 
@@ -55,17 +58,20 @@ mod device {
     }
 
     impl PendingRope {
-        pub fn start(inv_freq: Vec<f64>, attention_factor: f64, max_pos: usize) -> Self {
+        /// Starts computing the tables of `cfg`.
+        pub fn start(cfg: &mlaserve_core::ModelConfig) -> Self {
+            let (inv_freq, factor, max_pos) =
+                (cfg.rope_inv_freq(), cfg.rope_attention_factor(), cfg.max_position_embeddings);
             let dim = 2 * inv_freq.len();
-            let tables = std::thread::spawn(move || super::rope_tables(&inv_freq, attention_factor, max_pos));
+            let tables = std::thread::spawn(move || super::rope_tables(&inv_freq, factor, max_pos));
             PendingRope { tables, dim }
         }
 
         /// Waits for the tables and uploads them.
         pub fn upload(self, s: &Arc<CudaStream>) -> Result<RopeTables> {
-            let (cos, sin) =
+            let tables =
                 self.tables.join().map_err(|_| CudaError::shape("rope", "the thread computing the tables panicked"))?;
-            Ok(RopeTables { cos: s.clone_htod(&cos)?, sin: s.clone_htod(&sin)?, dim: self.dim })
+            RopeTables::upload(s, tables, self.dim)
         }
     }
 }

@@ -349,9 +349,9 @@ impl<B: Backend> Engine<B> {
         self.times.verify_us += (t3 - t2).as_micros() as u64;
         // A step that captured a CUDA graph is no cost sample (a capture takes several
         // steps' time, once per shape).
-        let captured = self.backend.graph_captures() != captures;
+        let captures_after_step = self.backend.graph_captures();
+        let captured = captures_after_step != captures;
         self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only && !captured);
-        let captures = self.backend.graph_captures();
         let mut draft_err = None;
         let mut drafted = false;
         if !jobs.is_empty() {
@@ -381,7 +381,7 @@ impl<B: Backend> Engine<B> {
                 }
                 self.mtp.skip();
             }
-            let captured = self.backend.graph_captures() != captures;
+            let captured = self.backend.graph_captures() != captures_after_step;
             self.policy.drafted(k, (self.backend.now() - t3).as_micros() as u64, decode_only && !captured);
         }
         if !drafted || draft_err.is_some() {

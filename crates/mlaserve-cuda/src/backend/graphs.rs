@@ -102,13 +102,24 @@ pub(crate) struct Graphs {
     pub steps: u64,
     /// Graph launches so far.
     pub replays: u64,
-    /// Captures attempted so far (`Backend::graph_captures`).
-    pub captures: u64,
 }
 
 impl Graphs {
-    pub(super) fn map_is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.map.is_empty()
+    }
+
+    /// Captures so far, kept or failed (`Backend::graph_captures`).
+    pub(super) fn captures(&self) -> u64 {
+        (self.map.len() + self.failed.len()) as u64
+    }
+
+    /// Destroys every graph (later steps capture afresh). A graph holding captured NCCL
+    /// collectives keeps its communicator alive: NCCL's abort and destroy wait until
+    /// every such graph is gone, so a tensor-parallel rank destroys its graphs before its
+    /// communicator (`Drop for CudaBackend`).
+    pub(super) fn clear(&mut self) {
+        self.map.clear();
     }
 }
 
@@ -301,7 +312,6 @@ impl CudaBackend {
             CaptureMode::Relaxed => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
             CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         };
-        self.graphs.captures += 1;
         s.begin_capture(mode)?;
         let body = self.body_on_io(key);
         // Always ended, so the stream leaves capture mode whatever happened.
@@ -413,14 +423,6 @@ impl CudaBackend {
             Stage::Mtp(_) => Some(s.clone_dtod(&io.x.slice(..n * h))?),
         };
         Ok(GraphOut { x, normed: s.clone_dtod(&io.normed.slice(..n * h))? })
-    }
-
-    /// Destroys every graph (they replay no more; later steps capture afresh). A graph
-    /// holding captured NCCL collectives keeps its communicator alive: NCCL's abort and
-    /// destroy wait until every such graph is gone, so a tensor-parallel rank destroys its
-    /// graphs before its communicator (`Drop for CudaBackend`).
-    pub(super) fn drop_graphs(&mut self) {
-        self.graphs.map.clear();
     }
 
     /// Graph-path steps, graph launches and graphs held so far (tests and benchmarks).

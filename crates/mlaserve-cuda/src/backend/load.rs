@@ -31,7 +31,7 @@ impl CudaBackend {
         let (rank, world) = tp.map_or((0, 1), |t| (t.rank, t.world));
         cfg.check_tp(world).map_err(bad)?;
         // The RoPE tables compute on the host while the weights are read.
-        let rope = super::Early::rope(&cfg);
+        let rope = crate::rope::PendingRope::start(&cfg);
         let mut w = Weights::open(dir, cfg.fp8).map_err(bad)?;
         progress.set_total(w.data_bytes());
         w.set_progress(progress);

@@ -139,12 +139,12 @@ impl Drop for CudaBackend {
     /// destroyed, so the other order never returns (measured: a TP-2 group with graphs
     /// hung at its end).
     fn drop(&mut self) {
-        if self.comm.is_some() && !self.graphs.map_is_empty() {
+        if self.comm.is_some() && !self.graphs.is_empty() {
             // No graph in flight when destroyed, and the context idle after, so that
             // CUDA has released the graphs' hold on NCCL's plans before the abort. The
             // wait is bounded: with a peer gone it fails and aborts the communicator.
             let settled = self.settle("shutdown").is_ok();
-            self.drop_graphs();
+            self.graphs.clear();
             if settled {
                 let _ = self.gpu.ctx.synchronize();
             }
@@ -158,12 +158,6 @@ impl Drop for CudaBackend {
 struct Early {
     free_at_start: usize,
     rope: crate::rope::PendingRope,
-}
-
-impl Early {
-    fn rope(cfg: &ModelConfig) -> crate::rope::PendingRope {
-        crate::rope::PendingRope::start(cfg.rope_inv_freq(), cfg.rope_attention_factor(), cfg.max_position_embeddings)
-    }
 }
 
 /// Wall time per phase of the forward passes since profiling was switched on; each mark
@@ -270,7 +264,7 @@ impl CudaBackend {
         world: usize,
     ) -> Result<Self> {
         cfg.check_tp(world).map_err(|e| CudaError::Shape { kernel: "synthetic", msg: e.to_string() })?;
-        let rope = Early::rope(&cfg);
+        let rope = crate::rope::PendingRope::start(&cfg);
         let gpu = Gpu::new(opts.ordinal)?;
         let (free_at_start, _) = gpu.free_memory()?;
         let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
@@ -596,7 +590,7 @@ impl Backend for CudaBackend {
     }
 
     fn graph_captures(&self) -> u64 {
-        self.graphs.captures
+        self.graphs.captures()
     }
 
     fn num_blocks(&self) -> usize {
