@@ -103,3 +103,18 @@ __device__ __forceinline__ void store2(float* p, float a, float b) {
 __device__ __forceinline__ void store2(bf16* p, float a, float b) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
+
+// e4m3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, S.1111.111
+// is NaN) to f32, exactly.
+__device__ __forceinline__ float e4m3_to_f32(uint8_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x80) << 24;
+    const uint32_t e = (x >> 3) & 0xf;
+    const uint32_t m = x & 0x7;
+    if (e == 0xf && m == 0x7) return __int_as_float(sign | 0x7fc00000u);
+    if (e == 0) {
+        // Subnormal: m · 2^-9.
+        const float v = (float)m * 0.001953125f;
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}

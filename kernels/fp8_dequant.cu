@@ -7,21 +7,6 @@
 // `f32_shard`, then round to nearest even), which the GPU test asserts.
 #include "common.cuh"
 
-// e4m3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, S.1111.111
-// is NaN) to f32, exactly.
-__device__ __forceinline__ float e4m3_to_f32(uint8_t x) {
-    const uint32_t sign = (uint32_t)(x & 0x80) << 24;
-    const uint32_t e = (x >> 3) & 0xf;
-    const uint32_t m = x & 0x7;
-    if (e == 0xf && m == 0x7) return __int_as_float(sign | 0x7fc00000u);
-    if (e == 0) {
-        // Subnormal: m · 2^-9.
-        const float v = (float)m * 0.001953125f;
-        return sign ? -v : v;
-    }
-    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
-}
-
 // One thread per output element, grid-stride; `out` is a row-major [rows][cols] slice
 // (possibly inside a larger buffer: the caller offsets it).
 extern "C" __global__ void fp8_dequant_bf16(const uint8_t* __restrict__ q, const float* __restrict__ s,

@@ -85,16 +85,6 @@ __device__ __forceinline__ uint32_t sw128(int r, int c) {
     return static_cast<uint32_t>((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-// Four 8x8 b16 matrices from the mma fragment layout (lane holds row lane/4, columns
-// 2(lane%4), +1), each stored transposed: memory row i of matrix j (address from lane
-// 8j + i) receives fragment column i. Turns the token-major S^T fragment into P^T rows
-// (one query row = 8 consecutive tokens per store row) in 2 instructions, not 16.
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-                 "r"(r1), "r"(r2), "r"(r3)
-                 : "memory");
-}
-
 // S^T (64 tokens x QROWS) += K (64 x 16, K-major) * Q^T (16 x QROWS, K-major) with
 // TRANS_A = 0; O^T (64 dims x QROWS) += V^T (64 x 16 tokens, M-major) * P^T (16 x QROWS,
 // K-major) with TRANS_A = 1.

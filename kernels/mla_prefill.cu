@@ -35,6 +35,7 @@
 #include <cuda.h>  // CUtensorMap
 
 #include "common.cuh"
+#include "kv_fp8.cuh"
 #include "wgmma.cuh"
 
 namespace mlap {
@@ -636,6 +637,28 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     MLA_PREFILL_WGT_BODY
 }
 
+// The gathers' lookups: the last sequence whose keys start at or before key t, and the
+// cache slot of its position p (page ids clamped to the cache: bad metadata reads wrong
+// rows, never outside).
+__device__ __forceinline__ int gather_seq(const int* __restrict__ seqs, int nseq, int t) {
+    int lo = 0, hi = nseq - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (seqs[mid * mlap::SEQ_FIELDS + mlap::F_KOFF] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+__device__ __forceinline__ size_t gather_slot(const int* __restrict__ tables, const int* sd, int p, int bt_stride,
+                                              int num_blocks) {
+    const int entry = min(p / mlap::PAGE, bt_stride - 1);
+    const unsigned page = min(static_cast<unsigned>(tables[static_cast<size_t>(sd[mlap::F_TABLE]) * bt_stride + entry]),
+                              static_cast<unsigned>(num_blocks - 1));
+    return static_cast<size_t>(page) * mlap::PAGE + p % mlap::PAGE;
+}
+
 // The sequences' cached latents, gathered from the paged cache into contiguous rows: key
 // t (sequence j = the last with k_off <= t, position p = t - k_off) -> ckv[t] = c_kv
 // (lora), kpe[t] = k_pe (rope). A warp per key, 16-byte copies (lora, rope multiples of
@@ -646,26 +669,36 @@ extern "C" __global__ void mla_prefill_gather_bf16(bf16* __restrict__ ckv, bf16*
                                                    int num_blocks, int lora, int rope) {
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= keys) return;
-    int lo = 0, hi = nseq - 1;  // the last sequence whose keys start at or before t
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (seqs[mid * mlap::SEQ_FIELDS + mlap::F_KOFF] <= t)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    const int* sd = seqs + lo * mlap::SEQ_FIELDS;
+    const int* sd = seqs + gather_seq(seqs, nseq, t) * mlap::SEQ_FIELDS;
     const int p = t - sd[mlap::F_KOFF];
-    const int entry = min(p / mlap::PAGE, bt_stride - 1);
-    const int page = static_cast<int>(min(static_cast<unsigned>(tables[static_cast<size_t>(sd[mlap::F_TABLE]) * bt_stride + entry]),
-                                          static_cast<unsigned>(num_blocks - 1)));
     const int lat = lora + rope, lora_c = lora / 8;
-    const bf16* src = cache + (static_cast<size_t>(page) * mlap::PAGE + p % mlap::PAGE) * lat;
+    const bf16* src = cache + static_cast<size_t>(gather_slot(tables, sd, p, bt_stride, num_blocks)) * lat;
     for (int c = lane; c < lat / 8; c += 32) {
         const uint4 x = *reinterpret_cast<const uint4*>(src + c * 8);
         bf16* dst = c < lora_c ? ckv + static_cast<size_t>(t) * lora + c * 8
                                : kpe + static_cast<size_t>(t) * rope + (c - lora_c) * 8;
         *reinterpret_cast<uint4*>(dst) = x;
+    }
+}
+
+// The same gather from the fp8 cache (layout: kv_fp8.cuh): ckv[t] = bf16(code * scale),
+// kpe[t] = k_pe; a warp per key, a channel per lane.
+extern "C" __global__ void mla_prefill_gather_fp8(bf16* __restrict__ ckv, bf16* __restrict__ kpe,
+                                                  const uint8_t* __restrict__ cache, const int* __restrict__ tables,
+                                                  const int* __restrict__ seqs, int nseq, int keys, int bt_stride,
+                                                  int num_blocks, int lora, int rope) {
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (t >= keys) return;
+    const int* sd = seqs + gather_seq(seqs, nseq, t) * mlap::SEQ_FIELDS;
+    const int p = t - sd[mlap::F_KOFF];
+    const uint8_t* src =
+        cache + static_cast<size_t>(gather_slot(tables, sd, p, bt_stride, num_blocks)) * kvf8::entry_bytes(lora, rope);
+    for (int c = lane; c < lora + rope; c += 32) {
+        const bf16 x = __float2bfloat16_rn(kvf8::at(src, lora, c));
+        if (c < lora)
+            ckv[static_cast<size_t>(t) * lora + c] = x;
+        else
+            kpe[static_cast<size_t>(t) * rope + c - lora] = x;
     }
 }
 

@@ -163,6 +163,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uin
 
 // ---- thread block clusters (distributed shared memory) ----
 
+// Four 8x8 b16 matrices from the mma fragment layout (lane holds row lane/4, columns
+// 2(lane%4), +1), each stored transposed: memory row i of matrix j (address from lane
+// 8j + i) receives fragment column i. Turns the token-major S^T fragment into P^T rows
+// (one query row = 8 consecutive tokens per store row) in 2 instructions, not 16.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 __device__ __forceinline__ uint32_t cluster_ctarank() {
     uint32_t r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));

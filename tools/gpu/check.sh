@@ -234,7 +234,7 @@ fi
 # hang in one cannot hide the others), then memcheck on the tests that touch every
 # backend kernel, then the summary with the measured numbers.
 if [[ "$mode" == backend ]]; then
-    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_router gpu_kernels gpu_prefill gpu_sample gpu_fp8 \
+    for bin in gpu_backend gpu_engine gpu_graphs gpu_ops gpu_kv_fp8 gpu_router gpu_kernels gpu_prefill gpu_sample gpu_fp8 \
         routing_margins mlaserve_cuda mlaserve_cuda_lab; do
         t="$gpu_dir/tests/$bin"
         [[ -x "$t" ]] || continue
@@ -250,7 +250,8 @@ if [[ "$mode" == backend ]]; then
         gpu_router:router_logits_small_shapes_match_reference \
         gpu_ops:gemm_matches_reference_and_invariant_mode_is_batch_invariant \
         gpu_fp8:act_quant_is_bit_exact gpu_fp8:fp8_gemm_odd_shapes \
-        gpu_backend:fp8_weights_widen_on_the_device_bit_for_bit; do
+        gpu_backend:fp8_weights_widen_on_the_device_bit_for_bit gpu_kv_fp8:kv_write_fp8_matches_cpu_rounding \
+        gpu_kernels:mla_decode_fp8_cache_matches_reference; do
         t="$gpu_dir/tests/${spec%%:*}"
         step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1

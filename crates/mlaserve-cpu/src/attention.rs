@@ -37,17 +37,21 @@ pub struct LayerCache {
     latent: usize,
     /// `Some(kv_lora_rank)` for [`KvCacheDtype::Fp8`].
     fp8_lora: Option<usize>,
+    /// Round an entry to bf16 before its fp8 rounding (a perturbation of the writes, to
+    /// measure how sensitive outputs are to the fp8 codes; `CpuOptions::fp8_bf16_inputs`).
+    bf16_first: bool,
 }
 
 impl LayerCache {
     /// An f32 cache (`KvCacheDtype::Auto`).
     pub fn new(num_blocks: usize, latent: usize) -> Self {
-        LayerCache { data: vec![0f32; num_blocks * BLOCK_SIZE * latent], latent, fp8_lora: None }
+        LayerCache { data: vec![0f32; num_blocks * BLOCK_SIZE * latent], latent, fp8_lora: None, bf16_first: false }
     }
-    /// A cache in `dtype`, for latents of `lora` latent channels then RoPE channels.
-    pub fn with_dtype(num_blocks: usize, latent: usize, lora: usize, dtype: KvCacheDtype) -> Self {
+    /// A cache in `dtype`, for latents of `lora` latent channels then RoPE channels;
+    /// `bf16_first`: an fp8 cache rounds each entry to bf16 before its fp8 rounding.
+    pub fn with_dtype(num_blocks: usize, latent: usize, lora: usize, dtype: KvCacheDtype, bf16_first: bool) -> Self {
         let fp8_lora = (dtype == KvCacheDtype::Fp8).then_some(lora);
-        LayerCache { fp8_lora, ..Self::new(num_blocks, latent) }
+        LayerCache { fp8_lora, bf16_first, ..Self::new(num_blocks, latent) }
     }
     /// Stores `row` (`[c_kv, k_pe]`) as the entry of position `pos`.
     fn write(&mut self, table: &[u32], pos: usize, row: &[f32]) {
@@ -55,6 +59,9 @@ impl LayerCache {
         let e = &mut self.data[s..s + self.latent];
         e.copy_from_slice(row);
         if let Some(lora) = self.fp8_lora {
+            if self.bf16_first {
+                e.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+            }
             kv_fp8_round(e, lora);
         }
     }

@@ -37,6 +37,8 @@ pub struct CpuOptions {
     /// With `fp8_activations`: round each fp8 linear's input to bf16 before quantising
     /// it, as the CUDA backend does (its activations between kernels are bf16), so a GPU
     /// run can be held to this one tightly; off by default (the input quantised from f32).
+    /// An fp8 latent cache likewise rounds each entry to bf16 before its fp8 rounding (a
+    /// perturbation the GPU tests measure the codes' sensitivity with).
     pub fp8_bf16_inputs: bool,
     /// How the latent cache is stored ([`KvCacheDtype::Fp8`]: DeepSeek's fp8 layout, its
     /// rounding computed at every cache write; `Auto`: f32).
@@ -233,7 +235,10 @@ impl CpuBackend {
         }
         progress.finish();
         let caches = (0..cfg.num_hidden_layers + mtp.len())
-            .map(|_| LayerCache::with_dtype(opts.num_blocks, cfg.latent_dim(), cfg.kv_lora_rank, opts.kv_cache_dtype))
+            .map(|_| {
+                let (lat, lora, kv) = (cfg.latent_dim(), cfg.kv_lora_rank, opts.kv_cache_dtype);
+                LayerCache::with_dtype(opts.num_blocks, lat, lora, kv, opts.fp8_bf16_inputs)
+            })
             .collect();
         let rope = Rope::new(&cfg.rope_inv_freq(), cfg.rope_attention_factor(), cfg.max_position_embeddings);
         Ok(CpuBackend { cfg, comm, embed, blocks, final_norm, lm_head, mtp, caches, rope, opts })

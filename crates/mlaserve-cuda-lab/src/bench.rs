@@ -20,6 +20,7 @@ use half::bf16;
 
 use crate::rng::Rng;
 use crate::util::Util;
+use mlaserve_core::KvCacheDtype;
 use mlaserve_cuda::dims::DecodeDims;
 use mlaserve_cuda::plan::{self, PAGE};
 use mlaserve_cuda::Gpu;
@@ -176,6 +177,8 @@ pub struct MlaDecodeBenchOpts {
     /// Split merges to time each configuration with ([`MlaDecode::set_split_merge`]);
     /// `None` = the default, [`SplitMerge::Cluster`].
     pub merges: Option<Vec<SplitMerge>>,
+    /// Latent-cache layouts to time each configuration over (bf16 = `Auto`, fp8).
+    pub kv_dtypes: Vec<KvCacheDtype>,
 }
 
 impl Default for MlaDecodeBenchOpts {
@@ -192,6 +195,7 @@ impl Default for MlaDecodeBenchOpts {
             kernels: None,
             splits: None,
             merges: None,
+            kv_dtypes: vec![KvCacheDtype::Auto],
         }
     }
 }
@@ -199,6 +203,8 @@ impl Default for MlaDecodeBenchOpts {
 /// One configuration's measurement.
 #[derive(Debug, Clone)]
 pub struct MlaDecodeBenchRow {
+    /// The cache layout read.
+    pub kv: KvCacheDtype,
     /// The kernel asked for.
     pub kernel: MlaKernel,
     /// The kernel that ran (`Auto` resolved; a kernel that does not cover the shape
@@ -247,6 +253,16 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
     let num_blocks = max_b * pages_per_req;
     let mut cache = s.alloc_zeros::<bf16>(num_blocks * PAGE * dqk)?;
     util.fill_bf16(s, &mut cache, 21, -1.0, 1.0)?;
+    // The fp8 layout's cache (656-byte entries), when asked for.
+    let cache_fp8 = if opts.kv_dtypes.contains(&KvCacheDtype::Fp8) {
+        let ops = mlaserve_cuda::ops::Ops::new(gpu, mlaserve_cuda::linear::TcKernels::Auto)?;
+        let mut c =
+            s.alloc_zeros::<bf16>(num_blocks * PAGE * mlaserve_cuda::layout::kv_entry_elems(true, dlat, drope)?)?;
+        ops.fill_kv_fp8(s, &mut c, dlat, drope, 21)?;
+        Some(c)
+    } else {
+        None
+    };
     let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
     Rng::new(22).shuffle(&mut perm);
     let bt = s.clone_htod(&perm)?; // request b's pages: perm[b*pages_per_req ..]
@@ -256,9 +272,17 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
     let mut rows_out = Vec::new();
     let kernels = opts.kernels.clone().unwrap_or_else(|| vec![MlaKernel::Auto]);
     let merges = opts.merges.clone().unwrap_or_else(|| vec![SplitMerge::Cluster]);
-    for (&kernel, &merge) in kernels.iter().flat_map(|k| merges.iter().map(move |m| (k, m))) {
+    let mut combos = Vec::new();
+    for &kv in &opts.kv_dtypes {
+        for &k in &kernels {
+            combos.extend(merges.iter().map(|&m| (kv, k, m)));
+        }
+    }
+    for (kv, kernel, merge) in combos {
         mla.set_kernel(kernel)?;
         mla.set_split_merge(merge);
+        mla.set_kv_cache_dtype(kv)?;
+        let cache = if kv == KvCacheDtype::Fp8 { cache_fp8.as_ref().expect("allocated") } else { &cache };
         for &batch in &opts.batches {
             for &seq_len in &opts.seq_lens {
                 for &heads in &opts.heads {
@@ -299,9 +323,14 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
                             })?;
                             let (med, gmed) = (median(&t), median(&tg));
                             let lens = vec![seq_len; batch];
-                            let bytes = plan::min_bytes(rows, &lens, dqk, dlat, 2);
+                            let mut bytes = plan::min_bytes(rows, &lens, dqk, dlat, 2);
+                            if kv == KvCacheDtype::Fp8 {
+                                // 656 bytes a cached token instead of 1152.
+                                bytes -= (batch * seq_len * (2 * dqk - 656)) as f64;
+                            }
                             let flops = plan::flops(rows, &lens, dqk, dlat);
                             rows_out.push(MlaDecodeBenchRow {
+                                kv,
                                 kernel,
                                 ran: mla.effective_kernel(&dims),
                                 batch,
@@ -369,10 +398,17 @@ impl fmt::Display for MlaDecodeBenchReport {
             writeln!(
                 f,
                 "{:>9} {:>5} {:>5} {:>5} {:>3} {:>4} {:>6} {:>8} {:>10.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}% {:>9.1} {:>8.0} {:>5.0}% {:>8.1} {:>5.0}%  {}",
-                if r.kernel == MlaKernel::Auto || r.ran == r.kernel {
-                    r.kernel.name().to_string()
-                } else {
-                    format!("{}*", r.ran.name())
+                {
+                    let k = if r.kernel == MlaKernel::Auto || r.ran == r.kernel {
+                        r.kernel.name().to_string()
+                    } else {
+                        format!("{}*", r.ran.name())
+                    };
+                    if r.kv == KvCacheDtype::Fp8 {
+                        format!("fp8/{k}")
+                    } else {
+                        k
+                    }
                 },
                 r.batch,
                 r.seq_len,
@@ -393,6 +429,31 @@ impl fmt::Display for MlaDecodeBenchReport {
                 100.0 * r.graph_tflops / c.gemm_tflops,
                 if intensity < ridge { "memory" } else { "compute" }
             )?;
+        }
+        // The fp8 cache against bf16, per configuration timed both ways (same kernel
+        // choice, splits and merge): time ratios of graph replays = tokens/s ratios.
+        let key = |r: &MlaDecodeBenchRow| (r.kernel, r.batch, r.seq_len, r.heads, r.q_len, r.merge.map(|m| m.name()));
+        let pairs: Vec<(&MlaDecodeBenchRow, &MlaDecodeBenchRow)> = self
+            .rows
+            .iter()
+            .filter(|r| r.kv == KvCacheDtype::Fp8)
+            .filter_map(|f| self.rows.iter().find(|b| b.kv == KvCacheDtype::Auto && key(b) == key(f)).map(|b| (b, f)))
+            .collect();
+        if !pairs.is_empty() {
+            writeln!(f, "fp8 cache speedup over bf16 (graph replays, bf16 us / fp8 us):")?;
+            for (b, p) in pairs {
+                writeln!(
+                    f,
+                    "  batch {:>4} seq {:>5} heads {:>3} s {} : {:>7.1} / {:>7.1} us = {:.2}x",
+                    b.batch,
+                    b.seq_len,
+                    b.heads,
+                    b.q_len,
+                    b.graph_us,
+                    p.graph_us,
+                    b.graph_us / p.graph_us
+                )?;
+            }
         }
         Ok(())
     }

@@ -144,7 +144,8 @@ pub fn bench_mla_prefill(gpu: &Gpu, opts: &PrefillBenchOpts) -> Result<PrefillBe
                 util.fill_f32(s, &mut q, next(), -1.0, 1.0)?;
                 let mut o = s.alloc_zeros::<bf16>(rows * heads * vdim)?;
                 let mut bufs = pre.buffers(s, &plan, &d, lora)?;
-                let lc = LatentCache { data: &cache, tables: &tables, bt_stride: pages, num_blocks, lora, rope };
+                let lc =
+                    LatentCache { data: &cache, fp8: false, tables: &tables, bt_stride: pages, num_blocks, lora, rope };
                 pre.expand(s, &gemm, (&w_uk, &w_uv), &plan, &d, &lc, &mut bufs)?;
                 let tk = time_calls(gpu, opts.warmup, opts.iters, || {
                     pre.attention(s, &plan, &d, scale, &q, &bufs.kn, &bufs.kpe, &bufs.v, &rope_t, &mut o)

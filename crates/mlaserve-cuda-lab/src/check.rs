@@ -24,6 +24,80 @@ use mlaserve_cuda::{MlaDecode, MlaDecodeShape, MlaOut};
 /// bf16 NaN (0x7fc0) twice: poisons a 32-bit word of bf16 pairs or an f32.
 const NAN_BITS: u32 = 0x7fc0_7fc0;
 
+/// A paged latent cache on the host, in the launch's layout (bf16 entries, or fp8 ones:
+/// `kernels/kv_fp8.cuh`), with the values the reference reads: NaN everywhere (NaN codes
+/// and scales in the fp8 layout) until [`HostCache::randomize`] writes an entry.
+struct HostCache {
+    /// The device's bf16 elements (an fp8 entry's bytes in pairs, low byte first).
+    words: Vec<u16>,
+    /// `[slots][lora + rope]`, as the decode kernel reads the entries (an fp8 code widened
+    /// to bf16(code * scale); the CPU backend keeps the f32 product, which the backend
+    /// tests compare with).
+    values: Vec<f32>,
+    lora: usize,
+    rope: usize,
+    entry: usize,
+    fp8: bool,
+}
+
+impl HostCache {
+    fn new(num_blocks: usize, lora: usize, rope: usize, fp8: bool) -> Self {
+        let entry = mlaserve_cuda::layout::kv_entry_elems(fp8, lora, rope).expect("fp8 widths");
+        let slots = num_blocks * PAGE;
+        HostCache {
+            words: vec![if fp8 { 0xffff } else { 0x7fc0 }; slots * entry],
+            values: vec![f32::NAN; slots * (lora + rope)],
+            lora,
+            rope,
+            entry,
+            fp8,
+        }
+    }
+
+    /// Fresh random values in [-1, 1) at `slot` (the fp8 latent quantised per 128).
+    fn randomize(&mut self, rng: &mut Rng, slot: usize) {
+        let dqk = self.lora + self.rope;
+        let x: Vec<f32> = (0..dqk).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let val = &mut self.values[slot * dqk..(slot + 1) * dqk];
+        let w = &mut self.words[slot * self.entry..(slot + 1) * self.entry];
+        if !self.fp8 {
+            for ((v, w), x) in val.iter_mut().zip(w.iter_mut()).zip(&x) {
+                *w = bf16::from_f32(*x).to_bits();
+                *v = bf16::from_bits(*w).to_f32();
+            }
+            return;
+        }
+        let lora = self.lora;
+        let groups = lora.div_ceil(128);
+        let mut bytes = vec![0u8; self.entry * 2];
+        for g in 0..groups {
+            let (c0, c1) = (g * 128, ((g + 1) * 128).min(lora));
+            let mut xg = [0f32; 128]; // a partial group padded with zeros: same amax
+            xg[..c1 - c0].copy_from_slice(&x[c0..c1]);
+            let (q, sc) = crate::fp8_ref::act_quant(&xg, 1, 128);
+            for (c, &code) in (c0..c1).zip(&q) {
+                bytes[c] = code;
+                // What the kernel widens a code to: bf16(code * scale).
+                val[c] = bf16::from_f32(crate::fp8_ref::e4m3_to_f32(code) * sc[0]).to_f32();
+            }
+            bytes[lora + 4 * g..lora + 4 * g + 4].copy_from_slice(&sc[0].to_le_bytes());
+        }
+        for c in 0..self.rope {
+            let b = bf16::from_f32(x[lora + c]);
+            val[lora + c] = b.to_f32();
+            let at = lora + 4 * groups + 2 * c;
+            bytes[at..at + 2].copy_from_slice(&b.to_bits().to_le_bytes());
+        }
+        for (i, w) in w.iter_mut().enumerate() {
+            *w = u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]);
+        }
+    }
+
+    fn device_elems(&self) -> Vec<bf16> {
+        self.words.iter().map(|&w| bf16::from_bits(w)).collect()
+    }
+}
+
 /// One decode-attention check.
 #[derive(Debug, Clone)]
 pub struct DecodeCase {
@@ -43,7 +117,7 @@ pub struct DecodeCase {
 }
 
 impl DecodeCase {
-    fn dims(&self) -> DecodeDims {
+    pub fn dims(&self) -> DecodeDims {
         let max = self.seq_lens.iter().copied().max().unwrap_or(1);
         DecodeDims {
             batch: self.seq_lens.len(),
@@ -109,6 +183,7 @@ fn tolerances(fast: bool, out_f32: bool) -> (f64, f64) {
 }
 
 /// Runs one case on `gpu` against the CPU reference.
+/// The cache holds fp8 entries when `mla` reads them ([`MlaDecode::kv_fp8`]).
 pub fn run_decode_case(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCase, seed: u64) -> Result<CaseReport> {
     if case.out_f32 {
         run_typed::<f32>(gpu, mla, util, case, seed)
@@ -130,8 +205,7 @@ fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCa
     rng.shuffle(&mut phys);
     let mut block_table = vec![0i32; d.batch * d.bt_stride];
     let mut next = 0;
-    let nan = bf16::from_bits(0x7fc0);
-    let mut cache = vec![nan; num_blocks * PAGE * dqk];
+    let mut cache = HostCache::new(num_blocks, d.dlat, d.drope, mla.kv_fp8());
     for (b, &np) in pages_per_req.iter().enumerate() {
         for lp in 0..d.bt_stride {
             block_table[b * d.bt_stride + lp] = if lp < np {
@@ -144,10 +218,7 @@ fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCa
         // Real data at positions < seq_len; NaN stays past it.
         for p in 0..case.seq_lens[b] {
             let page = block_table[b * d.bt_stride + p / PAGE] as usize;
-            let off = (page * PAGE + p % PAGE) * dqk;
-            for x in &mut cache[off..off + dqk] {
-                *x = bf16::from_f32(rng.uniform(-1.0, 1.0));
-            }
+            cache.randomize(&mut rng, page * PAGE + p % PAGE);
         }
     }
     let q = rng.bf16_vec(d.batch * rows * dqk, -1.0, 1.0);
@@ -155,11 +226,11 @@ fn run_typed<T: MlaOut>(gpu: &Gpu, mla: &MlaDecode, util: &Util, case: &DecodeCa
     let scale = case.scale_mult / ((128 + d.drope) as f32).sqrt();
 
     let to_f32 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-    let (want_out, want_lse) = reference::mla_decode(&d, &to_f32(&q), &to_f32(&cache), &block_table, &seq_i32, scale);
+    let (want_out, want_lse) = reference::mla_decode(&d, &to_f32(&q), &cache.values, &block_table, &seq_i32, scale);
 
     let s = &gpu.stream;
     let q_d = s.clone_htod(&q)?;
-    let cache_d = s.clone_htod(&cache)?;
+    let cache_d = s.clone_htod(&cache.device_elems())?;
     let bt_d = s.clone_htod(&block_table)?;
     let sl_d = s.clone_htod(&seq_i32)?;
     let mut out_d = s.clone_htod(&vec![T::nan(); d.batch * rows * d.dlat])?;
@@ -262,7 +333,7 @@ pub fn run_window_invariance(
     let mut phys: Vec<usize> = (0..num_blocks).collect();
     rng.shuffle(&mut phys);
     let mut table = vec![0i32; batch * d.bt_stride];
-    let mut cache = vec![bf16::from_bits(0x7fc0); num_blocks * PAGE * dqk];
+    let mut cache = HostCache::new(num_blocks, d.dlat, d.drope, mla.kv_fp8());
     let mut next = 0;
     for b in 0..batch {
         for lp in 0..d.bt_stride {
@@ -274,16 +345,13 @@ pub fn run_window_invariance(
             };
         }
         for p in 0..seq_lens[b] {
-            let off = (table[b * d.bt_stride + p / PAGE] as usize * PAGE + p % PAGE) * dqk;
-            for x in &mut cache[off..off + dqk] {
-                *x = bf16::from_f32(rng.uniform(-1.0, 1.0));
-            }
+            cache.randomize(&mut rng, table[b * d.bt_stride + p / PAGE] as usize * PAGE + p % PAGE);
         }
     }
     let q = rng.bf16_vec(batch * rows * dqk, -1.0, 1.0);
     let scale = 1.0 / ((128 + d.drope) as f32).sqrt();
     let s = &gpu.stream;
-    let cache_d = s.clone_htod(&cache)?;
+    let cache_d = s.clone_htod(&cache.device_elems())?;
     // One launch: `dims` over requests whose tables are `tab` rows of `table`.
     let run = |dims: DecodeDims, q: &[bf16], tab: &[usize], lens: &[usize]| -> Result<(Vec<f32>, usize)> {
         let t: Vec<i32> = tab.iter().flat_map(|&b| table[b * d.bt_stride..(b + 1) * d.bt_stride].to_vec()).collect();
@@ -327,7 +395,7 @@ pub fn run_window_invariance(
     }
     let to_f32 = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
     let lens_i: Vec<i32> = seq_lens.iter().map(|&l| l as i32).collect();
-    let (want, _) = reference::mla_decode(&d, &to_f32(&q), &to_f32(&cache), &table, &lens_i, scale);
+    let (want, _) = reference::mla_decode(&d, &to_f32(&q), &cache.values, &table, &lens_i, scale);
     Ok(InvarianceReport {
         name: format!("h{heads} windows of {w_len} at {ctx:?}"),
         rows: batch * w_len * heads,

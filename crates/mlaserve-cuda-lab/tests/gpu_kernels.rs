@@ -112,3 +112,44 @@ fn fixed_splits_decode_is_batch_and_window_invariant() {
     println!("default plan (not asserted): {r}");
     assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
 }
+
+/// The fp8 cache's decode kernel (`--kv-cache-dtype fp8`: entries of e4m3 codes with
+/// per-128 scales and bf16 k_pe, widened in the kernel) against the reference over the
+/// entries' own values, on every standard case at DeepSeek's dims with the planner's
+/// splits and with fixed ones; and the fixed splits' batch and window invariance.
+#[test]
+fn mla_decode_fp8_cache_matches_reference() {
+    let Some(gpu) = gpu() else { return };
+    let util = Util::new(&gpu).expect("load bench_util");
+    let mut mla = MlaDecode::new(&gpu).expect("load mla_decode");
+    if mla.set_kv_cache_dtype(mlaserve_core::KvCacheDtype::Fp8).is_err() {
+        eprintln!("skipping: the fp8 cache's decode kernel needs sm_90");
+        return;
+    }
+    let mut failures = Vec::new();
+    for fixed in [None, Some(2)] {
+        mla.set_fixed_splits(fixed).expect("sm_90");
+        for (i, case) in standard_cases().iter().enumerate().filter(|(_, c)| MlaDecode::is_fast_path(&c.dims())) {
+            let r = run_decode_case(&gpu, &mla, &util, case, 500 + i as u64).expect("case ran");
+            println!("fp8 cache, fixed {fixed:?}: {r}");
+            if !r.passed() {
+                failures.push(r.to_string());
+            }
+        }
+    }
+    for blocks in [2, 16] {
+        mla.set_fixed_splits(Some(blocks)).expect("sm_90");
+        for heads in [16, 128] {
+            for (ctx, window) in
+                [(&[0usize, 60, 61, 124, 127, 252, 255, 1021, 3000][..], 4), (&[0, 61, 200, 1021][..], 70)]
+            {
+                let r = run_window_invariance(&gpu, &mla, heads, ctx, window, 81 + heads as u64).expect("ran");
+                println!("fp8 cache, fixed {blocks}: {r}");
+                if !r.passed() {
+                    failures.push(format!("fixed {blocks}: {r}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
+}

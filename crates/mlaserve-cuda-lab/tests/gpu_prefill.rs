@@ -394,7 +394,8 @@ fn expanded_path_from_paged_cache_matches_reference() {
 
         let cache_d = s.clone_htod(&to_bf(&cache)).expect("cache");
         let tables_d = s.clone_htod(&tables).expect("tables");
-        let lc = LatentCache { data: &cache_d, tables: &tables_d, bt_stride, num_blocks, lora, rope: d.rope };
+        let lc =
+            LatentCache { data: &cache_d, fp8: false, tables: &tables_d, bt_stride, num_blocks, lora, rope: d.rope };
         let w_uk = Linear::from_f32(s, &wuk, d.heads * d.nope, lora).expect("w_uk");
         let w_uv = Linear::from_f32(s, &wuv, d.heads * d.vdim, lora).expect("w_uv");
         let q_d = s.clone_htod(&q).expect("q");

@@ -2,7 +2,9 @@
 //! buckets its CUDA graphs pad decode steps to (`backend/graphs.rs`). Host code only, so
 //! CI tests it without a GPU.
 
-use mlaserve_core::{Batch, BLOCK_SIZE};
+use mlaserve_core::{Batch, KvCacheDtype, BLOCK_SIZE};
+
+use crate::error::{CudaError, Result};
 
 /// Most sequences of a step that runs as a CUDA graph.
 pub const MAX_GRAPH_SEQS: usize = 256;
@@ -23,6 +25,23 @@ pub fn seq_bucket(n: usize) -> Option<usize> {
 /// The padded block-table width for `entries` entries: a power of two, at least 8.
 pub fn table_bucket(entries: usize) -> usize {
     entries.max(8).next_power_of_two()
+}
+
+/// bf16 elements per latent-cache entry of `lora` + `rope` channels: `lora + rope` for
+/// the bf16 cache, the fp8 entry's bytes / 2 (`kernels/kv_fp8.cuh`: codes, f32 group
+/// scales, bf16 k_pe), which needs `lora` a multiple of 4 and `rope` even (aligned
+/// scales, whole elements).
+pub fn kv_entry_elems(fp8: bool, lora: usize, rope: usize) -> Result<usize> {
+    if !fp8 {
+        return Ok(lora + rope);
+    }
+    if !lora.is_multiple_of(4) || !rope.is_multiple_of(2) {
+        return Err(CudaError::shape(
+            "fp8 latent cache",
+            format!("kv_lora_rank {lora} must be a multiple of 4 and qk_rope_head_dim {rope} even"),
+        ));
+    }
+    Ok(KvCacheDtype::Fp8.entry_bytes(lora, rope, 2) / 2)
 }
 
 /// Host facts about a step's attention metadata that bound what the kernels read.
@@ -97,6 +116,16 @@ impl StepLayout {
 mod tests {
     use super::*;
     use mlaserve_core::SeqChunk;
+
+    #[test]
+    fn fp8_entries_in_bf16_elements() {
+        assert_eq!(kv_entry_elems(false, 512, 64).unwrap(), 576);
+        assert_eq!(kv_entry_elems(true, 512, 64).unwrap(), 328); // 656 bytes
+        assert_eq!(kv_entry_elems(true, 32, 16).unwrap(), (32 + 4 + 32) / 2);
+        assert_eq!(kv_entry_elems(true, 128, 16).unwrap(), (128 + 4 + 32) / 2);
+        assert!(kv_entry_elems(true, 30, 16).is_err());
+        assert!(kv_entry_elems(true, 32, 15).is_err());
+    }
 
     #[test]
     fn buckets() {

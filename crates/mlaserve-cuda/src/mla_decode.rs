@@ -41,6 +41,12 @@ const SEESAW_SMEM: usize = 1024 + 64 * 1152 + 2 * 64 * 1152 + 8192 + 2 * 64 * 4 
 /// `SMEM_BYTES` in mla_decode_sm90_t.cu (pinned there by a static_assert).
 const TRANSPOSED_QROWS: [usize; 2] = [16, 32];
 const TRANSPOSED_SMEM: [usize; 2] = [172_176, 195_856];
+/// Query rows per tile of the fp8 cache's kernel (mla_decode_sm90_fp8.cu), the bf16
+/// elements of a cache entry (656 bytes) and its dynamic shared memory (`SMEM_BYTES`
+/// there, pinned by a static_assert).
+const FP8_QROWS: usize = 32;
+const FP8_ENTRY_ELEMS: usize = 328;
+const FP8_SMEM: usize = 200_848;
 
 /// Loads `{name}_obf16` and `{name}_of32` from `m` and opts both into `smem` bytes of
 /// dynamic shared memory.
@@ -110,6 +116,9 @@ pub enum MlaKernel {
     /// are wgmma's M, so 16 or 32 query rows do not pay for 64. Other shapes run
     /// [`MlaKernel::Seesaw`].
     Transposed,
+    /// The fp8 cache's kernel (mla_decode_sm90_fp8.cu): chosen by the cache's layout
+    /// ([`MlaDecode::set_kv_cache_dtype`]), not selectable.
+    Fp8Cache,
     /// The default: per launch, the kernel that measured fastest for its shape on an
     /// H200 (docs/PERFORMANCE.md): on sm_90 the transposed kernel for one tile of at
     /// most 32 rows and the seesaw kernel for everything else (each faster than the
@@ -131,6 +140,7 @@ impl MlaKernel {
             MlaKernel::MmaSync => "mma.sync",
             MlaKernel::Seesaw => "wgmma-ss",
             MlaKernel::Transposed => "wgmma-t",
+            MlaKernel::Fp8Cache => "wgmma-fp8",
             MlaKernel::Auto => "auto",
         }
     }
@@ -182,6 +192,10 @@ pub struct MlaDecode {
     /// their cluster entries.
     transposed: Option<Vec<(CudaFunction, CudaFunction)>>,
     transposed_c2: Option<Vec<(CudaFunction, CudaFunction)>>,
+    /// (bf16 out, f32 out) of the fp8 cache's kernel and its cluster entries (sm_90 only).
+    fp8: Option<[(CudaFunction, CudaFunction); 2]>,
+    /// The cache holds fp8 entries (`kernels/kv_fp8.cuh`): every launch runs `fp8`.
+    kv_fp8: bool,
     kernel: MlaKernel,
     /// How the 64-token kernels merge their splits.
     merge: SplitMerge,
@@ -230,12 +244,23 @@ impl MlaDecode {
             } else {
                 (None, None)
             };
+        let fp8 = if gpu.compute_capability == (9, 0) && gpu.max_smem_optin >= FP8_SMEM {
+            let m = gpu.load_module(kernels::MLA_DECODE_SM90_FP8)?;
+            Some([
+                load_pair(&m, "mla_decode_wgmma_fp8_d512r64", FP8_SMEM)?,
+                load_pair(&m, "mla_decode_wgmma_fp8_c2_d512r64", FP8_SMEM)?,
+            ])
+        } else {
+            None
+        };
         let kernel = MlaKernel::Auto;
         Ok(MlaDecode {
             seesaw,
             seesaw_c2,
             transposed,
             transposed_c2,
+            fp8,
+            kv_fp8: false,
             kernel,
             merge: SplitMerge::Cluster,
             split_blocks: 0,
@@ -247,6 +272,31 @@ impl MlaDecode {
             generic_f32: m.load_function("mla_decode_generic_of32")?,
             num_sms: gpu.num_sms,
         })
+    }
+
+    /// Selects the cache layout the launches read: bf16 (the default) or fp8 entries
+    /// (`kernels/kv_fp8.cuh`), which only the sm_90 kernel reads (512 + 64 dims).
+    pub fn set_kv_cache_dtype(&mut self, dtype: mlaserve_core::KvCacheDtype) -> Result<()> {
+        let fp8 = dtype == mlaserve_core::KvCacheDtype::Fp8;
+        if fp8 && self.fp8.is_none() {
+            return Err(CudaError::shape(NAME, "the fp8 latent cache's decode kernel needs an sm_90 GPU"));
+        }
+        self.kv_fp8 = fp8;
+        Ok(())
+    }
+
+    /// Whether launches read fp8 cache entries.
+    pub fn kv_fp8(&self) -> bool {
+        self.kv_fp8
+    }
+
+    /// Query-row tiles of a launch with `dims` (64 rows a tile, 32 with the fp8 cache).
+    pub fn tiles(&self, dims: &DecodeDims) -> usize {
+        if self.kv_fp8 {
+            dims.rows().div_ceil(FP8_QROWS)
+        } else {
+            plan::tiles(dims.heads, dims.q_len)
+        }
     }
 
     /// The tensor-core kernel selection in use ([`MlaKernel::Auto`] unless set).
@@ -283,12 +333,15 @@ impl MlaDecode {
     pub fn merge_with(&self, merge: SplitMerge, dims: &DecodeDims, splits: usize) -> Option<SplitMerge> {
         let merge = if self.split_blocks > 0 { SplitMerge::LastCta } else { merge };
         let own = Self::is_fast_path(dims)
-            && matches!(self.effective_kernel(dims), MlaKernel::Seesaw | MlaKernel::Transposed);
+            && matches!(self.effective_kernel(dims), MlaKernel::Seesaw | MlaKernel::Transposed | MlaKernel::Fp8Cache);
         merge.resolve(own, splits)
     }
 
     /// Selects the fast-path kernel (for comparisons and tests).
     pub fn set_kernel(&mut self, k: MlaKernel) -> Result<()> {
+        if k == MlaKernel::Fp8Cache {
+            return Err(CudaError::shape(NAME, "the fp8 cache's kernel follows the cache layout (set_kv_cache_dtype)"));
+        }
         if (k == MlaKernel::Seesaw && self.seesaw.is_none())
             || (k == MlaKernel::Transposed && (self.transposed.is_none() || self.seesaw.is_none()))
         {
@@ -328,6 +381,10 @@ impl MlaDecode {
     pub fn effective_kernel(&self, dims: &DecodeDims) -> MlaKernel {
         let tiles = plan::tiles(dims.heads, dims.q_len);
         let rows = dims.rows();
+        if self.kv_fp8 {
+            // The fp8 cache has one kernel, for every shape and split plan.
+            return MlaKernel::Fp8Cache;
+        }
         if self.split_blocks > 0 {
             return MlaKernel::Seesaw;
         }
@@ -356,17 +413,17 @@ impl MlaDecode {
             return max_seq_len.div_ceil(plan::PAGE).div_ceil(per).clamp(1, MAX_SPLITS);
         }
         let chunk = match self.effective_kernel(dims) {
-            MlaKernel::Seesaw | MlaKernel::Transposed => plan::BLOCK_TOKENS,
+            MlaKernel::Seesaw | MlaKernel::Transposed | MlaKernel::Fp8Cache => plan::BLOCK_TOKENS,
             _ => plan::CHUNK_TOKENS,
         };
-        plan::num_splits(dims.batch, plan::tiles(dims.heads, dims.q_len), max_seq_len, self.num_sms, chunk)
+        plan::num_splits(dims.batch, self.tiles(dims), max_seq_len, self.num_sms, chunk)
     }
 
     /// Allocates the split-KV workspace for `dims` and up to `num_splits` splits (empty
     /// when no split is needed). Allocate once per batch-size bucket, reuse every step.
     pub fn workspace(&self, stream: &Arc<CudaStream>, dims: &DecodeDims, num_splits: usize) -> Result<MlaWorkspace> {
         let n = if num_splits > 1 { dims.batch * num_splits * dims.rows() } else { 0 };
-        let c = if num_splits > 1 { dims.batch * plan::tiles(dims.heads, dims.q_len) } else { 0 };
+        let c = if num_splits > 1 { dims.batch * self.tiles(dims) } else { 0 };
         Ok(MlaWorkspace {
             o_acc: stream.alloc_zeros::<f32>((n * dims.dlat).max(1))?,
             lse_acc: stream.alloc_zeros::<f32>(n.max(1))?,
@@ -402,9 +459,11 @@ impl MlaDecode {
         check(d.batch > 0 && d.heads > 0 && d.q_len > 0 && d.dlat > 0, format!("empty dims {d:?}"))?;
         check(d.batch <= 65_535, format!("batch {} > 65535", d.batch))?;
         check(q.len() == d.batch * rows * dqk, format!("q has {} elements, want {}", q.len(), d.batch * rows * dqk))?;
+        let entry = if self.kv_fp8 { FP8_ENTRY_ELEMS } else { dqk };
+        check(!self.kv_fp8 || Self::is_fast_path(d), format!("the fp8 cache needs dims 512 + 64, not {d:?}"))?;
         check(
-            shape.num_blocks > 0 && cache.len() == shape.num_blocks * PAGE * dqk,
-            format!("cache has {} elements, want {} blocks x {PAGE} x {dqk}", cache.len(), shape.num_blocks),
+            shape.num_blocks > 0 && cache.len() == shape.num_blocks * PAGE * entry,
+            format!("cache has {} elements, want {} blocks x {PAGE} x {entry}", cache.len(), shape.num_blocks),
         )?;
         check(
             d.bt_stride > 0 && block_table.len() == d.batch * d.bt_stride,
@@ -474,17 +533,63 @@ impl MlaDecode {
                 ws.lse_acc.len() >= need && ws.o_acc.len() >= need * d.dlat,
                 format!("workspace holds {} rows of partials, need {need}", ws.lse_acc.len()),
             )?;
-            let tiles = plan::tiles(d.heads, d.q_len);
+            let tiles = self.tiles(d);
             check(
                 ws.counters.len() >= d.batch * tiles,
                 format!("workspace holds {} split counters, need {}", ws.counters.len(), d.batch * tiles),
             )?;
         }
         let bf = T::SUFFIX == "obf16";
-        let comb = if bf { &self.combine_bf16 } else { &self.combine_f32 };
-        let tiles = plan::tiles(d.heads, d.q_len);
+        let tiles = self.tiles(d);
         let kernel = self.effective_kernel(d);
         let merge = self.effective_merge(d, splits);
+        if self.kv_fp8 {
+            let [plain, c2] = self.fp8.as_ref().expect("set_kv_cache_dtype checked");
+            let (fb, ff) = if merge == Some(SplitMerge::Cluster) { c2 } else { plain };
+            let cfg = LaunchConfig {
+                grid_dim: (tiles as u32, splits as u32, d.batch as u32),
+                block_dim: (FAST_THREADS, 1, 1),
+                shared_mem_bytes: FP8_SMEM as u32,
+            };
+            let counters: u64 = 0;
+            let (splits_i, split_blocks) = (splits as i32, self.fixed_split_blocks(d.bt_stride).unwrap_or(0) as i32);
+            // SAFETY: mla_decode_wgmma_fp8[_c2]_d512r64_o*(q, kv, block_table, seq_lens,
+            // out, lse, o_acc, lse_acc, counters, heads, q_len, bt_stride, num_blocks,
+            // num_splits, split_blocks, scale_log2). Tiles of 32 query rows (grid.x =
+            // rows / 32 rounded up; rows past `rows` zero-filled and never written); the
+            // cache holds num_blocks pages of 64 fp8 entries of 656 bytes (checked above as
+            // bf16 elements), page ids and seq_lens clamped in the kernel; with splits > 1
+            // the partials and batch * tiles counters fit the workspace (checked above),
+            // or the _c2 entry (exactly two splits, grid.y = 2 one cluster) writes out/lse
+            // only; the kernel's shared memory was opted into in `new` (sm_90 only). Each
+            // page is read by one bulk copy of 64 * 656 bytes from page * 64 * 656, inside
+            // the cache (page ids clamped below num_blocks).
+            unsafe {
+                let mut b = stream.launch_builder(if bf { fb } else { ff });
+                b.arg(&q)
+                    .arg(cache)
+                    .arg(&block_table)
+                    .arg(&seq_lens)
+                    .arg(out)
+                    .arg(lse)
+                    .arg(&mut ws.o_acc)
+                    .arg(&mut ws.lse_acc);
+                if merge == Some(SplitMerge::LastCta) {
+                    b.arg(&mut ws.counters);
+                } else {
+                    b.arg(&counters);
+                }
+                b.arg(&heads)
+                    .arg(&q_len)
+                    .arg(&bt_stride)
+                    .arg(&num_blocks)
+                    .arg(&splits_i)
+                    .arg(&split_blocks)
+                    .arg(&scale_log2)
+                    .launch(cfg)
+            }?;
+            return self.combine_if(stream, merge, ws, (out, lse), d.batch, rows, splits, bf);
+        }
         // (function, shared memory, TMA box: tokens x 64-dim blocks, or none for mma.sync)
         let (f, smem, tma_box) = match (kernel, &self.seesaw) {
             (MlaKernel::Seesaw, Some((fb, ff))) => {
@@ -573,30 +678,49 @@ impl MlaDecode {
             }
             b.arg(&scale_log2).launch(cfg)
         }?;
-        if merge == Some(SplitMerge::Kernel) {
-            let (rows_i, dv) = (rows as i32, d.dlat as i32);
-            let cfg = LaunchConfig {
-                grid_dim: (rows.div_ceil(4) as u32, d.batch as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: mla_decode_combine_o*(o_acc, lse_acc, out, lse, rows, num_splits, dv):
-            // one warp per (row < rows, request < batch) reads splits partials inside the
-            // workspace (checked above) and writes out[b][row][0..dv) and lse[b][row];
-            // dv = 512 is a multiple of 4 (float4 reads, 16-byte aligned rows).
-            unsafe {
-                stream
-                    .launch_builder(comb)
-                    .arg(&ws.o_acc)
-                    .arg(&ws.lse_acc)
-                    .arg(out)
-                    .arg(lse)
-                    .arg(&rows_i)
-                    .arg(&splits_i)
-                    .arg(&dv)
-                    .launch(cfg)
-            }?;
+        self.combine_if(stream, merge, ws, (out, lse), d.batch, rows, splits, bf)
+    }
+
+    /// The combine kernel over the split partials when `merge` leaves it the merge:
+    /// `out` and `lse` are the launch's output pointers, `rows` per request.
+    #[allow(clippy::too_many_arguments)]
+    fn combine_if(
+        &self,
+        stream: &Arc<CudaStream>,
+        merge: Option<SplitMerge>,
+        ws: &MlaWorkspace,
+        (out, lse): (&sys::CUdeviceptr, &sys::CUdeviceptr),
+        batch: usize,
+        rows: usize,
+        splits: usize,
+        bf: bool,
+    ) -> Result<()> {
+        if merge != Some(SplitMerge::Kernel) {
+            return Ok(());
         }
+        let comb = if bf { &self.combine_bf16 } else { &self.combine_f32 };
+        let (rows_i, splits_i, dv) = (rows as i32, splits as i32, FAST_DLAT as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(4) as u32, batch as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: mla_decode_combine_o*(o_acc, lse_acc, out, lse, rows, num_splits, dv):
+        // one warp per (row < rows, request < batch) reads splits partials inside the
+        // workspace (checked by `launch`) and writes out[b][row][0..dv) and lse[b][row];
+        // dv = 512 is a multiple of 4 (float4 reads, 16-byte aligned rows).
+        unsafe {
+            stream
+                .launch_builder(comb)
+                .arg(&ws.o_acc)
+                .arg(&ws.lse_acc)
+                .arg(out)
+                .arg(lse)
+                .arg(&rows_i)
+                .arg(&splits_i)
+                .arg(&dv)
+                .launch(cfg)
+        }?;
         Ok(())
     }
 }

@@ -223,8 +223,10 @@ mod device {
     /// The paged latent cache of one layer, as the gather reads it.
     #[derive(Debug, Clone, Copy)]
     pub struct LatentCache<'a> {
-        /// `[num_blocks][64][lora + rope]` bf16.
+        /// `[num_blocks][64][lora + rope]` bf16, or with `fp8` entries of the fp8 layout
+        /// (`kernels/kv_fp8.cuh`) in as many bytes.
         pub data: &'a CudaSlice<bf16>,
+        pub fp8: bool,
         /// `[table rows][bt_stride]` page ids.
         pub tables: &'a CudaSlice<i32>,
         pub bt_stride: usize,
@@ -261,6 +263,7 @@ mod device {
         fwd_large: CudaFunction,
         fwd_wg: Option<WgKernels>,
         gather: CudaFunction,
+        gather_fp8: CudaFunction,
         scatter: CudaFunction,
         max_smem: usize,
         /// The attention kernel: the one asked for where the GPU has wgmma, else mma.sync.
@@ -303,6 +306,7 @@ mod device {
                 fwd_large,
                 fwd_wg,
                 gather: m.load_function("mla_prefill_gather_bf16")?,
+                gather_fp8: m.load_function("mla_prefill_gather_fp8")?,
                 scatter: m.load_function("scatter_rows_bf16")?,
                 max_smem: gpu.max_smem_optin,
                 kernel,
@@ -388,8 +392,8 @@ mod device {
             ckv: &mut CudaSlice<bf16>,
             kpe: &mut CudaSlice<bf16>,
         ) -> Result<()> {
-            const G: &str = "mla_prefill_gather_bf16";
-            let lat = c.lora + c.rope;
+            const G: &str = "mla_prefill_gather";
+            let lat = crate::layout::kv_entry_elems(c.fp8, c.lora, c.rope)?;
             if !c.lora.is_multiple_of(8) || !c.rope.is_multiple_of(8) || c.num_blocks == 0 || c.bt_stride == 0 {
                 return Err(CudaError::shape(
                     G,
@@ -415,9 +419,10 @@ mod device {
             // bt_stride, the entry index clamped below bt_stride) and the cache row of that
             // page (clamped below num_blocks; the cache holds num_blocks*64*lat), and writes
             // ckv[t*lora..][..lora], kpe[t*rope..][..rope]; lengths checked above, 16-byte
-            // accesses aligned since lora and rope are multiples of 8.
+            // accesses aligned since lora and rope are multiples of 8 (the fp8 gather reads
+            // an entry's bytes one channel at a time, entries of `lat` elements' bytes).
             unsafe {
-                s.launch_builder(&self.gather)
+                s.launch_builder(if c.fp8 { &self.gather_fp8 } else { &self.gather })
                     .arg(&mut *ckv)
                     .arg(&mut *kpe)
                     .arg(c.data)

@@ -21,7 +21,7 @@ use common::{rel, require_gpu, require_gpus};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use mlaserve_core::{Backend, Batch, ForwardOutput, SeqChunk};
+use mlaserve_core::{Backend, Batch, ForwardOutput, KvCacheDtype, SeqChunk};
 use mlaserve_cpu::CpuBackend;
 use mlaserve_cuda::{CudaBackend, CudaOptions};
 
@@ -182,8 +182,13 @@ fn compare(gpu: &Outputs, cpu: &Outputs, v: usize, hd: usize, ties: &Excluded) -
 
 /// The CPU side: its outputs and its prefill hidden state. `bf16_inputs`: its fp8
 /// linears quantise the bf16 rounding of their inputs, as the GPU's do.
-fn cpu_side(dir: &std::path::Path, bf16_inputs: bool) -> (Outputs, Vec<f32>) {
-    let opts = mlaserve_cpu::CpuOptions { num_blocks: BLOCKS, fp8_bf16_inputs: bf16_inputs, ..Default::default() };
+fn cpu_side(dir: &std::path::Path, bf16_inputs: bool, kv: KvCacheDtype) -> (Outputs, Vec<f32>) {
+    let opts = mlaserve_cpu::CpuOptions {
+        num_blocks: BLOCKS,
+        fp8_bf16_inputs: bf16_inputs,
+        kv_cache_dtype: kv,
+        ..Default::default()
+    };
     let load = || CpuBackend::load_with(dir, opts, Box::new(mlaserve_core::SingleRank)).expect("load cpu");
     let mut cpu = load();
     let h = cpu.forward(&prefill_batch()).expect("cpu prefill").hidden.data;
@@ -284,7 +289,7 @@ fn run_over(opts: CudaOptions, world: usize, label: &str, ckpt: Ckpt, overrides:
     }
     let t = if ckpt == Ckpt::Fp8Widened { &widened } else { &t };
     let cfg = mlaserve_model::load_config(t.path()).expect("config");
-    let (cpu, prefill_hidden) = cpu_side(t.path(), ckpt == Ckpt::Fp8);
+    let (cpu, prefill_hidden) = cpu_side(t.path(), ckpt == Ckpt::Fp8, opts.kv_cache_dtype);
     let gpu = gpu_side(gpu_dir, opts, world, &prefill_hidden);
     let seqs = vec![(toks(1, 70), vec![3, 7]), (toks(2, 20), vec![1, 9])];
     let ties: Excluded =
@@ -299,8 +304,10 @@ fn run_over(opts: CudaOptions, world: usize, label: &str, ckpt: Ckpt, overrides:
     // 2^-9), times NOISE_FACTOR, and never below TOL. A wrong scale, block, padding or
     // expert shows as errors far above it; each kernel is held to the f64 reference tightly
     // in gpu_fp8.
-    let noise: Vec<f64> = if ckpt == Ckpt::Fp8 {
-        let (f32_in, _) = cpu_side(t.path(), false);
+    // The fp8 latent cache's codes are as discontinuous: its bound is measured the same
+    // way (the CPU's entries rounded to bf16 before their fp8 rounding, or not).
+    let noise: Vec<f64> = if ckpt == Ckpt::Fp8 || opts.kv_cache_dtype == KvCacheDtype::Fp8 {
+        let (f32_in, _) = cpu_side(t.path(), ckpt != Ckpt::Fp8, opts.kv_cache_dtype);
         compare(&f32_in, &cpu, cfg.vocab_size, cfg.hidden_size, &ties).into_iter().map(|((_, r, _, _), _)| r).collect()
     } else {
         vec![0.0; res.len()]
@@ -379,6 +386,26 @@ fn tiny_v3_fp8_kernels_match_cpu_fp8() {
     run_over(CudaOptions::new(BLOCKS, 0), 1, "fp8 dense", Ckpt::Fp8, dense);
     run_on(CudaOptions::new(BLOCKS, 0), 1, "fp8 kernels", Ckpt::Fp8);
     run_on(CudaOptions::new(BLOCKS, 0).batch_invariant(), 1, "fp8 invariant", Ckpt::Fp8);
+}
+
+/// The fp8 latent cache (`--kv-cache-dtype fp8`) against the CPU's fp8 cache: written
+/// quantised, read by the varlen kernel and the expanded prefill's gather at tiny-v3's
+/// widths, and by the fp8 decode kernel at V3's attention widths (512 + 64, 16 heads),
+/// with the default and the batch-invariant options. Bound: the fp8 one of `run_over`
+/// (the oracle's own sensitivity to its codes; the write itself is held to the CPU's
+/// rounding tightly in gpu_ops).
+#[test]
+fn tiny_v3_fp8_cache_matches_cpu_fp8_cache() {
+    if !require_gpu() {
+        return;
+    }
+    let v3 = serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
+                                "num_key_value_heads": 16});
+    for (label, overrides) in [("fp8 cache", serde_json::json!({})), ("fp8 cache v3 attn", v3)] {
+        let base = CudaOptions { kv_cache_dtype: KvCacheDtype::Fp8, ..CudaOptions::new(BLOCKS, 0) };
+        run_over(base, 1, label, Ckpt::Bf16, overrides.clone());
+        run_over(base.batch_invariant(), 1, &format!("{label} invariant"), Ckpt::Bf16, overrides);
+    }
 }
 
 /// The device's widening gives the host's bits (`f32_shard`, then bf16 round to nearest

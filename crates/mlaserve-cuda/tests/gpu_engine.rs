@@ -149,6 +149,56 @@ fn greedy_k3_equals_k0_fast_batch_invariant_options() {
     assert!(fails.is_empty(), "greedy k = 3 differs from k = 0 on the GPU (batch-invariant options): {fails:?}");
 }
 
+/// The fp8 latent cache with the batch-invariant options: greedy k = 3 == k = 0 on
+/// tiny-v3 (the varlen kernel reads the cache) and at V3's attention widths (the fp8
+/// decode kernel with fixed splits), the latter also with a cache small enough to
+/// preempt, and on a TP 2 group where two GPUs are present.
+#[test]
+fn fp8_cache_greedy_k3_equals_k0_batch_invariant() {
+    if !require_gpu() {
+        return;
+    }
+    let mut fails = Vec::new();
+    for (v3, blocks) in [(false, BLOCKS), (true, BLOCKS), (true, 24)] {
+        let t = tempfile::tempdir().expect("tempdir");
+        let o = if v3 {
+            serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
+                               "num_key_value_heads": 16})
+        } else {
+            serde_json::json!({})
+        };
+        mlaserve_model::presets::generate_with("tiny-v3", t.path(), &o).expect("preset");
+        let opts = CudaOptions {
+            kv_cache_dtype: mlaserve_core::KvCacheDtype::Fp8,
+            ..CudaOptions::new(blocks, 0).batch_invariant()
+        };
+        let (k0, p0) = gpu_run_counting(t.path(), opts, 0);
+        let (k3, p3) = gpu_run_counting(t.path(), opts, 3);
+        assert!(k0.iter().map(Vec::len).sum::<usize>() > 64 * 4, "the workload generates tokens");
+        if blocks < BLOCKS {
+            assert!(p0 > 0 && p3 > 0, "{blocks} blocks must preempt ({p0} and {p3} preemptions)");
+        }
+        let bf16_cache = gpu_run(t.path(), CudaOptions::new(blocks, 0).batch_invariant(), 0);
+        let (d, db) = (differing(&k3, &k0), differing(&k0, &bf16_cache));
+        println!(
+            "fp8 cache, V3 attention {v3}, {blocks} blocks ({p0}/{p3} preemptions): k3 vs k0 differ in {d}/64 \
+             requests; k0 vs the bf16 cache's k0 in {db}/64 (reported)"
+        );
+        if d != 0 {
+            fails.push(format!("V3 attention {v3}, {blocks} blocks: {d}/64 requests differ"));
+        }
+        if v3 && blocks == BLOCKS && require_gpus(2) {
+            let (t0, t3) = (tp_run(t.path(), opts, 2, 0), tp_run(t.path(), opts, 2, 3));
+            let d = differing(&t3, &t0);
+            println!("fp8 cache TP=2: k3 vs k0 differ in {d}/64 requests");
+            if d != 0 {
+                fails.push(format!("TP 2: {d}/64 requests differ"));
+            }
+        }
+    }
+    assert!(fails.is_empty(), "greedy k = 3 differs from k = 0 with the fp8 cache: {fails:?}");
+}
+
 /// The workload on a group of `world` ranks (GPU r for rank r).
 /// Adaptive k on the GPU (fast batch-invariant options, CUDA graphs captured per window
 /// as k changes), on the bundled trained model, whose drafts are mostly accepted: the

@@ -237,9 +237,11 @@ impl CudaBackend {
         let heads = self.blocks.first().or(self.mtp.first().map(|m| &m.block)).map(|b| b.attn.heads)?;
         let c = &self.cfg;
         let dims = DecodeDims { batch: seqs, heads, q_len, dlat: c.kv_lora_rank, drope: c.qk_rope_head_dim, bt_stride };
-        // Fixed-size splits on latent widths without the tensor-core kernel: every row runs
-        // the varlen kernel (layer.rs), eagerly.
-        if self.mla.fixed_split_blocks(bt_stride).is_some() && !crate::MlaDecode::is_fast_path(&dims) {
+        // Fixed-size splits or an fp8 cache on latent widths without the tensor-core
+        // kernel: every row runs the varlen kernel (layer.rs), eagerly.
+        let varlen = self.mla.fixed_split_blocks(bt_stride).is_some()
+            || self.opts.kv_cache_dtype == mlaserve_core::KvCacheDtype::Fp8;
+        if varlen && !crate::MlaDecode::is_fast_path(&dims) {
             return None;
         }
         let max_len = batch.seqs.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);

@@ -4,6 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
+use mlaserve_core::KvCacheDtype;
 
 use super::proj::{Normed, Proj};
 use super::route::Absorbed;
@@ -184,6 +185,7 @@ impl CudaBackend {
             let d = PrefillDims { heads, nope, rope, vdim };
             let lc = LatentCache {
                 data: cache,
+                fp8: self.opts.kv_cache_dtype == KvCacheDtype::Fp8,
                 tables: &st.tables,
                 bt_stride: st.meta.bt_stride,
                 num_blocks: self.opts.num_blocks,
@@ -232,7 +234,9 @@ impl CudaBackend {
         let exact = self.mla.fixed_split_blocks(rows.meta.bt_stride).is_some();
         let fast = MlaDecode::is_fast_path(&probe);
         let fixed = self.opts.decode_kernel && fast && exact;
-        let kernel = self.opts.decode_kernel && (fast || !exact);
+        // The generic kernel reads no fp8 cache: those widths take the varlen kernel.
+        let generic_ok = self.opts.kv_cache_dtype != KvCacheDtype::Fp8;
+        let kernel = self.opts.decode_kernel && (fast || (!exact && generic_ok));
         if fixed && rows.uniform.is_none() {
             self.absorbed_runs(&qa_bf16, cache, rows, &mut o_lat, heads, lora, rope, scale)?;
         } else {

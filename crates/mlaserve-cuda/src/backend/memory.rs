@@ -26,7 +26,14 @@ pub(crate) struct LoadMemory {
 impl CudaBackend {
     /// Bytes of one cache block over every layer (target and MTP).
     pub(crate) fn kv_block_bytes(&self) -> u64 {
-        (self.caches.len() * BLOCK_SIZE * self.cfg.latent_dim() * std::mem::size_of::<half::bf16>()) as u64
+        (self.caches.len() * BLOCK_SIZE * self.kv_entry_elems() * std::mem::size_of::<half::bf16>()) as u64
+    }
+
+    /// bf16 elements of one token's entry in one layer's cache (the layout's bytes / 2).
+    pub(crate) fn kv_entry_elems(&self) -> usize {
+        let fp8 = self.opts.kv_cache_dtype == mlaserve_core::KvCacheDtype::Fp8;
+        crate::layout::kv_entry_elems(fp8, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
+            .expect("checked when the backend was assembled")
     }
 
     /// Runs the profile, plans, and replaces the temporary cache (`profile_blocks`
@@ -64,7 +71,7 @@ impl CudaBackend {
         // Free the temporary cache first: the planned one takes its place in the pool.
         let layers = self.caches.len();
         self.caches.clear();
-        let len = plan.kv_blocks as usize * BLOCK_SIZE * self.cfg.latent_dim();
+        let len = plan.kv_blocks as usize * BLOCK_SIZE * self.kv_entry_elems();
         for _ in 0..layers {
             self.caches.push(self.gpu.stream.alloc_zeros::<half::bf16>(len)?);
         }

@@ -42,7 +42,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
-use mlaserve_core::{Backend, Batch, Error, ForwardOutput, ModelConfig, BLOCK_SIZE};
+use mlaserve_core::{Backend, Batch, Error, ForwardOutput, KvCacheDtype, ModelConfig, BLOCK_SIZE};
 use mlaserve_model::progress::LoadProgress;
 
 use crate::comm::{DeviceComm, TpInit};
@@ -288,7 +288,6 @@ impl CudaBackend {
     ) -> Result<Self> {
         let Early { free_at_start, rope } = early;
         let (embed, blocks, final_norm, lm_head, mtp) = parts;
-        let lat = cfg.latent_dim();
         let (free_after_weights, total) = gpu.free_memory()?;
         let mem = memory::LoadMemory { total, free_at_start, free_after_weights };
         // Planning: a temporary cache just large enough for the profiling step.
@@ -298,11 +297,14 @@ impl CudaBackend {
         if let Some((_, blocks)) = &profile {
             opts.num_blocks = *blocks;
         }
+        let kv_fp8 = opts.kv_cache_dtype == KvCacheDtype::Fp8;
+        let entry = crate::layout::kv_entry_elems(kv_fp8, cfg.kv_lora_rank, cfg.qk_rope_head_dim)?;
         let caches = (0..blocks.len() + mtp.len())
-            .map(|_| gpu.stream.alloc_zeros::<half::bf16>(opts.num_blocks * BLOCK_SIZE * lat))
+            .map(|_| gpu.stream.alloc_zeros::<half::bf16>(opts.num_blocks * BLOCK_SIZE * entry))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let rope = rope.upload(&gpu.stream)?;
-        let ops = Ops::new(&gpu, opts.linear_tc)?;
+        let mut ops = Ops::new(&gpu, opts.linear_tc)?;
+        ops.set_kv_cache_dtype(opts.kv_cache_dtype);
         let gemm = Gemm::new(&gpu, opts.gemm, opts.linear_tc)?;
         let silu = SiluMul::new(&gpu)?;
         let argmax = Argmax::new(&gpu)?;
@@ -310,6 +312,18 @@ impl CudaBackend {
         let logit_ops = LogitOps::new(&gpu)?;
         let mut mla = MlaDecode::new(&gpu)?;
         mla.set_kernel(MlaKernel::Auto)?;
+        let fast = MlaDecode::is_fast_path(&crate::dims::DecodeDims {
+            batch: 1,
+            heads: 1,
+            q_len: 1,
+            dlat: cfg.kv_lora_rank,
+            drope: cfg.qk_rope_head_dim,
+            bt_stride: 1,
+        });
+        if kv_fp8 && fast {
+            // Other widths read the fp8 cache on the varlen kernel only (layer.rs).
+            mla.set_kv_cache_dtype(opts.kv_cache_dtype)?;
+        }
         if opts.decode_kernel {
             if let Err(e) = mla.set_fixed_splits(opts.decode_split_blocks) {
                 // Fixed splits need the seesaw kernel: without it, the varlen kernel keeps
@@ -355,8 +369,13 @@ impl CudaBackend {
     /// Fills every layer's latent cache with `fill`'s values in [-1, 1) (benchmarks: a
     /// context without a prefill).
     pub fn fill_caches(&mut self, fill: &dyn WeightFill) -> Result<()> {
-        for c in self.caches.iter_mut() {
-            fill.fill_bf16(&self.gpu, c, 1.0)?;
+        let (lora, rope) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+        for (i, c) in self.caches.iter_mut().enumerate() {
+            if self.opts.kv_cache_dtype == KvCacheDtype::Fp8 {
+                self.ops.fill_kv_fp8(&self.gpu.stream, c, lora, rope, 0x5eed + i as u32)?;
+            } else {
+                fill.fill_bf16(&self.gpu, c, 1.0)?;
+            }
         }
         self.gpu.sync()
     }

@@ -2,6 +2,8 @@
 //! batch invariance), set by the command line's flags; its presets name what they
 //! guarantee.
 
+use mlaserve_core::KvCacheDtype;
+
 use super::route::PrefillPath;
 use crate::linear::{GemmMode, TcKernels};
 use crate::prefill::PrefillKernel;
@@ -55,6 +57,10 @@ pub struct CudaOptions {
     /// [`super::CudaBackend::synthetic`] makes its projections and experts fp8 (random
     /// codes and block scales) instead of bf16: V3's real memory footprint.
     pub synthetic_fp8: bool,
+    /// The latent cache's layout: bf16 (`Auto`), or fp8 entries of 656 bytes at V3's
+    /// widths (`kernels/kv_fp8.cuh`: c_kv as e4m3 with per-128 f32 scales, k_pe bf16),
+    /// quantised when written, as the CPU backend's fp8 cache.
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 /// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
@@ -89,6 +95,7 @@ impl CudaOptions {
             profile_tokens: 2048,
             fp8_kernels: true,
             synthetic_fp8: false,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
     /// Every token's result independent of its batch, on the fast kernels: the

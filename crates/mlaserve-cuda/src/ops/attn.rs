@@ -10,7 +10,7 @@ use half::bf16;
 use super::Ops;
 use crate::error::{CudaError, Result};
 use crate::launch::{head_cfg, i32_of, need, opt_ptr_mut, rows_cfg};
-use crate::layout::AttnMeta;
+use crate::layout::{kv_entry_elems, AttnMeta};
 use crate::rope::RopeTables;
 
 /// One `heads_tc` call: `m` rows of `heads` heads, `k` inputs and `n` outputs per head,
@@ -66,7 +66,7 @@ impl Ops {
         n: usize,
         eps: f32,
     ) -> Result<()> {
-        const K: &str = "kv_cache_write_bf16";
+        const K: &str = "kv_cache_write";
         let (lora, r) = (norm_w.len(), rope.dim);
         let lat = lora + r;
         need(K, "kv", kv.len(), n * lat)?;
@@ -76,14 +76,19 @@ impl Ops {
             return Ok(());
         }
         let (li, ri) = (i32_of(K, lora)?, i32_of(K, r)?);
-        let slots = (cache.len() / lat) as i64;
+        let entry = kv_entry_elems(self.kv_fp8, lora, r)?;
+        if self.kv_fp8 && lora > 1024 {
+            return Err(CudaError::shape(K, format!("kv_lora_rank {lora} > 1024")));
+        }
+        let slots = (cache.len() / entry) as i64;
         // SAFETY: block r reads kv[r*lat..][..lat], norm_w[..lora], pos[r], slot[r] and the
         // rope tables at pos[r] (positions < the tables' length, validated by the caller
-        // through Batch::validate; a padding row's positions are 0..4), and writes
-        // cache[slot[r]*lat..][..lat] only for 0 <= slot[r] < slots = whole latents in the
-        // cache (the kernel skips the others).
+        // through Batch::validate; a padding row's positions are 0..4), and writes the
+        // entry cache[slot[r]*entry..][..entry] (bf16 elements; the fp8 kernel the same
+        // bytes, lora <= 1024 for its shared buffer) only for 0 <= slot[r] < slots = whole
+        // entries in the cache (the kernel skips the others).
         unsafe {
-            s.launch_builder(&self.kv_write)
+            s.launch_builder(if self.kv_fp8 { &self.kv_write_fp8 } else { &self.kv_write })
                 .arg(cache)
                 .arg(kv)
                 .arg(norm_w)
@@ -96,6 +101,35 @@ impl Ops {
                 .arg(&ri)
                 .arg(&eps)
                 .launch(rows_cfg(n, 128, 0))
+        }?;
+        Ok(())
+    }
+
+    /// Fills an fp8 cache (`cache.len()` bf16 elements' worth of whole entries) with
+    /// random entries of values in about [-1, 1) from `seed` (benchmarks: a context
+    /// without a prefill).
+    pub fn fill_kv_fp8(
+        &self,
+        s: &Arc<CudaStream>,
+        cache: &mut CudaSlice<bf16>,
+        lora: usize,
+        rope: usize,
+        seed: u32,
+    ) -> Result<()> {
+        const K: &str = "kv_fill_fp8";
+        let entry = kv_entry_elems(true, lora, rope)?;
+        let entries = (cache.len() / entry) as i64;
+        let (li, ri) = (i32_of(K, lora)?, i32_of(K, rope)?);
+        // SAFETY: thread i < entries writes entry i's bytes, [i*entry*2, (i+1)*entry*2),
+        // inside the cache's cache.len()*2 bytes.
+        unsafe {
+            s.launch_builder(&self.kv_fill_fp8)
+                .arg(cache)
+                .arg(&entries)
+                .arg(&li)
+                .arg(&ri)
+                .arg(&seed)
+                .launch(self.grid_stride())
         }?;
         Ok(())
     }
@@ -175,14 +209,15 @@ impl Ops {
         rope: usize,
         scale: f32,
     ) -> Result<()> {
-        const K: &str = "mla_attn_varlen_f32";
+        const K: &str = "mla_attn_varlen";
         let (n, dqk) = (meta.n, lora + rope);
+        let entry = kv_entry_elems(self.kv_fp8, lora, rope)?;
         need(K, "qa", qa.len(), n * heads * dqk)?;
         need(K, "o_lat", o_lat.len(), n * heads * lora)?;
         need(K, "row_seq", row_seq.len(), n)?;
         need(K, "pos", pos.len(), n)?;
         need(K, "tables", tables.len(), meta.seqs * meta.bt_stride)?;
-        need(K, "cache", cache.len(), (meta.max_block + 1) * 64 * dqk)?;
+        need(K, "cache", cache.len(), (meta.max_block + 1) * 64 * entry)?;
         if meta.max_pos >= meta.bt_stride * 64 {
             return Err(CudaError::shape(K, "a position lies past its block table"));
         }
@@ -196,8 +231,9 @@ impl Ops {
                 format!("context of {} tokens needs {smem} B of shared memory", meta.max_pos),
             ));
         }
+        let f = if self.kv_fp8 { &self.attn_fp8 } else { &self.attn };
         if smem > 48 * 1024 {
-            self.attn.set_attribute(
+            f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
             )?;
@@ -207,8 +243,9 @@ impl Ops {
         // for pages j/64 with j <= pos[r] <= max_pos < bt*64, cache entries of those pages
         // (every table entry <= max_block, checked against the cache length), and writes
         // o_lat[(r*heads+h)*lora..][..lora]; shared memory holds dqk + max_pos + 1 floats.
+        // (Entries of `entry` bf16 elements, or as many bytes' worth of fp8 entries.)
         unsafe {
-            s.launch_builder(&self.attn)
+            s.launch_builder(f)
                 .arg(o_lat)
                 .arg(qa)
                 .arg(cache)

@@ -15,6 +15,7 @@ pub mod moe;
 pub mod rows;
 
 use cudarc::driver::{CudaFunction, LaunchConfig};
+use mlaserve_core::KvCacheDtype;
 
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -52,6 +53,12 @@ pub struct Ops {
     /// By [`GatherInto::KERNEL`].
     gather: [CudaFunction; 3],
     kv_write: CudaFunction,
+    /// The fp8 cache's writer and varlen reader (`kernels/kv_fp8.cu`).
+    kv_write_fp8: CudaFunction,
+    attn_fp8: CudaFunction,
+    kv_fill_fp8: CudaFunction,
+    /// The latent cache's layout: bf16, or fp8 entries (`kernels/kv_fp8.cuh`).
+    kv_fp8: bool,
     q_absorb: CudaFunction,
     heads_tc: CudaFunction,
     heads_tc_reduce: CudaFunction,
@@ -72,6 +79,7 @@ impl Ops {
         let f = |n: &str| m.load_function(n);
         let tc = gpu.load_module(kernels::GEMM_TC)?;
         let heads = gpu.load_module(kernels::HEADS_TC)?;
+        let kv8 = gpu.load_module(kernels::KV_FP8)?;
         Ok(Ops {
             embed: f("embed_gather_f32")?,
             norm_f32: f("rmsnorm_f32_of32")?,
@@ -97,6 +105,10 @@ impl Ops {
             to_bf16: f("to_bf16_f32")?,
             gather: [f(gather::KERNELS[0])?, f(gather::KERNELS[1])?, f(gather::KERNELS[2])?],
             kv_write: f("kv_cache_write_bf16")?,
+            kv_write_fp8: kv8.load_function("kv_cache_write_fp8")?,
+            attn_fp8: kv8.load_function("mla_attn_varlen_fp8")?,
+            kv_fill_fp8: kv8.load_function("kv_fill_fp8")?,
+            kv_fp8: false,
             q_absorb: f("q_absorb_f32")?,
             heads_tc: heads.load_function("heads_tc")?,
             heads_tc_reduce: heads.load_function("heads_tc_reduce")?,
@@ -108,6 +120,12 @@ impl Ops {
             num_sms: gpu.num_sms,
             max_smem: gpu.max_smem_optin,
         })
+    }
+
+    /// Selects the latent cache's layout that [`Ops::kv_write`] writes and
+    /// [`Ops::attn_varlen`] reads (bf16 until set).
+    pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
+        self.kv_fp8 = dtype == KvCacheDtype::Fp8;
     }
 
     fn grid_stride(&self) -> LaunchConfig {

@@ -53,9 +53,9 @@ pub struct BackendArgs {
     /// How the latent cache is stored (vLLM's flag of the same name): `auto`, the
     /// backend's own precision (bf16 on the GPU, f32 on the CPU), or `fp8`, DeepSeek's
     /// layout: the latent channels as e4m3 with an f32 scale per 128, the RoPE channels in
-    /// bf16 (656 bytes a token and layer at V3's widths, 0.57× bf16). The CPU backend
-    /// computes the fp8 format's rounding; the CUDA backend refuses it until its kernels
-    /// read the format.
+    /// bf16 (656 bytes a token and layer at V3's widths, 0.57× bf16), quantised when
+    /// written. The CPU backend computes the format's rounding; the CUDA backend stores
+    /// and reads its bytes (the decode kernel's fp8 path needs an sm_90 GPU).
     #[arg(long, value_enum, default_value_t = KvCacheDtypeArg::Auto)]
     pub kv_cache_dtype: KvCacheDtypeArg,
 }
@@ -188,22 +188,15 @@ impl CudaFlags {
 impl BackendArgs {
     /// The CPU backend's options for a cache of `num_blocks` blocks.
     pub fn cpu_options(&self, num_blocks: usize) -> mlaserve_cpu::CpuOptions {
-        let kv_cache_dtype = match self.kv_cache_dtype {
-            KvCacheDtypeArg::Auto => mlaserve_core::KvCacheDtype::Auto,
-            KvCacheDtypeArg::Fp8 => mlaserve_core::KvCacheDtype::Fp8,
-        };
-        mlaserve_cpu::CpuOptions { num_blocks, kv_cache_dtype, ..Default::default() }
+        mlaserve_cpu::CpuOptions { num_blocks, kv_cache_dtype: self.kv_dtype(), ..Default::default() }
     }
 
-    /// A GPU group refuses `--kv-cache-dtype fp8` before it loads anything.
-    #[cfg(any(feature = "cuda", feature = "nccl"))]
-    pub fn check_cuda_kv_cache(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            self.kv_cache_dtype == KvCacheDtypeArg::Auto,
-            "--kv-cache-dtype fp8: the CUDA backend stores the latent cache in bf16 (its kernels do not read \
-             the fp8 layout yet); run it with --kv-cache-dtype auto, or on the CPU backend (--backend cpu)"
-        );
-        Ok(())
+    /// `--kv-cache-dtype`.
+    pub fn kv_dtype(&self) -> mlaserve_core::KvCacheDtype {
+        match self.kv_cache_dtype {
+            KvCacheDtypeArg::Auto => mlaserve_core::KvCacheDtype::Auto,
+            KvCacheDtypeArg::Fp8 => mlaserve_core::KvCacheDtype::Fp8,
+        }
     }
 
     /// The CUDA backend's options on GPU `ordinal`: `--kv-blocks` blocks, or the cache
@@ -215,7 +208,11 @@ impl BackendArgs {
             profile_tokens: engine.max_batch_tokens,
             ..mlaserve_cuda::CudaOptions::new(engine.kv_blocks.unwrap_or(1), ordinal)
         };
-        let o = mlaserve_cuda::CudaOptions { graphs: !self.enforce_eager, ..self.cuda.apply(base) };
+        let o = mlaserve_cuda::CudaOptions {
+            graphs: !self.enforce_eager,
+            kv_cache_dtype: self.kv_dtype(),
+            ..self.cuda.apply(base)
+        };
         if self.batch_invariant {
             o.batch_invariant()
         } else {
@@ -268,7 +265,6 @@ pub async fn spawn_engine(
             BackendKind::Cpu => false,
         };
         if use_gpu {
-            b.check_cuda_kv_cache()?;
             let ordinal = b.cuda_device;
             tracing::info!(ordinal, graphs = !b.enforce_eager, "worker group on the CUDA backend");
             let opts = b.cuda_options(engine, ordinal);
@@ -332,8 +328,7 @@ mod tests {
         assert!(Cli::try_parse_from(["mlaserve", "--load-format", "random"]).is_err());
     }
 
-    /// `--kv-cache-dtype fp8` reaches the CPU backend's options; a GPU group refuses it
-    /// with a message naming the flag.
+    /// `--kv-cache-dtype fp8` reaches both backends' options.
     #[test]
     fn kv_cache_dtype_reaches_the_cpu_backend() {
         let parse = |args: &[&str]| Cli::try_parse_from([&["mlaserve"], args].concat()).map(|c| c.b);
@@ -343,11 +338,11 @@ mod tests {
         let auto = parse(&[]).expect("defaults");
         assert_eq!(auto.cpu_options(7).kv_cache_dtype, mlaserve_core::KvCacheDtype::Auto);
         assert!(parse(&["--kv-cache-dtype", "fp16"]).is_err());
-        #[cfg(any(feature = "cuda", feature = "nccl"))]
+        #[cfg(feature = "cuda")]
         {
-            let e = fp8.check_cuda_kv_cache().expect_err("refused on the GPU").to_string();
-            assert!(e.contains("--kv-cache-dtype fp8"), "{e}");
-            assert!(auto.check_cuda_kv_cache().is_ok());
+            let engine = mlaserve_worker::EngineArgs::default();
+            assert_eq!(fp8.cuda_options(&engine, 0).kv_cache_dtype, mlaserve_core::KvCacheDtype::Fp8);
+            assert_eq!(auto.cuda_options(&engine, 0).kv_cache_dtype, mlaserve_core::KvCacheDtype::Auto);
         }
     }
 

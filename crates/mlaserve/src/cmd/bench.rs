@@ -133,6 +133,11 @@ struct MlaArgs {
     /// (the combine kernel).
     #[arg(long, value_delimiter = ',')]
     merge: Vec<String>,
+    /// Time every configuration over each of these latent-cache layouts
+    /// (comma-separated: auto = bf16, fp8 = 656-byte fp8 entries; default auto); with
+    /// both, the table ends with the fp8 cache's speedup per configuration.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    kv_cache_dtype: Vec<super::backend::KvCacheDtypeArg>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -273,6 +278,16 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         opts.kernels = Some(kernels);
+    }
+    if !g.kv_cache_dtype.is_empty() {
+        opts.kv_dtypes = g
+            .kv_cache_dtype
+            .iter()
+            .map(|&k| match k {
+                super::backend::KvCacheDtypeArg::Auto => mlaserve_core::KvCacheDtype::Auto,
+                super::backend::KvCacheDtypeArg::Fp8 => mlaserve_core::KvCacheDtype::Fp8,
+            })
+            .collect();
     }
     println!("{}", mlaserve_cuda_lab::bench::bench_mla_decode_on(g.device, &opts)?);
     Ok(())

@@ -197,9 +197,6 @@ mod tp {
         );
         let (model, engine_args) = (a.worker.model.clone(), a.worker.engine.clone());
         let cpu_opts = a.backend.cpu_options(engine_args.kv_blocks_or_default());
-        if gpu {
-            a.backend.check_cuda_kv_cache()?;
-        }
         if a.tp.rank > 0 {
             let ids = if via_etcd {
                 let (eps, cluster) = (a.worker.etcd.clone(), a.worker.cluster.clone());
