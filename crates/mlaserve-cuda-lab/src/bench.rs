@@ -256,8 +256,11 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
     // The fp8 layout's cache (656-byte entries), when asked for.
     let cache_fp8 = if opts.kv_dtypes.contains(&KvCacheDtype::Fp8) {
         let ops = mlaserve_cuda::ops::Ops::new(gpu, mlaserve_cuda::linear::TcKernels::Auto)?;
-        let mut c =
-            s.alloc_zeros::<bf16>(num_blocks * PAGE * mlaserve_cuda::layout::kv_entry_elems(true, dlat, drope)?)?;
+        let mut c = s.alloc_zeros::<bf16>(
+            num_blocks
+                * PAGE
+                * mlaserve_cuda::layout::kv_entry_elems(true, dlat, drope).map_err(|e| CudaError::shape("bench", e))?,
+        )?;
         ops.fill_kv_fp8(s, &mut c, dlat, drope, 21)?;
         Some(c)
     } else {
@@ -316,10 +319,10 @@ pub fn bench_mla_decode(gpu: &Gpu, opts: &MlaDecodeBenchOpts) -> Result<MlaDecod
                             let shape =
                                 MlaDecodeShape { dims, num_blocks, num_splits: splits, scale: 1.0 / (192f32).sqrt() };
                             let t = time_calls(gpu, opts.warmup, opts.iters, || {
-                                mla.launch(s, &shape, &q, &cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
+                                mla.launch(s, &shape, &q, cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
                             })?;
                             let tg = time_graph(gpu, GRAPH_CALLS, opts.warmup, opts.iters, || {
-                                mla.launch(s, &shape, &q, &cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
+                                mla.launch(s, &shape, &q, cache, &bt_b, &sl, &mut out, &mut lse, &mut ws)
                             })?;
                             let (med, gmed) = (median(&t), median(&tg));
                             let lens = vec![seq_len; batch];
@@ -430,9 +433,10 @@ impl fmt::Display for MlaDecodeBenchReport {
                 if intensity < ridge { "memory" } else { "compute" }
             )?;
         }
-        // The fp8 cache against bf16, per configuration timed both ways (same kernel
-        // choice, splits and merge): time ratios of graph replays = tokens/s ratios.
-        let key = |r: &MlaDecodeBenchRow| (r.kernel, r.batch, r.seq_len, r.heads, r.q_len, r.merge.map(|m| m.name()));
+        // The fp8 cache against bf16, per configuration timed both ways (the kernel asked
+        // for; each layout's own splits and merge): time ratios of graph replays = tokens/s
+        // ratios.
+        let key = |r: &MlaDecodeBenchRow| (r.kernel, r.batch, r.seq_len, r.heads, r.q_len);
         let pairs: Vec<(&MlaDecodeBenchRow, &MlaDecodeBenchRow)> = self
             .rows
             .iter()

@@ -4,8 +4,6 @@
 
 use mlaserve_core::{Batch, KvCacheDtype, BLOCK_SIZE};
 
-use crate::error::{CudaError, Result};
-
 /// Most sequences of a step that runs as a CUDA graph.
 pub const MAX_GRAPH_SEQS: usize = 256;
 /// Most rows (sequences × window length) of a step that runs as a CUDA graph.
@@ -30,15 +28,14 @@ pub fn table_bucket(entries: usize) -> usize {
 /// bf16 elements per latent-cache entry of `lora` + `rope` channels: `lora + rope` for
 /// the bf16 cache, the fp8 entry's bytes / 2 (`kernels/kv_fp8.cuh`: codes, f32 group
 /// scales, bf16 k_pe), which needs `lora` a multiple of 4 and `rope` even (aligned
-/// scales, whole elements).
-pub fn kv_entry_elems(fp8: bool, lora: usize, rope: usize) -> Result<usize> {
+/// scales, whole elements; the error says what is refused).
+pub fn kv_entry_elems(fp8: bool, lora: usize, rope: usize) -> Result<usize, String> {
     if !fp8 {
         return Ok(lora + rope);
     }
     if !lora.is_multiple_of(4) || !rope.is_multiple_of(2) {
-        return Err(CudaError::shape(
-            "fp8 latent cache",
-            format!("kv_lora_rank {lora} must be a multiple of 4 and qk_rope_head_dim {rope} even"),
+        return Err(format!(
+            "the fp8 latent cache needs kv_lora_rank {lora} a multiple of 4 and qk_rope_head_dim {rope} even"
         ));
     }
     Ok(KvCacheDtype::Fp8.entry_bytes(lora, rope, 2) / 2)

@@ -46,7 +46,7 @@ const TRANSPOSED_SMEM: [usize; 2] = [172_176, 195_856];
 /// there, pinned by a static_assert).
 const FP8_QROWS: usize = 32;
 const FP8_ENTRY_ELEMS: usize = 328;
-const FP8_SMEM: usize = 200_848;
+const FP8_SMEM: usize = 231_976;
 
 /// Loads `{name}_obf16` and `{name}_of32` from `m` and opts both into `smem` bytes of
 /// dynamic shared memory.

@@ -393,7 +393,7 @@ mod device {
             kpe: &mut CudaSlice<bf16>,
         ) -> Result<()> {
             const G: &str = "mla_prefill_gather";
-            let lat = crate::layout::kv_entry_elems(c.fp8, c.lora, c.rope)?;
+            let lat = crate::layout::kv_entry_elems(c.fp8, c.lora, c.rope).map_err(|e| CudaError::shape(G, e))?;
             if !c.lora.is_multiple_of(8) || !c.rope.is_multiple_of(8) || c.num_blocks == 0 || c.bt_stride == 0 {
                 return Err(CudaError::shape(
                     G,

@@ -298,7 +298,8 @@ impl CudaBackend {
             opts.num_blocks = *blocks;
         }
         let kv_fp8 = opts.kv_cache_dtype == KvCacheDtype::Fp8;
-        let entry = crate::layout::kv_entry_elems(kv_fp8, cfg.kv_lora_rank, cfg.qk_rope_head_dim)?;
+        let entry = crate::layout::kv_entry_elems(kv_fp8, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+            .map_err(|e| CudaError::shape("kv cache", e))?;
         let caches = (0..blocks.len() + mtp.len())
             .map(|_| gpu.stream.alloc_zeros::<half::bf16>(opts.num_blocks * BLOCK_SIZE * entry))
             .collect::<std::result::Result<Vec<_>, _>>()?;

@@ -76,7 +76,7 @@ impl Ops {
             return Ok(());
         }
         let (li, ri) = (i32_of(K, lora)?, i32_of(K, r)?);
-        let entry = kv_entry_elems(self.kv_fp8, lora, r)?;
+        let entry = kv_entry_elems(self.kv_fp8, lora, r).map_err(|e| CudaError::shape(K, e))?;
         if self.kv_fp8 && lora > 1024 {
             return Err(CudaError::shape(K, format!("kv_lora_rank {lora} > 1024")));
         }
@@ -117,7 +117,7 @@ impl Ops {
         seed: u32,
     ) -> Result<()> {
         const K: &str = "kv_fill_fp8";
-        let entry = kv_entry_elems(true, lora, rope)?;
+        let entry = kv_entry_elems(true, lora, rope).map_err(|e| CudaError::shape(K, e))?;
         let entries = (cache.len() / entry) as i64;
         let (li, ri) = (i32_of(K, lora)?, i32_of(K, rope)?);
         // SAFETY: thread i < entries writes entry i's bytes, [i*entry*2, (i+1)*entry*2),
@@ -211,7 +211,7 @@ impl Ops {
     ) -> Result<()> {
         const K: &str = "mla_attn_varlen";
         let (n, dqk) = (meta.n, lora + rope);
-        let entry = kv_entry_elems(self.kv_fp8, lora, rope)?;
+        let entry = kv_entry_elems(self.kv_fp8, lora, rope).map_err(|e| CudaError::shape(K, e))?;
         need(K, "qa", qa.len(), n * heads * dqk)?;
         need(K, "o_lat", o_lat.len(), n * heads * lora)?;
         need(K, "row_seq", row_seq.len(), n)?;
