@@ -352,6 +352,12 @@ fn a_stalled_rank_fails_the_step_within_the_timeout() {
         assert!(err.contains("peer rank died or stalls"), "{err}");
         let again = be.forward(&decode).expect_err("the group stays failed").to_string();
         assert!(again.contains("aborted"), "{again}");
+        // Rank 0 goes first, as its own process would exit: its ncclCommAbort waits for
+        // the CUDA graphs that captured the communicator, which its backend's drop
+        // destroys, and the stalled rank's abort (NCCL's, in this one process) waits
+        // behind it. The other order leaves rank 1's abort running past the test and
+        // the process crashing at exit.
+        drop(be);
         drop(tx);
         staller.join().expect("staller");
     });
