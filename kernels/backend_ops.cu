@@ -10,31 +10,10 @@
 // bit-identical whatever batch it is in. Activations are f32 between kernels; weights
 // and the latent cache are bf16.
 #include "common.cuh"
+#include "mla_varlen.cuh"
 
 namespace bops {
 
-// Block-wide sum of one float per thread (blockDim.x a multiple of 32, <= 1024).
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float t = 0.f;
-    for (int w = 0; w < nw; ++w) t += red[w];
-    __syncthreads();
-    return t;
-}
-__device__ __forceinline__ float block_max(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float t = -INFINITY;
-    for (int w = 0; w < nw; ++w) t = fmaxf(t, red[w]);
-    __syncthreads();
-    return t;
-}
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 // Four consecutive values at p (16-byte aligned for f32, 8-byte for bf16).
@@ -103,7 +82,7 @@ __device__ void rmsnorm_rows(T* __restrict__ out, int out_stride, const float* _
 #pragma unroll 4
         for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
     }
-    const float inv = rsqrtf(bops::block_sum(ss, red) / dim + eps);
+    const float inv = rsqrtf(block_sum(ss, red) / dim + eps);
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
         const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -155,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(256)
             ss += v * v;
         }
     }
-    const float inv = rsqrtf(bops::block_sum(ss, red) / dim + eps);
+    const float inv = rsqrtf(block_sum(ss, red) / dim + eps);
     // Each thread reads back only the elements it wrote above: no barrier needed.
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
@@ -271,7 +250,7 @@ extern "C" __global__ void kv_cache_write_bf16(bf16* __restrict__ cache, const f
     bf16* dst = cache + static_cast<size_t>(sl) * lat;
     float ss = 0.f;
     for (int c = threadIdx.x; c < lora; c += blockDim.x) ss += x[c] * x[c];
-    const float inv = rsqrtf(bops::block_sum(ss, red) / lora + eps);
+    const float inv = rsqrtf(block_sum(ss, red) / lora + eps);
     for (int c = threadIdx.x; c < lora; c += blockDim.x) dst[c] = __float2bfloat16_rn(x[c] * inv * norm_w[c]);
     const size_t p = static_cast<size_t>(pos[blockIdx.x]) * half;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -315,51 +294,14 @@ extern "C" __global__ void q_absorb_f32(float* __restrict__ qa, bf16* __restrict
     }
 }
 
-// Varlen causal absorbed attention over the paged latent cache. Row r (sequence
-// row_seq[r], position pos[r]) and head h (grid = (heads, n), 128 threads) attend to
-// cache positions 0..=pos[r] of their sequence: keys [c_kv, k_pe], values c_kv.
-// o_lat[r][h] = softmax(scale * qa . k) . c_kv. Dynamic shared memory:
-// (lora + rope + pos_max + 1) floats.
+// Varlen causal absorbed attention over the bf16 cache (mla_varlen.cuh).
 extern "C" __global__ void mla_attn_varlen_f32(float* __restrict__ o_lat, const float* __restrict__ qa,
                                                const bf16* __restrict__ cache, const int* __restrict__ tables,
                                                const int* __restrict__ row_seq, const int* __restrict__ pos,
                                                int bt_stride, int heads, int lora, int rope, float scale) {
-    extern __shared__ float sm[];
-    __shared__ float red[32];
-    const int h = blockIdx.x, r = blockIdx.y, dqk = lora + rope;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    float* q = sm;
-    float* sc = sm + dqk;
-    const float* qsrc = qa + (static_cast<size_t>(r) * heads + h) * dqk;
-    for (int i = threadIdx.x; i < dqk; i += blockDim.x) q[i] = qsrc[i];
-    __syncthreads();
-    const int len = pos[r] + 1;
-    const int* table = tables + static_cast<size_t>(row_seq[r]) * bt_stride;
-    for (int j = warp; j < len; j += nw) {
-        const bf16* e = cache + (static_cast<size_t>(table[j / 64]) * 64 + j % 64) * dqk;
-        float d = 0.f;
-        for (int i = lane; i < dqk; i += 32) d += q[i] * __bfloat162float(e[i]);
-        d = warp_sum(d);
-        if (lane == 0) sc[j] = d * scale;
-    }
-    __syncthreads();
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, sc[j]);
-    m = bops::block_max(m, red);
-    float s = 0.f;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const float e = __expf(sc[j] - m);
-        sc[j] = e;
-        s += e;
-    }
-    const float inv = 1.f / bops::block_sum(s, red);  // block_sum synchronises: sc is complete
-    float* out = o_lat + (static_cast<size_t>(r) * heads + h) * lora;
-    for (int c = threadIdx.x; c < lora; c += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < len; ++j)
-            acc += sc[j] * __bfloat162float(cache[(static_cast<size_t>(table[j / 64]) * 64 + j % 64) * dqk + c]);
-        out[c] = acc * inv;
-    }
+    const int dqk = lora + rope;
+    mla_attn_varlen_body(o_lat, qa, tables, row_seq, pos, bt_stride, heads, lora, rope, scale,
+                         [=](size_t e, int i) { return __bfloat162float(cache[e * dqk + i]); });
 }
 
 // out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h] (W_UV [heads][vdim][lora]); grid = (heads, n),
@@ -420,14 +362,14 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
     const float* lg = logits + static_cast<size_t>(blockIdx.x) * experts;
     float m = -INFINITY;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, lg[e]);
-    m = bops::block_max(m, red);
+    m = block_max(m, red);
     float s = 0.f;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         const float v = scoring == 0 ? 1.f / (1.f + expf(-lg[e])) : expf(lg[e] - m);
         score[e] = v;
         s += v;
     }
-    s = bops::block_sum(s, red);
+    s = block_sum(s, red);
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         if (scoring == 1) score[e] /= s;
         choice[e] = score[e] + (method == 2 && has_bias ? bias[e] : 0.f);

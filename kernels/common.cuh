@@ -118,3 +118,26 @@ __device__ __forceinline__ float e4m3_to_f32(uint8_t x) {
     }
     return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
+
+// Block-wide sum of one float per thread (blockDim.x a multiple of 32, <= 1024).
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int w = 0; w < nw; ++w) t += red[w];
+    __syncthreads();
+    return t;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = -MLAS_INF;
+    for (int w = 0; w < nw; ++w) t = fmaxf(t, red[w]);
+    __syncthreads();
+    return t;
+}

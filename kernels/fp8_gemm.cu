@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(256)
         const float4 v = x4[i];
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    // The block sum of backend_ops.cu's bops::block_sum: warp sums, then every thread adds
+    // The block sum of common.cuh's block_sum: warp sums, then every thread adds
     // the warps' in order.
     ss = warp_sum(ss);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;

@@ -3,36 +3,14 @@
 // bf16-cache twin in backend_ops.cu does (kv_cache_write_bf16, mla_attn_varlen_f32) with
 // the entry quantised on write and read back as code * scale. The other readers: the
 // expanded prefill's gather (mla_prefill.cu) and the tensor-core decode kernel
-// (mla_decode_sm90_t.cu).
+// (mla_decode_sm90_fp8.cu).
 #include <cuda_fp8.h>
 
 #include "kv_fp8.cuh"
+#include "mla_varlen.cuh"
 
-namespace kvw {
-// Block-wide sum of one float per thread (blockDim.x a multiple of 32, <= 1024), in a
-// fixed order.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float t = 0.f;
-    for (int w = 0; w < nw; ++w) t += red[w];
-    __syncthreads();
-    return t;
-}
-__device__ __forceinline__ float block_max(float v, float* red) {
-    v = warp_max(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float t = -INFINITY;
-    for (int w = 0; w < nw; ++w) t = fmaxf(t, red[w]);
-    __syncthreads();
-    return t;
-}
-constexpr int MAX_LORA = 1024;
-}  // namespace kvw
+// The write's shared buffer of normalised latent channels.
+constexpr int KV_MAX_LORA = 1024;
 
 // Latent-cache write, fp8: per row r, c_kv = RMSNorm(kv[r][:lora]) * norm_w (eps) and
 // k_pe = RoPE(kv[r][lora:], pos[r]) as kv_cache_write_bf16 computes them, then c_kv
@@ -44,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(128)
                        const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos,
                        const long long* __restrict__ slot, long long slots, int lora, int rope, float eps) {
     __shared__ float red[32];
-    __shared__ float v[kvw::MAX_LORA];
+    __shared__ float v[KV_MAX_LORA];
     const int lat = lora + rope, half = rope / 2, G = kvf8::groups(lora);
     const float* x = kv + static_cast<size_t>(blockIdx.x) * lat;
     // A negative slot is a padding row of a CUDA-graph bucket: nothing to write. Slots
@@ -54,7 +32,7 @@ extern "C" __global__ void __launch_bounds__(128)
     uint8_t* dst = cache + static_cast<size_t>(sl) * kvf8::entry_bytes(lora, rope);
     float ss = 0.f;
     for (int c = threadIdx.x; c < lora; c += blockDim.x) ss += x[c] * x[c];
-    const float inv = rsqrtf(kvw::block_sum(ss, red) / lora + eps);
+    const float inv = rsqrtf(block_sum(ss, red) / lora + eps);
     for (int c = threadIdx.x; c < lora; c += blockDim.x) v[c] = x[c] * inv * norm_w[c];
     __syncthreads();
     // A warp per group: its amax, then each lane's channels.
@@ -79,51 +57,15 @@ extern "C" __global__ void __launch_bounds__(128)
     }
 }
 
-// Varlen causal absorbed MLA over the fp8 cache: as mla_attn_varlen_f32 (grid = (heads,
-// rows), row r of sequence row_seq[r] attends to positions 0..=pos[r]; o_lat[r][h] =
-// softmax(scale * qa . k) . c_kv), entries read back as code * scale. Dynamic shared
-// memory: (lora + rope + pos_max + 1) floats.
+// Varlen causal absorbed MLA over the fp8 cache (mla_varlen.cuh): entries read back as
+// code * scale.
 extern "C" __global__ void mla_attn_varlen_fp8(float* __restrict__ o_lat, const float* __restrict__ qa,
                                                const uint8_t* __restrict__ cache, const int* __restrict__ tables,
                                                const int* __restrict__ row_seq, const int* __restrict__ pos,
                                                int bt_stride, int heads, int lora, int rope, float scale) {
-    extern __shared__ float sm[];
-    __shared__ float red[32];
-    const int h = blockIdx.x, r = blockIdx.y, dqk = lora + rope;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const size_t eb = kvf8::entry_bytes(lora, rope);
-    float* q = sm;
-    float* sc = sm + dqk;
-    const float* qsrc = qa + (static_cast<size_t>(r) * heads + h) * dqk;
-    for (int i = threadIdx.x; i < dqk; i += blockDim.x) q[i] = qsrc[i];
-    __syncthreads();
-    const int len = pos[r] + 1;
-    const int* table = tables + static_cast<size_t>(row_seq[r]) * bt_stride;
-    for (int j = warp; j < len; j += nw) {
-        const uint8_t* e = cache + (static_cast<size_t>(table[j / 64]) * 64 + j % 64) * eb;
-        float d = 0.f;
-        for (int i = lane; i < dqk; i += 32) d += q[i] * kvf8::at(e, lora, i);
-        d = warp_sum(d);
-        if (lane == 0) sc[j] = d * scale;
-    }
-    __syncthreads();
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, sc[j]);
-    m = kvw::block_max(m, red);
-    float s = 0.f;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const float e = __expf(sc[j] - m);
-        sc[j] = e;
-        s += e;
-    }
-    const float inv = 1.f / kvw::block_sum(s, red);  // block_sum synchronises: sc is complete
-    float* out = o_lat + (static_cast<size_t>(r) * heads + h) * lora;
-    for (int c = threadIdx.x; c < lora; c += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < len; ++j)
-            acc += sc[j] * kvf8::at(cache + (static_cast<size_t>(table[j / 64]) * 64 + j % 64) * eb, lora, c);
-        out[c] = acc * inv;
-    }
+    mla_attn_varlen_body(o_lat, qa, tables, row_seq, pos, bt_stride, heads, lora, rope, scale,
+                         [=](size_t e, int i) { return kvf8::at(cache + e * eb, lora, i); });
 }
 
 // Benchmarks' contexts without a prefill: `entries` fp8 entries of random values in

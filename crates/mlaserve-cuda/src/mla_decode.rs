@@ -543,55 +543,13 @@ impl MlaDecode {
         let tiles = self.tiles(d);
         let kernel = self.effective_kernel(d);
         let merge = self.effective_merge(d, splits);
-        if self.kv_fp8 {
-            let [plain, c2] = self.fp8.as_ref().expect("set_kv_cache_dtype checked");
-            let (fb, ff) = if merge == Some(SplitMerge::Cluster) { c2 } else { plain };
-            let cfg = LaunchConfig {
-                grid_dim: (tiles as u32, splits as u32, d.batch as u32),
-                block_dim: (FAST_THREADS, 1, 1),
-                shared_mem_bytes: FP8_SMEM as u32,
-            };
-            let counters: u64 = 0;
-            let (splits_i, split_blocks) = (splits as i32, self.fixed_split_blocks(d.bt_stride).unwrap_or(0) as i32);
-            // SAFETY: mla_decode_wgmma_fp8[_c2]_d512r64_o*(q, kv, block_table, seq_lens,
-            // out, lse, o_acc, lse_acc, counters, heads, q_len, bt_stride, num_blocks,
-            // num_splits, split_blocks, scale_log2). Tiles of 32 query rows (grid.x =
-            // rows / 32 rounded up; rows past `rows` zero-filled and never written); the
-            // cache holds num_blocks pages of 64 fp8 entries of 656 bytes (checked above as
-            // bf16 elements), page ids and seq_lens clamped in the kernel; with splits > 1
-            // the partials and batch * tiles counters fit the workspace (checked above),
-            // or the _c2 entry (exactly two splits, grid.y = 2 one cluster) writes out/lse
-            // only; the kernel's shared memory was opted into in `new` (sm_90 only). Each
-            // page is read by one bulk copy of 64 * 656 bytes from page * 64 * 656, inside
-            // the cache (page ids clamped below num_blocks).
-            unsafe {
-                let mut b = stream.launch_builder(if bf { fb } else { ff });
-                b.arg(&q)
-                    .arg(cache)
-                    .arg(&block_table)
-                    .arg(&seq_lens)
-                    .arg(out)
-                    .arg(lse)
-                    .arg(&mut ws.o_acc)
-                    .arg(&mut ws.lse_acc);
-                if merge == Some(SplitMerge::LastCta) {
-                    b.arg(&mut ws.counters);
-                } else {
-                    b.arg(&counters);
-                }
-                b.arg(&heads)
-                    .arg(&q_len)
-                    .arg(&bt_stride)
-                    .arg(&num_blocks)
-                    .arg(&splits_i)
-                    .arg(&split_blocks)
-                    .arg(&scale_log2)
-                    .launch(cfg)
-            }?;
-            return self.combine_if(stream, merge, ws, (out, lse), d.batch, rows, splits, bf);
-        }
         // (function, shared memory, TMA box: tokens x 64-dim blocks, or none for mma.sync)
         let (f, smem, tma_box) = match (kernel, &self.seesaw) {
+            (MlaKernel::Fp8Cache, _) => {
+                let [plain, c2] = self.fp8.as_ref().expect("set_kv_cache_dtype checked");
+                let (fb, ff) = if merge == Some(SplitMerge::Cluster) { c2 } else { plain };
+                (if bf { fb } else { ff }, FP8_SMEM, None)
+            }
             (MlaKernel::Seesaw, Some((fb, ff))) => {
                 let (fb, ff) = match (merge, &self.seesaw_c2) {
                     (Some(SplitMerge::Cluster), Some((cb, cf))) => (cb, cf),
@@ -613,7 +571,7 @@ impl MlaDecode {
         // The 64-token kernels can merge their own splits: in a cluster of the two (their
         // _c2 entries, chosen above), or by the last CTA of a tile through the workspace's
         // counters; otherwise, like the others, they leave it to the combine kernel.
-        let own_splits = matches!(kernel, MlaKernel::Seesaw | MlaKernel::Transposed);
+        let own_splits = matches!(kernel, MlaKernel::Seesaw | MlaKernel::Transposed | MlaKernel::Fp8Cache);
         let last_cta = merge == Some(SplitMerge::LastCta);
         let tmap = match tma_box {
             Some((box_tokens, box_blocks)) => {
@@ -652,7 +610,12 @@ impl MlaDecode {
         // chosen only with exactly two splits, so grid.y = 2 is one cluster; they write
         // out/lse only, never the workspace. The seesaw kernel takes `split_blocks` after
         // num_splits (0: even splits; else pages per split, the last split taking the
-        // rest, so every page below seq_len is covered whatever the split count).
+        // rest, so every page below seq_len is covered whatever the split count), and so
+        // does the fp8 cache's kernel (mla_decode_wgmma_fp8[_c2]_d512r64_o*, chosen for
+        // every launch over an fp8 cache, no tensor map): tiles of 32 query rows (grid.x
+        // = rows / 32 rounded up, rows past `rows` zero-filled and never written), the
+        // cache of num_blocks pages of 64 entries of 656 bytes (checked above as bf16
+        // elements), each page read by one bulk copy inside it (page ids clamped).
         let no_counters: u64 = 0;
         unsafe {
             let mut b = stream.launch_builder(f);
@@ -673,7 +636,7 @@ impl MlaDecode {
                 b.arg(&no_counters);
             }
             b.arg(&heads).arg(&q_len).arg(&bt_stride).arg(&num_blocks).arg(&splits_i);
-            if kernel == MlaKernel::Seesaw {
+            if matches!(kernel, MlaKernel::Seesaw | MlaKernel::Fp8Cache) {
                 b.arg(&split_blocks);
             }
             b.arg(&scale_log2).launch(cfg)
