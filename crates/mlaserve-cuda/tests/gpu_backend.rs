@@ -283,17 +283,42 @@ fn run_over(opts: CudaOptions, world: usize, label: &str, ckpt: Ckpt, overrides:
     mlaserve_model::presets::generate_opts("tiny-v3", t.path(), &gen).expect("preset");
     let gpu_dir = t.path();
     let widened = tempfile::tempdir().expect("tempdir");
-    let opts = CudaOptions { fp8_kernels: ckpt == Ckpt::Fp8, ..opts };
     if ckpt == Ckpt::Fp8Widened {
         widened_copy(gpu_dir, widened.path());
     }
-    let t = if ckpt == Ckpt::Fp8Widened { &widened } else { &t };
-    let cfg = mlaserve_model::load_config(t.path()).expect("config");
-    let (cpu, prefill_hidden) = cpu_side(t.path(), ckpt == Ckpt::Fp8, opts.kv_cache_dtype);
+    let cpu_dir = if ckpt == Ckpt::Fp8Widened { widened.path() } else { t.path() };
+    let bad = compare_dirs(opts, world, label, ckpt, gpu_dir, cpu_dir, Bound::Noise);
+    assert!(bad.is_empty(), "{label}: {bad:?}");
+}
+
+/// How an output's rel error is bounded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Bound {
+    /// [`TOL`], or with fp8 (weights or cache) [`NOISE_FACTOR`] times the oracle's own
+    /// fp8 noise where that is larger.
+    Noise,
+    /// [`TOL`] whatever the noise (which is still measured and printed).
+    Strict,
+}
+
+/// The scenario on the GPU over `gpu_dir` and on the CPU over `cpu_dir` (the same weights,
+/// see [`Ckpt`]); returns the outputs whose rel error is not within its [`Bound`].
+fn compare_dirs(
+    opts: CudaOptions,
+    world: usize,
+    label: &str,
+    ckpt: Ckpt,
+    gpu_dir: &std::path::Path,
+    cpu_dir: &std::path::Path,
+    bound: Bound,
+) -> Vec<String> {
+    let opts = CudaOptions { fp8_kernels: ckpt == Ckpt::Fp8, ..opts };
+    let cfg = mlaserve_model::load_config(cpu_dir).expect("config");
+    let (cpu, prefill_hidden) = cpu_side(cpu_dir, ckpt == Ckpt::Fp8, opts.kv_cache_dtype);
     let gpu = gpu_side(gpu_dir, opts, world, &prefill_hidden);
     let seqs = vec![(toks(1, 70), vec![3, 7]), (toks(2, 20), vec![1, 9])];
     let ties: Excluded =
-        common::near_ties(t.path(), &seqs, 5e-3).into_iter().flat_map(|(_, v)| v).map(|x| x.0).collect();
+        common::near_ties(cpu_dir, &seqs, 5e-3).into_iter().flat_map(|(_, v)| v).map(|x| x.0).collect();
     println!("{label}: prefill rows within 5e-3 of a routing tie (reported, not asserted): {ties:?}");
     let res = compare(&gpu, &cpu, cfg.vocab_size, cfg.hidden_size, &ties);
     // fp8 activation quantisation is discontinuous: any difference in a linear's input
@@ -307,14 +332,21 @@ fn run_over(opts: CudaOptions, world: usize, label: &str, ckpt: Ckpt, overrides:
     // The fp8 latent cache's codes are as discontinuous: its bound is measured the same
     // way (the CPU's entries rounded to bf16 before their fp8 rounding, or not).
     let noise: Vec<f64> = if ckpt == Ckpt::Fp8 || opts.kv_cache_dtype == KvCacheDtype::Fp8 {
-        let (f32_in, _) = cpu_side(t.path(), ckpt != Ckpt::Fp8, opts.kv_cache_dtype);
+        let (f32_in, _) = cpu_side(cpu_dir, ckpt != Ckpt::Fp8, opts.kv_cache_dtype);
         compare(&f32_in, &cpu, cfg.vocab_size, cfg.hidden_size, &ties).into_iter().map(|((_, r, _, _), _)| r).collect()
     } else {
         vec![0.0; res.len()]
     };
+    if opts.kv_cache_dtype == KvCacheDtype::Fp8 {
+        // The fp8 cache's drift from the CPU's f32 cache (reported).
+        let (f32_cache, _) = cpu_side(cpu_dir, ckpt == Ckpt::Fp8, KvCacheDtype::Auto);
+        for ((name, r, _, _), _) in compare(&cpu, &f32_cache, cfg.vocab_size, cfg.hidden_size, &ties) {
+            println!("{label:<16} {name:<32} CPU fp8 cache vs CPU f32 cache: rel {r:.2e} (drift, reported)");
+        }
+    }
     let mut bad = Vec::new();
     for (((name, r, rows, over), ex), noise) in res.iter().zip(&noise) {
-        let tol = TOL.max(NOISE_FACTOR * noise);
+        let tol = if bound == Bound::Strict { TOL } else { TOL.max(NOISE_FACTOR * noise) };
         let ok = *r <= tol;
         if !ex.is_empty() {
             let near: Vec<String> =
@@ -333,7 +365,7 @@ fn run_over(opts: CudaOptions, world: usize, label: &str, ckpt: Ckpt, overrides:
             bad.push(format!("{name}: {r:.3e}"));
         }
     }
-    assert!(bad.is_empty(), "{label}: {bad:?}");
+    bad
 }
 
 #[test]
@@ -406,6 +438,32 @@ fn tiny_v3_fp8_cache_matches_cpu_fp8_cache() {
         run_over(base, 1, label, Ckpt::Bf16, overrides.clone());
         run_over(base.batch_invariant(), 1, &format!("{label} invariant"), Ckpt::Bf16, overrides);
     }
+}
+
+/// The bundled trained model (`models/mla-tiny-code`) against the CPU, with either
+/// cache and both option sets: the bf16 cache against the CPU's f32 one within [`TOL`];
+/// the fp8 cache against the CPU's fp8 one within the fp8 bound of `run_over` (its codes
+/// flip where the GPU's bf16 activations move a latent value across an e4m3 rounding
+/// boundary: the CPU's own outputs move by up to 2.4e-2 under that perturbation, more
+/// than [`TOL`]). Also reports the fp8 cache's drift from the f32 cache on the CPU.
+#[test]
+fn bundled_model_matches_cpu_with_either_cache() {
+    if !require_gpu() {
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let mut bad = Vec::new();
+    for kv in [KvCacheDtype::Fp8, KvCacheDtype::Auto] {
+        let base = CudaOptions { kv_cache_dtype: kv, ..CudaOptions::new(BLOCKS, 0) };
+        for (opts, label) in
+            [(base, format!("bundled {kv:?}")), (base.batch_invariant(), format!("bundled {kv:?} inv"))]
+        {
+            let bound = if kv == KvCacheDtype::Fp8 { Bound::Noise } else { Bound::Strict };
+            let b = compare_dirs(opts, 1, &label, Ckpt::Bf16, &dir, &dir, bound);
+            bad.extend(b.into_iter().map(|b| format!("{label}: {b}")));
+        }
+    }
+    assert!(bad.is_empty(), "{bad:?}");
 }
 
 /// The device's widening gives the host's bits (`f32_shard`, then bf16 round to nearest
