@@ -10,7 +10,8 @@
 # Environment: BACKEND (cpu or cuda; default cpu), CONC (default "1 4 16 64 256"), PROMPT
 # (prompt tokens, default 64), NEW (new tokens, default 128), REQS (requests per stream and
 # run, default 2; at least 8 a run), ROUNDS (runs per server and concurrency, default 3),
-# LOGS (default a temporary directory), TP (default 1). The three servers run side by
+# LOGS (default a temporary directory), TP (default 1), PORT (the first of the servers'
+# ports, default 21450; each takes ten from there). The three servers run side by
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
 # cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
 # behind a router, as in a deployment, and the servers run one after another (groups
@@ -31,7 +32,10 @@ mkdir -p "$logs"
 
 modes=(k0 k3 adaptive)
 declare -A port flags
-port[k0]=50458 port[k3]=50468 port[adaptive]=50478
+# Below Linux's ephemeral range (32768-60999), where a client socket of any process may
+# hold a port for a while.
+base="${PORT:-21450}"
+port[k0]=$base port[k3]=$((base + 10)) port[adaptive]=$((base + 20))
 flags[k0]="--speculative-tokens 0 --speculation fixed"
 flags[k3]="--speculative-tokens 3 --speculation fixed"
 flags[adaptive]="--speculative-tokens 3 --speculation adaptive"
@@ -73,7 +77,9 @@ ready() {
     ((tp > 1)) && at=$((port[$1] + 3))
     until curl -sf "http://127.0.0.1:$((port[$m] + 1))/metrics" >/dev/null &&
         curl -s "http://127.0.0.1:$at/metrics" | grep -q "^mlaserve_ready_groups 1"; do
-        if ((SECONDS - t0 > 300)); then echo "server $m did not come up:"; tail -n 20 "$logs"/*-"$m"*.log; exit 1; fi
+        local gone=0
+        for q in ${spids[$m]}; do kill -0 "$q" 2>/dev/null || gone=1; done
+        if ((gone || SECONDS - t0 > 300)); then echo "server $m did not come up:"; tail -n 20 "$logs"/*-"$m"*.log; exit 1; fi
         sleep 0.5
     done
 }
@@ -96,7 +102,7 @@ steps_per_k() {
 
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice runs before
+declare -A tps choice runs before weighed
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
     ((n < 8)) && n=8
@@ -110,6 +116,9 @@ decided() {  # decided STREAMS: the adaptive server's decisions since `before`
     read -r -a a <<<"${before[$1]}"
     read -r -a b <<<"$(steps_per_k)"
     choice[$1]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+    # What the choices weighed by then: cycle µs per decode row per (rows, k), the rates.
+    weighed[$1]=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics" |
+        grep -E '^mlaserve_speculation_(cycle_us_per_row|acceptance_rate)' | sed 's/^mlaserve_speculation_/  /')
 }
 if ((tp > 1)); then
     # Groups of several GPUs cannot share them side by side (their NCCL kernels spin on
@@ -150,4 +159,9 @@ echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
 for c in $conc; do
     awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[$c]}" \
         'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", c, z, t, a, a / b, a / z, ch }'
+done
+echo
+for c in $conc; do
+    echo "the adaptive server's estimates after $c streams (per (rows bucket, k): cycle us per decode row):"
+    echo "${weighed[$c]}"
 done

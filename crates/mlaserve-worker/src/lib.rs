@@ -245,6 +245,19 @@ async fn export_stats(engine: EngineHandle, health: tonic_health::server::Health
         }
         metrics::gauge!("mlaserve_speculation_expected_accepted_tokens_total").set(sp.expected_accepted);
         metrics::counter!("mlaserve_speculation_accepted_tokens_total").absolute(sp.realised_accepted);
+        // What the adaptive choice weighs: each (row bucket, k)'s measured cycle time per
+        // decode row, and the conditional acceptance rate of each draft position.
+        for (rows, per_k) in &sp.costs {
+            for (k, c) in per_k.iter().enumerate() {
+                if let Some(us) = c {
+                    let labels = [("rows", rows.to_string()), ("k", k.to_string())];
+                    metrics::gauge!("mlaserve_speculation_cycle_us_per_row", &labels).set(*us);
+                }
+            }
+        }
+        for (j, r) in sp.rates.iter().enumerate() {
+            metrics::gauge!("mlaserve_speculation_acceptance_rate", "position" => (j + 1).to_string()).set(*r);
+        }
         // Prefix cache: rate(hit) / rate(queried) is the hit rate over a window.
         let pc = &s.prefix;
         metrics::counter!("mlaserve_prefix_cache_queried_tokens_total").absolute(pc.queried_tokens);
