@@ -183,7 +183,7 @@ pub struct SpecStats {
     pub realised_accepted: u64,
     /// The cost estimates the choices use: per bucket of decode rows (its largest row
     /// count, a power of two), each k's measured cycle time per decode row in µs (the
-    /// median of its recent samples; `None` where not measured there).
+    /// lower quartile of its recent samples; `None` where not measured there).
     pub costs: Vec<(usize, Vec<Option<f64>>)>,
     /// The overall acceptance rate of each draft position (posterior means).
     pub rates: Vec<f64>,

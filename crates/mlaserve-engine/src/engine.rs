@@ -351,7 +351,9 @@ impl<B: Backend> Engine<B> {
         // steps' time, once per shape).
         let captures_after_step = self.backend.graph_captures();
         let captured = captures_after_step != captures;
-        self.policy.stepped(step_k, windows, (t3 - t0).as_micros() as u64, decode_only && !captured);
+        let step_us = (t3 - t0).as_micros() as u64;
+        tracing::trace!(k = step_k, windows, step_us, decode_only, captured, "step timed");
+        self.policy.stepped(step_k, windows, step_us, decode_only && !captured);
         let mut draft_err = None;
         let mut drafted = false;
         if !jobs.is_empty() {
@@ -359,7 +361,8 @@ impl<B: Backend> Engine<B> {
             let running = &self.running;
             let decoding = jobs.iter().filter(|j| j.draft_off.is_some()).map(|j| {
                 let s = &running[j.seq];
-                Counts { offered: &s.offered_at, accepted: &s.verified_at }
+                let whole = if s.whole_mtp >= self.n_mtp { MAX_SPECULATIVE_TOKENS } else { s.whole_mtp };
+                Counts { offered: &s.offered_at, accepted: &s.verified_at, whole }
             });
             let k = self.policy.choose(decoding, decode_only);
             self.mark_mtp_holes(&jobs, k);
@@ -377,12 +380,14 @@ impl<B: Backend> Engine<B> {
                 for j in &jobs {
                     let s = &mut self.running[j.seq];
                     s.drafts.clear();
-                    s.mtp_gap = true;
+                    s.whole_mtp = 0;
                 }
                 self.mtp.skip();
             }
             let captured = self.backend.graph_captures() != captures_after_step;
-            self.policy.drafted(k, (self.backend.now() - t3).as_micros() as u64, decode_only && !captured);
+            let draft_us = (self.backend.now() - t3).as_micros() as u64;
+            tracing::trace!(k, draft_us, decode_only, captured, "drafting timed");
+            self.policy.drafted(k, draft_us, decode_only && !captured);
         }
         if !drafted || draft_err.is_some() {
             self.return_tables();
@@ -423,6 +428,9 @@ impl<B: Backend> Engine<B> {
             let decode = matches!(s.sched, Some(Sched::Decode));
             if k < used || (decode && !redone) {
                 s.holes_from = s.holes_from.min(j.start.saturating_sub(used));
+            }
+            if k < used {
+                s.whole_mtp = s.whole_mtp.min(k);
             }
         }
     }
@@ -591,7 +599,9 @@ impl<B: Backend> Engine<B> {
                     for o in &mut s.offered_at[..k.min(accepted + 1)] {
                         *o += 1;
                     }
-                    self.policy.observe(k, accepted, s.mtp_gap);
+                    // Positions whose MTP layers are whole measure the drafter's rate.
+                    let whole = if s.whole_mtp >= self.n_mtp { k } else { s.whole_mtp };
+                    self.policy.observe(k, accepted, whole);
                     s.num_cached = start + 1 + accepted;
                     (1 + k, Some(accepted))
                 }

@@ -206,7 +206,7 @@ pub(crate) fn schedule(
         if let Some(i) = partial {
             // Target-only blocks: their MTP holes are the request's own now.
             s.holes_from = i * BLOCK_POSITIONS;
-            s.mtp_gap = true;
+            s.whole_mtp = 0;
         }
         if s.usage.preemptions == 0 {
             s.usage.cached_prompt_tokens = s.num_cached.min(s.prompt_len) as u64;

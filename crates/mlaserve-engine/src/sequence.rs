@@ -70,9 +70,12 @@ pub(crate) struct Sequence {
     /// Per draft position, the windows that offered it with every earlier draft
     /// accepted (`verified_at[j] / offered_at[j]` is the request's conditional rate).
     pub offered_at: [u64; MAX_SPECULATIVE_TOKENS],
-    /// Some of its positions were computed in a step that drafted nothing (adaptive
-    /// k = 0): its MTP caches have holes there, until a recompute.
-    pub mtp_gap: bool,
+    /// Leading MTP layers whose caches have no holes (`usize::MAX`: all of them). A
+    /// step that drafts k < the layers in use runs layers `0..k` only (none at adaptive
+    /// k = 0), leaving holes in the others at its positions until a recompute; a draft
+    /// at position j comes from layers `0..=j`, so with holes there it says little
+    /// about the drafter's own rate.
+    pub whole_mtp: usize,
     /// Rows the drafter kept for this request from its last step.
     pub mtp_tail: Option<crate::draft::MtpTail>,
     /// Positions from here on may hold MTP entries that are not final (a step drafted
@@ -118,7 +121,7 @@ impl Sequence {
             accepted_at: [0; MAX_SPECULATIVE_TOKENS],
             verified_at: [0; MAX_SPECULATIVE_TOKENS],
             offered_at: [0; MAX_SPECULATIVE_TOKENS],
-            mtp_gap: false,
+            whole_mtp: usize::MAX,
             positions: k,
             sched: None,
             mtp_tail: None,
@@ -171,7 +174,7 @@ impl Sequence {
         self.num_cached = 0;
         self.decoding = false;
         self.drafts.clear();
-        self.mtp_gap = false;
+        self.whole_mtp = usize::MAX;
         self.mtp_tail = None;
         self.holes_from = usize::MAX;
         self.registered = 0;
