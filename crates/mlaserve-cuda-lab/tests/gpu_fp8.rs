@@ -3,6 +3,10 @@
 //! tests print why and pass, unless `MLASERVE_REQUIRE_GPU=1` (set by tools/gpu/check.sh).
 #![cfg(feature = "cuda")]
 
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
+mod common;
+
 use mlaserve_cuda::fp8::{Fp8Gemm, Fp8Linear};
 use mlaserve_cuda::fp8_plan::Fp8Path;
 use mlaserve_cuda::Gpu;
@@ -10,21 +14,10 @@ use mlaserve_cuda_lab::check_fp8::{self, Fp8Pair};
 use mlaserve_cuda_lab::rng::Rng;
 use mlaserve_cuda_lab::util::Util;
 
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
-
 /// act_quant's bytes and scales equal the reference's bit for bit (bf16 and f32 input).
 #[test]
 fn act_quant_is_bit_exact() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
     let r = check_fp8::check_act_quant(&gpu, &fp8, 21).expect("ran");
     assert!(r.is_none(), "{}", r.unwrap_or_default());
@@ -37,7 +30,7 @@ fn act_quant_is_bit_exact() {
 #[test]
 fn silu_quant_is_silu_then_act_quant() {
     use mlaserve_cuda::elementwise::SiluMul;
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
     let silu = SiluMul::new(&gpu).expect("silu");
     let s = &gpu.stream;
@@ -68,7 +61,7 @@ fn silu_quant_is_silu_then_act_quant() {
 fn rmsnorm_quant_is_rmsnorm_then_act_quant() {
     use mlaserve_cuda::linear::TcKernels;
     use mlaserve_cuda::ops::Ops;
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
     let ops = Ops::new(&gpu, TcKernels::Auto).expect("ops");
     let s = &gpu.stream;
@@ -101,7 +94,7 @@ fn rmsnorm_quant_is_rmsnorm_then_act_quant() {
 /// product (the zero columns add nothing).
 #[test]
 fn padded_inputs_quantise_as_the_unpadded_row() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
     let s = &gpu.stream;
     let mut rng = Rng::new(31);
@@ -163,7 +156,7 @@ fn padded_inputs_quantise_as_the_unpadded_row() {
 /// Every V3 projection shape at m = 1, 4, 64, 256, 4096 through each kernel.
 #[test]
 fn fp8_gemm_matches_reference_at_v3_shapes() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("util");
     let reports = check_fp8::run_fp8_checks(&gpu, &util, 22, check_fp8::ROWS).expect("checks ran");
     let mut failures = Vec::new();
@@ -179,7 +172,7 @@ fn fp8_gemm_matches_reference_at_v3_shapes() {
 /// Odd shapes: out not a multiple of 128 (or of 2), one k block, rows past a 64-row tile.
 #[test]
 fn fp8_gemm_odd_shapes() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("util");
     let mut fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
     let mut rng = Rng::new(23);
@@ -206,7 +199,7 @@ fn fp8_gemm_odd_shapes() {
 /// or among 5 other rows gives the same bits (`stream`, and `portable` where it differs).
 #[test]
 fn fp8_stream_is_batch_invariant() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("util");
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
     let mut rng = Rng::new(24);
@@ -226,7 +219,7 @@ fn fp8_stream_is_batch_invariant() {
 /// Shape errors are typed and raised before any launch.
 #[test]
 fn fp8_rejects_bad_shapes() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let s = &gpu.stream;
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
     assert!(Fp8Linear::from_raw(s, &[0u8; 100 * 100], &[1.0; 1], 100, 100).is_err(), "k % 128");
@@ -280,7 +273,7 @@ fn assert_reports(reports: &[check_fp8::Fp8Report]) {
 /// streaming kernel and the tile kernel, both outputs, every row against the reference.
 #[test]
 fn fp8_grouped_small() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let Some(g) = grouped_kernels(&gpu) else { return };
     let util = Util::new(&gpu).expect("util");
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
@@ -322,7 +315,7 @@ fn fp8_grouped_small() {
 /// rows against the f64 reference; every output finite.
 #[test]
 fn fp8_grouped_matches_reference_at_v3_shapes() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let Some(g) = grouped_kernels(&gpu) else { return };
     let util = Util::new(&gpu).expect("util");
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
@@ -373,7 +366,7 @@ fn fp8_grouped_matches_reference_at_v3_shapes() {
 /// through the tile kernel (prefill).
 #[test]
 fn fp8_grouped_is_batch_invariant() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let Some(g) = grouped_kernels(&gpu) else { return };
     let util = Util::new(&gpu).expect("util");
     let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
@@ -396,7 +389,7 @@ fn fp8_grouped_is_batch_invariant() {
 /// Shape errors are typed and raised before any launch.
 #[test]
 fn fp8_grouped_rejects_bad_shapes() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let s = &gpu.stream;
     use mlaserve_cuda::fp8_grouped::Fp8Experts;
     assert!(Fp8Experts::from_raw(s, &[0u8; 2 * 128 * 256], &[1.0; 3], 2, 128, 256).is_err(), "scale count");

@@ -5,24 +5,17 @@
 //! turns a missing GPU into a failure.
 #![cfg(feature = "cuda")]
 
-use mlaserve_cuda::{Gpu, MlaDecode};
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
+mod common;
+
+use mlaserve_cuda::MlaDecode;
 use mlaserve_cuda_lab::check::{run_decode_case, run_op_checks, run_window_invariance, standard_cases};
 use mlaserve_cuda_lab::util::Util;
 
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
-
 #[test]
 fn mla_decode_matches_reference() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("load bench_util");
     let mut mla = MlaDecode::new(&gpu).expect("load mla_decode");
     let mut failures = Vec::new();
@@ -42,7 +35,7 @@ fn mla_decode_matches_reference() {
 /// Same inputs twice give bit-identical outputs (no race between warps or splits).
 #[test]
 fn mla_decode_is_deterministic() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("load bench_util");
     let mla = MlaDecode::new(&gpu).expect("load mla_decode"); // wgmma where available
     let case = &standard_cases()[6]; // forced uneven splits
@@ -56,7 +49,7 @@ fn mla_decode_is_deterministic() {
 /// RMSNorm (plain, fused add), SiLU-mul and argmax against the CPU reference.
 #[test]
 fn small_kernels_match_reference() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let reports = run_op_checks(&gpu, 99).expect("op checks ran");
     let failed: Vec<String> = reports.iter().filter(|r| !r.passed()).map(|r| r.to_string()).collect();
     for r in &reports {
@@ -72,7 +65,7 @@ fn small_kernels_match_reference() {
 /// The fixed splits also pass every standard case against the reference.
 #[test]
 fn fixed_splits_decode_is_batch_and_window_invariant() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("load bench_util");
     let mut mla = MlaDecode::new(&gpu).expect("load mla_decode");
     if mla.set_fixed_splits(Some(2)).is_err() {
@@ -119,7 +112,7 @@ fn fixed_splits_decode_is_batch_and_window_invariant() {
 /// splits and with fixed ones; and the fixed splits' batch and window invariance.
 #[test]
 fn mla_decode_fp8_cache_matches_reference() {
-    let Some(gpu) = gpu() else { return };
+    let Some(gpu) = common::gpu() else { return };
     let util = Util::new(&gpu).expect("load bench_util");
     let mut mla = MlaDecode::new(&gpu).expect("load mla_decode");
     if mla.set_kv_cache_dtype(mlaserve_core::KvCacheDtype::Fp8).is_err() {

@@ -4,23 +4,15 @@
 //! makes it fail).
 #![cfg(feature = "cuda")]
 
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
+mod common;
+
 use half::bf16;
 use mlaserve_cuda::linear::TcKernels;
 use mlaserve_cuda::ops::Ops;
 use mlaserve_cuda::rope::RopeTables;
-use mlaserve_cuda::Gpu;
 use mlaserve_cuda_lab::rng::Rng;
-
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
 
 fn rand(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
     (0..n).map(|_| rng.uniform(lo, hi)).collect()
@@ -41,7 +33,7 @@ fn rel(got: &[f32], want: &[f32]) -> f64 {
 /// none by more than one e4m3 step.
 #[test]
 fn kv_write_fp8_matches_cpu_rounding() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let mut ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     ops.set_kv_cache_dtype(mlaserve_core::KvCacheDtype::Fp8);

@@ -7,6 +7,10 @@
 //! Without a GPU the tests print why and pass (`MLASERVE_REQUIRE_GPU=1` makes it fail).
 #![cfg(feature = "cuda")]
 
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
+mod common;
+
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use mlaserve_core::config::Arch;
@@ -16,20 +20,8 @@ use mlaserve_cuda::layout::AttnMeta;
 use mlaserve_cuda::linear::{Gemm, GemmMode, Linear, TcKernels};
 use mlaserve_cuda::ops::{GroupedVariant, Ops, RouteParams};
 use mlaserve_cuda::rope::RopeTables;
-use mlaserve_cuda::Gpu;
 use mlaserve_cuda_lab::reference;
 use mlaserve_cuda_lab::rng::Rng;
-
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
 
 /// max|got − want| / max|want|; NaN when any output is not finite.
 fn rel(got: &[f32], want: &[f32]) -> f64 {
@@ -63,7 +55,7 @@ fn rand(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
 
 #[test]
 fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let mut rng = Rng::new(11);
     let mut fails = Vec::new();
@@ -175,7 +167,7 @@ fn gemm_matches_reference_and_invariant_mode_is_batch_invariant() {
 /// f32 and bf16 outputs. Also checks the sort itself (offsets, perm, inv consistent).
 #[test]
 fn sorted_grouped_experts_match_reference_and_invariant_gemm() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let inv_gemm = Gemm::new(&g, GemmMode::BatchInvariant, TcKernels::Auto).expect("gemm");
@@ -289,7 +281,7 @@ fn moe_cfg(e: usize, k: usize, g: usize, tg: usize, m: TopkMethod, sf: ScoringFu
 
 #[test]
 fn routing_matches_reference_every_variant() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(5);
@@ -369,7 +361,7 @@ fn routing_matches_reference_every_variant() {
 /// varlen attention (vs `reference::mla_decode` on uniform windows) and W_UV.
 #[test]
 fn mla_pieces_match_reference() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(9);
@@ -516,7 +508,7 @@ fn mla_pieces_match_reference() {
 /// Embedding gather (with the MTP position-0 zeroing), strided RMSNorm and the MoE combine.
 #[test]
 fn small_backend_ops_match_reference() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let mut rng = Rng::new(3);
@@ -667,7 +659,7 @@ fn small_backend_ops_match_reference() {
 fn grouped_experts_tensor_core_match_reference() {
     use mlaserve_cuda::ops::ExpertWeights;
     use mlaserve_cuda_lab::util::Util;
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
     let util = Util::new(&g).expect("util");

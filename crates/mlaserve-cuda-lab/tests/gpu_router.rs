@@ -11,6 +11,10 @@
 //! Without a GPU the tests print why and pass (`MLASERVE_REQUIRE_GPU=1` makes it fail).
 #![cfg(feature = "cuda")]
 
+// The GPU test helpers of mlaserve-cuda's own tests, shared rather than copied.
+#[path = "../../mlaserve-cuda/tests/common/mod.rs"]
+mod common;
+
 use cudarc::driver::CudaSlice;
 use mlaserve_cuda::ops::Ops;
 use mlaserve_cuda::plan;
@@ -20,17 +24,6 @@ use mlaserve_cuda_lab::rng::Rng;
 
 const TILES: [RouterTile; 4] = [RouterTile::Auto, RouterTile::Decode, RouterTile::Mid, RouterTile::Prefill];
 const TOL: f64 = 1e-5;
-
-fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
-            eprintln!("skipping GPU test: {e}");
-            None
-        }
-        Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
-    }
-}
 
 fn rand(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
     (0..n).map(|_| rng.uniform(lo, hi)).collect()
@@ -106,7 +99,7 @@ fn run(
 /// Every tile at each shape against the f64 reference (tolerance) and the documented
 /// order (bits, on the rows in `exact_rows` of each shape, all when None).
 fn check_shapes(shapes: &[(usize, usize, usize)], exact_rows: Option<&[usize]>, seed: u64) {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let router = Router::new(&g).expect("router");
     let mut rng = Rng::new(seed);
     let mut fails = Vec::new();
@@ -170,7 +163,7 @@ fn router_logits_deepseek_shapes_match_reference() {
 /// of 4200 rows (two slabs of partials at V3's shape) against rows 4095, 4096, 4199 alone.
 #[test]
 fn router_logits_are_batch_invariant() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let s = &g.stream;
     let router = Router::new(&g).expect("router");
     let ops = Ops::new(&g, mlaserve_cuda::linear::TcKernels::Auto).expect("ops");
@@ -218,7 +211,7 @@ fn router_logits_are_batch_invariant() {
 #[test]
 fn router_auto_takes_the_faster_tile() {
     use mlaserve_cuda_lab::bench::{time_graph, GRAPH_CALLS};
-    let Some(g) = gpu() else { return };
+    let Some(g) = common::gpu() else { return };
     let router = Router::new(&g).expect("router");
     let (n, k) = (256, 7168);
     let mut rng = Rng::new(17);

@@ -431,9 +431,7 @@ fn tiny_v3_fp8_cache_matches_cpu_fp8_cache() {
     if !require_gpu() {
         return;
     }
-    let v3 = serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
-                                "num_key_value_heads": 16});
-    for (label, overrides) in [("fp8 cache", serde_json::json!({})), ("fp8 cache v3 attn", v3)] {
+    for (label, overrides) in [("fp8 cache", serde_json::json!({})), ("fp8 cache v3 attn", common::v3_attention())] {
         let base = CudaOptions { kv_cache_dtype: KvCacheDtype::Fp8, ..CudaOptions::new(BLOCKS, 0) };
         run_over(base, 1, label, Ckpt::Bf16, overrides.clone());
         run_over(base.batch_invariant(), 1, &format!("{label} invariant"), Ckpt::Bf16, overrides);

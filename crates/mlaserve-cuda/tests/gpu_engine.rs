@@ -108,20 +108,6 @@ fn greedy_k3_equals_k0_cuda_core_batch_invariant() {
     assert_eq!(k3, k0, "greedy k = 3 differs from k = 0 on the GPU (batch-invariant options)");
 }
 
-/// tiny-v3, or with `v3_attention` at V3's attention widths (512 + 64, 16 heads: the
-/// tensor-core decode kernel).
-fn tiny_v3(v3_attention: bool) -> tempfile::TempDir {
-    let t = tempfile::tempdir().expect("tempdir");
-    let o = if v3_attention {
-        serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
-                           "num_key_value_heads": 16})
-    } else {
-        serde_json::json!({})
-    };
-    mlaserve_model::presets::generate_with("tiny-v3", t.path(), &o).expect("preset");
-    t
-}
-
 /// The fast batch-invariant options (`CudaOptions::batch_invariant`: tensor-core invariant GEMMs,
 /// the decode kernel with fixed-size splits for decode windows, prompt chunks expanded,
 /// CUDA graphs): greedy k = 3 == k = 0, on tiny-v3 (latent widths without the tensor-core
@@ -135,7 +121,7 @@ fn greedy_k3_equals_k0_fast_batch_invariant_options() {
     }
     let mut fails = Vec::new();
     for (v3, blocks) in [(false, BLOCKS), (true, BLOCKS), (true, 24)] {
-        let t = tiny_v3(v3);
+        let t = common::tiny_v3(v3);
         let opts = CudaOptions::new(blocks, 0).batch_invariant();
         let (k0, p0) = gpu_run_counting(t.path(), opts, 0);
         let (k3, p3) = gpu_run_counting(t.path(), opts, 3);
@@ -167,7 +153,7 @@ fn fp8_cache_greedy_k3_equals_k0_batch_invariant() {
     }
     let mut fails = Vec::new();
     for (v3, blocks) in [(false, BLOCKS), (true, BLOCKS), (true, 24)] {
-        let t = tiny_v3(v3);
+        let t = common::tiny_v3(v3);
         let opts = CudaOptions {
             kv_cache_dtype: mlaserve_core::KvCacheDtype::Fp8,
             ..CudaOptions::new(blocks, 0).batch_invariant()

@@ -34,18 +34,6 @@ const SEQS: usize = 8;
 /// Blocks per sequence (256 positions).
 const PER_SEQ: usize = 4;
 
-fn model(v3_attention: bool) -> tempfile::TempDir {
-    let t = tempfile::tempdir().expect("tempdir");
-    let o = if v3_attention {
-        serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
-                           "num_key_value_heads": 16})
-    } else {
-        serde_json::json!({})
-    };
-    mlaserve_model::presets::generate_with("tiny-v3", t.path(), &o).expect("preset");
-    t
-}
-
 fn toks(seed: usize, n: usize) -> Vec<u32> {
     (0..n).map(|i| 2 + ((seed * 7919 + i * 131) % 509) as u32).collect()
 }
@@ -145,7 +133,7 @@ fn decode_steps_through_graphs_equal_eager() {
     }
     let mut fails = Vec::new();
     for v3 in [false, true] {
-        let t = model(v3);
+        let t = common::tiny_v3(v3);
         let name = if v3 { "tiny-v3 @ 512+64, 16 heads" } else { "tiny-v3" };
         let mut g = CudaBackend::load_with(t.path(), CudaOptions::new(BLOCKS, 0)).expect("load");
         let mut e = CudaBackend::load_with(t.path(), CudaOptions { graphs: false, ..CudaOptions::new(BLOCKS, 0) })
@@ -178,7 +166,7 @@ fn tp2_decode_steps_through_graphs_equal_eager() {
     if !common::require_gpus(2) {
         return;
     }
-    let t = model(true);
+    let t = common::tiny_v3(true);
     let dir = t.path();
     let (gid, eid) =
         (mlaserve_cuda::TpInit::new_id().expect("NCCL id"), mlaserve_cuda::TpInit::new_id().expect("NCCL id"));
@@ -234,7 +222,7 @@ fn engine_greedy_with_graphs_equals_eager() {
         return;
     }
     for v3 in [false, true] {
-        let t = model(v3);
+        let t = common::tiny_v3(v3);
         for k in [0usize, 3] {
             let (eager, none) = engine_run(t.path(), false, k);
             let (graphs, st) = engine_run(t.path(), true, k);

@@ -1,5 +1,6 @@
 //! Shared by the backend tests: a CPU replay of a prefill that finds the tokens whose
-//! MoE routing lies within a margin of a tie in the f32 reference (see routing_margins.rs).
+//! MoE routing lies within a margin of a tie in the f32 reference (see routing_margins.rs),
+//! and the tiny-v3 presets they run on.
 #![allow(dead_code)]
 
 use mlaserve_core::{ModelConfig, MoeConfig, TopkMethod};
@@ -96,11 +97,17 @@ pub fn near_ties(dir: &std::path::Path, seqs: &[(Vec<u32>, Vec<u32>)], thr: f32)
 /// Whether a GPU is present; without one the test is skipped (it fails instead when
 /// `MLASERVE_REQUIRE_GPU` is set).
 pub fn require_gpu() -> bool {
+    gpu().is_some()
+}
+
+#[cfg(feature = "cuda")]
+/// GPU 0, or `None` to skip (a panic instead when `MLASERVE_REQUIRE_GPU` is set).
+pub fn gpu() -> Option<mlaserve_cuda::Gpu> {
     match mlaserve_cuda::Gpu::new(0) {
-        Ok(_) => true,
+        Ok(g) => Some(g),
         Err(e) if std::env::var_os("MLASERVE_REQUIRE_GPU").is_none() => {
             eprintln!("skipping GPU test: {e}");
-            false
+            None
         }
         Err(e) => panic!("MLASERVE_REQUIRE_GPU is set but no GPU: {e}"),
     }
@@ -154,4 +161,19 @@ pub fn rel(got: &[f32], want: &[f32]) -> f64 {
     }
     let d = got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
     d / want.iter().map(|v| v.abs() as f64).fold(1e-30, f64::max)
+}
+
+/// tiny-v3's config changes that give it V3's attention widths (512 + 64 latent, 16
+/// heads: the tensor-core decode kernels' shape).
+pub fn v3_attention() -> serde_json::Value {
+    serde_json::json!({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16,
+                       "num_key_value_heads": 16})
+}
+
+/// tiny-v3 in a temporary directory, with `v3_attention` at V3's attention widths.
+pub fn tiny_v3(v3_attention: bool) -> tempfile::TempDir {
+    let t = tempfile::tempdir().expect("tempdir");
+    let o = if v3_attention { self::v3_attention() } else { serde_json::json!({}) };
+    mlaserve_model::presets::generate_with("tiny-v3", t.path(), &o).expect("preset");
+    t
 }
