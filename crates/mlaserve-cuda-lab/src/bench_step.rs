@@ -74,6 +74,10 @@ pub struct StepBenchOpts {
     /// Conditional acceptance per draft position: the report projects each k's tokens per
     /// second at it ([`crate::spec_projection`]).
     pub acceptance: Vec<f64>,
+    /// After each batch size's fixed-k steps, this many steps whose k the engine's
+    /// adaptive policy chooses (`acceptance` drawn per request; one rank; `ks` must hold
+    /// every k up to its largest): [`crate::spec_projection::run_adaptive`].
+    pub adaptive_cycles: usize,
 }
 
 impl Default for StepBenchOpts {
@@ -97,6 +101,7 @@ impl Default for StepBenchOpts {
             base: CudaOptions::new(0, 0),
             prefill: vec![(1, 2048), (4, 512), (16, 128)],
             acceptance: Vec::new(),
+            adaptive_cycles: 0,
         }
     }
 }
@@ -148,6 +153,8 @@ pub struct StepBenchReport {
     /// Conditional acceptance per draft position to project tokens per second at (none:
     /// no projection).
     pub acceptance: Vec<f64>,
+    /// The adaptive policy's runs, one per batch size (empty unless asked for).
+    pub adaptive: Vec<crate::spec_projection::AdaptiveRun>,
 }
 
 impl fmt::Display for StepBenchReport {
@@ -213,6 +220,37 @@ impl fmt::Display for StepBenchReport {
                         p.batch, k, tokens, ms, tps, ratio
                     )?;
                 }
+            }
+        }
+        if !self.adaptive.is_empty() {
+            writeln!(
+                f,
+                "adaptive k (the engine's policy choosing each step's k, acceptance drawn per request at the rates \
+                 above): decisions per k; tokens/s measured, and projected at its decisions by the fixed steps' \
+                 times; the best fixed k's projection"
+            )?;
+            writeln!(
+                f,
+                "{:>6} {:>22} {:>10} {:>10} {:>7} {:>10} {:>9}",
+                "batch", "decisions k=0/1/2/..", "measured", "projected", "best k", "best tok/s", "meas/best"
+            )?;
+            let steps: Vec<_> = self.rows.iter().map(|r| (r.batch, r.k, r.target_ms + r.draft_ms)).collect();
+            let proj = crate::spec_projection::project(&steps, &self.acceptance);
+            for run in &self.adaptive {
+                let Some(p) = proj.iter().find(|p| p.batch == run.batch) else { continue };
+                let best = p.per_k.iter().find(|r| r.0 == p.best).map_or(f64::NAN, |r| r.3);
+                let decisions: Vec<String> = run.decisions.iter().map(|n| n.to_string()).collect();
+                writeln!(
+                    f,
+                    "{:>6} {:>22} {:>10.0} {:>10.0} {:>7} {:>10.0} {:>9.3}",
+                    run.batch,
+                    decisions.join("/"),
+                    run.tokens_per_s(),
+                    run.projected(p, &self.acceptance).unwrap_or(f64::NAN),
+                    p.best,
+                    best,
+                    run.tokens_per_s() / best
+                )?;
             }
         }
         if !self.prefill.is_empty() {
@@ -313,6 +351,49 @@ fn chunks(b: usize, len: usize, start: usize, per: usize, vocab: usize, prefill:
             prefill,
         })
         .collect()
+}
+
+/// A decode window of `len` tokens for each of `b` requests after `start` cached ones:
+/// every row's logits to the host, or only each row's argmax.
+fn window(b: usize, len: usize, start: usize, per_seq: usize, cfg: &ModelConfig, host_logits: bool) -> Batch {
+    let all = (0..(b * len) as u32).collect::<Vec<u32>>();
+    let (argmax_rows, logit_rows) = if host_logits { (vec![], all) } else { (all, vec![]) };
+    Batch {
+        argmax_rows,
+        sample_rows: vec![],
+        seqs: chunks(b, len, start, per_seq, cfg.vocab_size, false),
+        logit_rows,
+        ..Default::default()
+    }
+}
+
+/// One decode step of `b` requests with `k` drafts: the target forward over windows of
+/// `1 + k` tokens, then the drafter's k MTP stages (the first over the windows, the rest
+/// one token each). Returns the two parts' wall times in ms.
+fn one_step(
+    be: &mut CudaBackend,
+    cfg: &ModelConfig,
+    b: usize,
+    k: usize,
+    context: usize,
+    per_seq: usize,
+    host_logits: bool,
+) -> Result<(f64, f64)> {
+    let s = 1 + k;
+    let target = window(b, s, context, per_seq, cfg, host_logits);
+    let t0 = Instant::now();
+    let out = be.forward(&target).map_err(core_err)?;
+    let t1 = Instant::now();
+    if k > 0 {
+        let ident: Vec<u32> = (0..(b * s) as u32).collect();
+        let mut prev = be.mtp_forward(0, &target, &out.hidden, &ident).map_err(core_err)?.hidden;
+        for d in 1..k {
+            let one = window(b, 1, context + d, per_seq, cfg, host_logits);
+            let rows: Vec<u32> = (0..b).map(|i| (i * if d == 1 { s } else { 1 }) as u32).collect();
+            prev = be.mtp_forward(0, &one, &prev, &rows).map_err(core_err)?.hidden;
+        }
+    }
+    Ok(((t1 - t0).as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -432,36 +513,28 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
     let wb = be.weight_bytes();
     let layer_cache = (cfg.latent_dim() * 2) as f64;
     let target_layers = cfg.num_hidden_layers as f64;
+    if opts.adaptive_cycles > 0 {
+        let k_max = opts.ks.iter().copied().max().unwrap_or(0);
+        if tp.is_some() || opts.acceptance.is_empty() || (0..=k_max).any(|k| !opts.ks.contains(&k)) {
+            return Err(CudaError::shape(
+                "bench_step",
+                "adaptive cycles need one rank, the acceptance rates and every k from 0 to the largest timed \
+                 first (its graphs captured before the policy times them)",
+            ));
+        }
+    }
     let mut rows = Vec::new();
+    let mut adaptive = Vec::new();
     for &b in &opts.batches {
         for &k in &opts.ks {
             let s = 1 + k;
-            let all = |len: usize| (0..(b * len) as u32).collect::<Vec<u32>>();
-            let window = |len: usize, start: usize| Batch {
-                argmax_rows: if opts.host_logits { vec![] } else { all(len) },
-                sample_rows: vec![],
-                seqs: chunks(b, len, start, per_seq, cfg.vocab_size, false),
-                logit_rows: if opts.host_logits { all(len) } else { vec![] },
-                ..Default::default()
-            };
-            let target = window(s, opts.context);
+            let target = window(b, s, opts.context, per_seq, &cfg, opts.host_logits);
             let (mut tt, mut td) = (Vec::new(), Vec::new());
             for it in 0..opts.iters + 1 {
-                let t0 = Instant::now();
-                let out = be.forward(&target).map_err(core_err)?;
-                let t1 = Instant::now();
-                if k > 0 {
-                    let ident: Vec<u32> = (0..(b * s) as u32).collect();
-                    let mut prev = be.mtp_forward(0, &target, &out.hidden, &ident).map_err(core_err)?.hidden;
-                    for d in 1..k {
-                        let one = window(1, opts.context + d);
-                        let rows: Vec<u32> = (0..b).map(|i| (i * if d == 1 { s } else { 1 }) as u32).collect();
-                        prev = be.mtp_forward(0, &one, &prev, &rows).map_err(core_err)?.hidden;
-                    }
-                }
+                let (t, d) = one_step(&mut be, &cfg, b, k, opts.context, per_seq, opts.host_logits)?;
                 if it > 0 {
-                    tt.push((t1 - t0).as_secs_f64() * 1e3);
-                    td.push(t1.elapsed().as_secs_f64() * 1e3);
+                    tt.push(t);
+                    td.push(d);
                 }
             }
             let mut profile = Vec::new();
@@ -500,6 +573,13 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
                 comm_ms: comm * 1e3,
                 profile,
             });
+        }
+        if opts.adaptive_cycles > 0 {
+            let k_max = opts.ks.iter().copied().max().unwrap_or(0);
+            let run = crate::spec_projection::run_adaptive(b, k_max, &opts.acceptance, opts.adaptive_cycles, 3, |k| {
+                one_step(&mut be, &cfg, b, k, opts.context, per_seq, opts.host_logits)
+            })?;
+            adaptive.push(run);
         }
     }
     let mut prefill = Vec::new();
@@ -558,5 +638,6 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
         },
         memory: be.memory_plan(),
         acceptance: opts.acceptance.clone(),
+        adaptive,
     })
 }

@@ -33,3 +33,4 @@ pub use error::{EngineError, Result};
 pub use handle::{EngineHandle, EngineInfo};
 pub use mlaserve_core::RowLogprobs;
 pub use prefix::PrefixStats;
+pub use speculation::AdaptiveK;

@@ -450,6 +450,44 @@ impl Policy {
     }
 }
 
+/// The adaptive policy driven from outside an engine, over steps whose requests draft
+/// from whole MTP layers and have no counts of their own (every request expects the
+/// overall rates): `mlaserve bench step --adaptive` runs it over measured steps at
+/// DeepSeek-V3's widths with a given acceptance. Per cycle: [`AdaptiveK::choose`], run
+/// the step, [`AdaptiveK::cycle`] with its times, [`AdaptiveK::observe`] per request.
+#[derive(Debug, Clone)]
+pub struct AdaptiveK(Policy);
+
+impl AdaptiveK {
+    /// Choices in `0..=k_max` (at most [`KMAX`]).
+    pub fn new(k_max: usize) -> Self {
+        AdaptiveK(Policy::new(k_max.min(KMAX), true))
+    }
+
+    /// The k of the next step of `n` requests.
+    pub fn choose(&mut self, n: usize) -> usize {
+        const NONE: [u64; KMAX] = [0; KMAX];
+        self.0.choose((0..n).map(|_| Counts { offered: &NONE, accepted: &NONE, whole: KMAX }), true)
+    }
+
+    /// The step of `n` decode rows chose `k`: its drafting took `draft_us`, its target
+    /// forward and verification `step_us`.
+    pub fn cycle(&mut self, k: usize, n: usize, draft_us: u64, step_us: u64) {
+        self.0.drafted(k, draft_us, true);
+        self.0.stepped(k, n, step_us, true);
+    }
+
+    /// One request's window of `k` drafts, `accepted` of them accepted.
+    pub fn observe(&mut self, k: usize, accepted: usize) {
+        self.0.observe(k, accepted, KMAX);
+    }
+
+    /// The choices so far and the estimates behind them.
+    pub fn stats(&self) -> SpecStats {
+        self.0.stats()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -629,5 +667,29 @@ mod tests {
         assert_eq!(bucket_of(2), 1);
         assert_eq!(bucket_of(3), 2);
         assert_eq!(bucket_of(256), 8);
+    }
+
+    #[test]
+    fn the_facade_drives_the_same_policy() {
+        // As `bench step --adaptive` drives it: the middle k of the test above wins.
+        let cost = [1000.0, 1200.0, 1400.0, 2400.0];
+        let mut a = AdaptiveK::new(3);
+        let mut chosen = [0u64; 4];
+        for step in 0..1000usize {
+            let k = a.choose(16);
+            chosen[k] += 1;
+            a.cycle(k, 16, 0, (cost[k] * 16.0) as u64);
+            for r in 0..16 {
+                let mut acc = 0;
+                while acc < k && ((step * 16 + r) * 7919 + acc * 104_729) % 1000 < 900 {
+                    acc += 1;
+                }
+                a.observe(k, acc);
+            }
+        }
+        assert!(chosen[2] > 900, "{chosen:?}");
+        let s = a.stats();
+        assert_eq!(s.steps_per_k.iter().sum::<u64>(), 1000);
+        assert!((s.rates[0] - 0.9).abs() < 0.05, "{:?}", s.rates);
     }
 }

@@ -69,6 +69,11 @@ struct StepArgs {
     /// projected tokens per second per batch size and the best k.
     #[arg(long, value_delimiter = ',')]
     acceptance: Vec<f64>,
+    /// After each batch size's fixed-k steps, run this many steps whose k the engine's
+    /// adaptive policy chooses, accepting drafts at `--acceptance`: the k it chooses and
+    /// its tokens/s beside the best fixed k's (one rank; `--ks` must list 0 ..= the max).
+    #[arg(long, default_value_t = 0, requires = "acceptance")]
+    adaptive: usize,
     /// Cached tokens per request before the step.
     #[arg(long, default_value_t = 1024)]
     context: usize,
@@ -341,6 +346,11 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
     let kmax = mlaserve_engine::MAX_SPECULATIVE_TOKENS;
     anyhow::ensure!(!a.ks.is_empty() && a.ks.iter().all(|&k| k <= kmax), "--ks: each k must be 0 ..= {kmax}");
     anyhow::ensure!(a.acceptance.iter().all(|r| (0.0..=1.0).contains(r)), "--acceptance: each rate must be in [0, 1]");
+    let top = a.ks.iter().copied().max().unwrap_or(0);
+    anyhow::ensure!(
+        a.adaptive == 0 || (a.tp == 1 && (0..=top).all(|k| a.ks.contains(&k))),
+        "--adaptive runs one rank (not --tp) and needs --ks to list every k from 0 to {top}"
+    );
     let defaults = mlaserve_cuda_lab::bench_step::StepBenchOpts::default();
     let prefill = match a.prefill.as_slice() {
         [] => defaults.prefill.clone(),
@@ -358,6 +368,7 @@ fn step_bench(a: StepArgs) -> anyhow::Result<()> {
         batches: a.batches.clone(),
         ks: a.ks.clone(),
         acceptance: a.acceptance.clone(),
+        adaptive_cycles: a.adaptive,
         context: a.context,
         profile: a.profile,
         host_logits: a.host_logits,
