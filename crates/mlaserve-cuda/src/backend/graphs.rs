@@ -18,9 +18,11 @@
 //! - The head (logits, argmax, sampling) stays eager: the rows it serves change every
 //!   step, and it is a few launches.
 //!
-//! Eager, always: profiling (its marks wait for the stream), the batch-invariant mode (no
-//! decode kernel), models whose MoE sorts on the host (a mid-step wait), steps with
-//! prefill chunks or mixed window lengths, and shapes past the buckets. A capture that
+//! Eager, always: profiling (its marks wait for the stream), the CUDA-core batch-invariant
+//! mode (no decode kernel), models whose MoE sorts on the host (a mid-step wait), steps
+//! with prefill chunks or mixed window lengths, shapes past the buckets, and the varlen
+//! attention (latent widths without the tensor-core kernel, in the batch-invariant mode
+//! or with an fp8 cache) over tables past 48 KiB of its shared memory. A capture that
 //! fails is logged and not retried for its key; that step runs eagerly (on a
 //! tensor-parallel rank it fails the step instead: its peers would run the step's
 //! collectives without it).
@@ -48,6 +50,9 @@ use crate::layout::{seq_bucket, table_bucket, AttnMeta, StepLayout, MAX_GRAPH_RO
 
 /// Most graphs a backend keeps; later shapes run eagerly.
 const MAX_GRAPHS: usize = 512;
+/// Most dynamic shared memory the varlen decode attention may take inside a graph
+/// (the default limit: no attribute to set while capturing).
+const VARLEN_GRAPH_SMEM: usize = 48 * 1024;
 
 /// Which forward a graph holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -238,10 +243,14 @@ impl CudaBackend {
         let c = &self.cfg;
         let dims = DecodeDims { batch: seqs, heads, q_len, dlat: c.kv_lora_rank, drope: c.qk_rope_head_dim, bt_stride };
         // Fixed-size splits or an fp8 cache on latent widths without the tensor-core
-        // kernel: every row runs the varlen kernel (layer.rs), eagerly.
+        // kernel: every row runs the varlen kernel (layer.rs), whose result for a row
+        // depends on that row alone. In a graph its shared memory is sized for the whole
+        // table bucket (eagerly, for the step's longest context): graphs only where that
+        // fits the default 48 KiB, so a capture sets no kernel attribute.
         let varlen = self.mla.fixed_split_blocks(bt_stride).is_some()
             || self.opts.kv_cache_dtype == mlaserve_core::KvCacheDtype::Fp8;
-        if varlen && !crate::MlaDecode::is_fast_path(&dims) {
+        let varlen_smem = (dims.dlat + dims.drope + bt_stride * BLOCK_SIZE) * 4;
+        if varlen && !crate::MlaDecode::is_fast_path(&dims) && varlen_smem > VARLEN_GRAPH_SMEM {
             return None;
         }
         let max_len = batch.seqs.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
