@@ -8,7 +8,9 @@
 #   tools/spec_sweep.sh [MLASERVE_BINARY]      # default: target/release/mlaserve
 #
 # Environment: BACKEND (cpu or cuda; default cpu), CONC (default "1 4 16 64 256"), PROMPT
-# (prompt tokens, default 64), NEW (new tokens, default 128), REQS (requests per stream and
+# (prompt tokens, default 64), PROMPTS (a JSONL of prompts for `bench serve --prompts`
+# instead of random ids, e.g. the bundled model's eval_prompts.jsonl: acceptance on text
+# like the model's own), NEW (new tokens, default 128), REQS (requests per stream and
 # run, default 2; at least 8 a run), ROUNDS (runs per server and concurrency, default 3),
 # LOGS (default a temporary directory), TP (default 1), PORT (the first of the servers'
 # ports, default 21450; each takes ten from there). The three servers run side by
@@ -23,6 +25,8 @@ bin="${1:-$repo/target/release/mlaserve}"
 backend="${BACKEND:-cpu}"
 conc="${CONC:-1 4 16 64 256}"
 prompt="${PROMPT:-64}"
+prompts_arg=()
+[[ -n "${PROMPTS:-}" ]] && prompts_arg=(--prompts "$PROMPTS")
 new="${NEW:-128}"
 reqs="${REQS:-2}"
 rounds="${ROUNDS:-3}"
@@ -107,7 +111,7 @@ bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into 
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
     ((n < 8)) && n=8
     "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$c" --requests "$n" \
-        --prompt-tokens "$prompt" --max-new-tokens "$new" >"$log" 2>&1 ||
+        --prompt-tokens "$prompt" "${prompts_arg[@]}" --max-new-tokens "$new" >"$log" 2>&1 ||
         { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
     runs[$m,$c]+="$(awk '/^throughput/ {print $2}' "$log") "
 }
@@ -152,7 +156,9 @@ for c in $conc; do
 done
 
 echo
-echo "backend $backend, TP $tp, $prompt-token prompts, $new new tokens, median of $rounds interleaved runs;"
+prompts="$prompt-token prompts"
+[[ -n "${PROMPTS:-}" ]] && prompts="prompts of $PROMPTS"
+echo "backend $backend, TP $tp, $prompts, $new new tokens, median of $rounds interleaved runs;"
 echo "generated tokens/s (logs: $logs)"
 echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"

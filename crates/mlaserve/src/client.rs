@@ -214,6 +214,11 @@ pub struct BenchArgs {
     /// --addr, the HTTP API (`http://host:port`; one connection per request).
     #[arg(long, value_enum, default_value_t = Api::Grpc)]
     pub api: Api,
+    /// Prompts from a JSONL file instead of random ids: one `{"prompt_ids": [ids]}` per
+    /// line (as `models/*/eval_prompts.jsonl`); request i sends line i mod their number
+    /// (--prompt-tokens and --vocab then do not apply). The random workload only.
+    #[arg(long)]
+    pub prompts: Option<std::path::PathBuf>,
 }
 
 /// `bench serve --api`.
@@ -260,8 +265,35 @@ impl BenchArgs {
             system_prompt_tokens: (1024, 2048),
             turns: 4,
             api: Api::Grpc,
+            prompts: None,
         }
     }
+}
+
+/// The prompts of a `--prompts` file: one JSON object per non-empty line, its
+/// `prompt_ids` an array of token ids. Errors name the file and the line.
+pub fn load_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>, ClientError> {
+    let at = |n: usize, why: &str| ClientError::Protocol(format!("--prompts {}: line {n}: {why}", path.display()));
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ClientError::Protocol(format!("--prompts {}: {e}", path.display())))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| at(i + 1, &e.to_string()))?;
+        let ids = v["prompt_ids"].as_array().ok_or_else(|| at(i + 1, "no \"prompt_ids\" array"))?;
+        let ids = ids
+            .iter()
+            .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| at(i + 1, "\"prompt_ids\" holds something other than token ids"))?;
+        if ids.is_empty() {
+            return Err(at(i + 1, "an empty prompt"));
+        }
+        prompts.push(ids);
+    }
+    if prompts.is_empty() {
+        return Err(ClientError::Protocol(format!("--prompts {}: no prompts", path.display())));
+    }
+    Ok(prompts)
 }
 
 /// One request's outcome as the client saw it.
@@ -424,6 +456,9 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
         Api::Openai => Some(crate::http_bench::authority(&args.server.addr).map_err(ClientError::Protocol)?),
     };
     if args.workload == Workload::SharedPrefix {
+        if args.prompts.is_some() {
+            return Err(ClientError::Protocol("--prompts applies to the random workload only".into()));
+        }
         if http.is_some() {
             return Err(ClientError::Protocol(
                 "--workload shared-prefix runs over gRPC only (its turns extend the token ids of the replies)".into(),
@@ -431,6 +466,7 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
         }
         return crate::workload::conversations(args).await;
     }
+    let prompts = args.prompts.as_deref().map(load_prompts).transpose()?;
     let mut clients = Vec::new();
     if http.is_none() {
         for _ in 0..args.connections.max(1) {
@@ -475,7 +511,10 @@ pub async fn bench(args: &BenchArgs) -> Result<BenchReport, ClientError> {
         if Instant::now() >= deadline {
             break;
         }
-        let ids = bench_prompt(i, args.prompt_tokens, args.vocab);
+        let ids = match &prompts {
+            Some(d) => d[i % d.len()].clone(),
+            None => bench_prompt(i, args.prompt_tokens, args.vocab),
+        };
         if let Some(authority) = http.clone() {
             let (done, key, max) = (done.clone(), args.server.api_key.clone(), args.max_new_tokens);
             tasks.spawn(async move {
@@ -543,5 +582,36 @@ pub fn report(samples: Vec<Sample>, wall: Duration) -> BenchReport {
         prompt_tokens: ok.iter().map(|s| s.prompt_tokens as u64).sum(),
         cached_prompt_tokens: ok.iter().map(|s| s.cached_prompt_tokens as u64).sum(),
         samples,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn a_prompts_file_reads_its_prompts_and_names_a_bad_line() {
+        let f = file("{\"prompt_ids\": [0, 4, 2540]}\n\n{\"prompt_ids\": [7], \"other\": 1}\n");
+        assert_eq!(load_prompts(f.path()).unwrap(), vec![vec![0, 4, 2540], vec![7]]);
+        let bundled =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code/eval_prompts.jsonl");
+        assert_eq!(load_prompts(&bundled).unwrap().len(), 50);
+        for (text, why) in [
+            ("{\"prompt_ids\": [1]}\n{\"prompt\": \"x\"}\n", "line 2: no \"prompt_ids\" array"),
+            ("{\"prompt_ids\": [1, -2]}\n", "line 1: \"prompt_ids\" holds something other than token ids"),
+            ("{\"prompt_ids\": []}\n", "line 1: an empty prompt"),
+            ("not json\n", "line 1: "),
+            ("\n", "no prompts"),
+        ] {
+            let f = file(text);
+            let e = load_prompts(f.path()).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(&f.path().display().to_string()), "{text:?}: {e}");
+        }
     }
 }
