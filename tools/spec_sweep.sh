@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculation at every load (docs/PERFORMANCE.md, "Adaptive speculation"): three `mlaserve
+# Speculation at every load (docs/PERFORMANCE.md, "Adaptive k"): three `mlaserve
 # serve` processes on the bundled model — fixed k = 0, fixed k = 3 and adaptive k (at most
 # 3) — and `bench serve` at each concurrency against each, interleaved (each round in a
 # rotated order, so drift of the machine's speed falls on all three alike); one table of

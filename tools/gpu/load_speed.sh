@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Loading speed of a DeepSeek-V3-width fp8 checkpoint in the HF layout, beside the disk's
-# and the page cache's read rates of the same files, all in one run (docs/PERFORMANCE.md).
+# and the page cache's read rates of the same files, all in one run (docs/PERFORMANCE-fp8.md).
 #
 # On the GPU machine, from the repo root, over a staged pack (tools/gpu/stage.sh --pack):
 #   GPU_PACK=.gpu-pack/gpu.tar.xz tools/gpu/load_speed.sh [LAYERS]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSeek-V3 served at its real widths: a tensor-parallel worker group on random fp8
 # weights (`--load-format dummy`: the 688 GB checkpoint need not be on disk), a router,
-# and `bench serve` at 64, 128, 256 and 512 concurrent streams (docs/PERFORMANCE.md).
+# and `bench serve` at 64, 128, 256 and 512 concurrent streams (docs/PERFORMANCE-fp8.md).
 #
 # On an 8-GPU machine, from the repo root, over a staged pack (tools/gpu/stage.sh --pack):
 #   GPU_PACK=.gpu-pack/gpu.tar.xz tools/gpu/serve_v3.sh            # TP 8, all 61 layers
