@@ -210,6 +210,11 @@ pub struct BenchArgs {
     /// shared-prefix: turns per conversation.
     #[arg(long, default_value_t = 4)]
     pub turns: usize,
+    /// shared-prefix: a user's think time between a reply and the next turn, mean in ms
+    /// (exponential draws from a fixed seed; 0: the next turn at once). The conversation's
+    /// stream is idle meanwhile, as a chat user's is.
+    #[arg(long, default_value_t = 0)]
+    pub think_time_ms: u64,
     /// `grpc`: `mlaserve.v1` at --addr; `openai`: streaming `POST /v1/completions` at
     /// --addr, the HTTP API (`http://host:port`; one connection per request).
     #[arg(long, value_enum, default_value_t = Api::Grpc)]
@@ -264,6 +269,7 @@ impl BenchArgs {
             system_prompts: 8,
             system_prompt_tokens: (1024, 2048),
             turns: 4,
+            think_time_ms: 0,
             api: Api::Grpc,
             prompts: None,
         }
