@@ -513,22 +513,19 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
     let wb = be.weight_bytes();
     let layer_cache = (cfg.latent_dim() * 2) as f64;
     let target_layers = cfg.num_hidden_layers as f64;
-    if opts.adaptive_cycles > 0 {
-        let k_max = opts.ks.iter().copied().max().unwrap_or(0);
-        if tp.is_some() || opts.acceptance.is_empty() || (0..=k_max).any(|k| !opts.ks.contains(&k)) {
-            return Err(CudaError::shape(
-                "bench_step",
-                "adaptive cycles need one rank, the acceptance rates and every k from 0 to the largest timed \
-                 first (its graphs captured before the policy times them)",
-            ));
-        }
+    let every_k_timed = (0..=max_k).all(|k| opts.ks.contains(&k));
+    if opts.adaptive_cycles > 0 && (tp.is_some() || opts.acceptance.is_empty() || !every_k_timed) {
+        return Err(CudaError::shape(
+            "bench_step",
+            "adaptive cycles need one rank, the acceptance rates and every k from 0 to the largest timed first \
+             (its graphs captured before the policy times them)",
+        ));
     }
     let mut rows = Vec::new();
     let mut adaptive = Vec::new();
     for &b in &opts.batches {
         for &k in &opts.ks {
             let s = 1 + k;
-            let target = window(b, s, opts.context, per_seq, &cfg, opts.host_logits);
             let (mut tt, mut td) = (Vec::new(), Vec::new());
             for it in 0..opts.iters + 1 {
                 let (t, d) = one_step(&mut be, &cfg, b, k, opts.context, per_seq, opts.host_logits)?;
@@ -539,6 +536,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             }
             let mut profile = Vec::new();
             if opts.profile {
+                let target = window(b, s, opts.context, per_seq, &cfg, opts.host_logits);
                 be.set_profile(true);
                 let out = be.forward(&target).map_err(core_err)?;
                 if k > 0 {
@@ -575,8 +573,7 @@ pub fn bench_step_rank(opts: &StepBenchOpts, tp: Option<&TpInit>) -> Result<Step
             });
         }
         if opts.adaptive_cycles > 0 {
-            let k_max = opts.ks.iter().copied().max().unwrap_or(0);
-            let run = crate::spec_projection::run_adaptive(b, k_max, &opts.acceptance, opts.adaptive_cycles, 3, |k| {
+            let run = crate::spec_projection::run_adaptive(b, max_k, &opts.acceptance, opts.adaptive_cycles, 3, |k| {
                 one_step(&mut be, &cfg, b, k, opts.context, per_seq, opts.host_logits)
             })?;
             adaptive.push(run);

@@ -494,6 +494,16 @@ mod tests {
 
     const NONE: [u64; KMAX] = [0; KMAX];
 
+    /// Drafts accepted in window `w` of `k` drafts: deterministic, `rate` of the offers at
+    /// each position.
+    fn accepted(w: usize, k: usize, rate: f64) -> usize {
+        let mut a = 0;
+        while a < k && (w * 7919 + a * 104_729) % 1000 < (rate * 1000.0) as usize {
+            a += 1;
+        }
+        a
+    }
+
     /// Runs `steps` decisions for `n` requests with acceptance `rate` per position, the
     /// cost of a cycle at k being `cost(k)` µs; returns how often each k was chosen.
     fn run(p: &mut Policy, n: usize, steps: usize, rate: f64, cost: impl Fn(usize) -> f64) -> Vec<u64> {
@@ -501,13 +511,8 @@ mod tests {
         for step in 0..steps {
             let k = p.choose((0..n).map(|_| Counts { offered: &NONE, accepted: &NONE, whole: KMAX }), true);
             chosen[k] += 1;
-            // Accepted drafts: deterministic, `rate` of the offers at each position.
             for r in 0..n {
-                let mut a = 0;
-                while a < k && ((step * n + r) * 7919 + a * 104_729) % 1000 < (rate * 1000.0) as usize {
-                    a += 1;
-                }
-                p.observe(k, a, k);
+                p.observe(k, accepted(step * n + r, k, rate), k);
             }
             p.drafted(k, 0, true);
             p.stepped(k, n, cost(k) as u64, true);
@@ -680,11 +685,7 @@ mod tests {
             chosen[k] += 1;
             a.cycle(k, 16, 0, (cost[k] * 16.0) as u64);
             for r in 0..16 {
-                let mut acc = 0;
-                while acc < k && ((step * 16 + r) * 7919 + acc * 104_729) % 1000 < 900 {
-                    acc += 1;
-                }
-                a.observe(k, acc);
+                a.observe(k, accepted(step * 16 + r, k, 0.9));
             }
         }
         assert!(chosen[2] > 900, "{chosen:?}");

@@ -50,9 +50,6 @@ use crate::layout::{seq_bucket, table_bucket, AttnMeta, StepLayout, MAX_GRAPH_RO
 
 /// Most graphs a backend keeps; later shapes run eagerly.
 const MAX_GRAPHS: usize = 512;
-/// Most dynamic shared memory the varlen decode attention may take inside a graph
-/// (the default limit: no attribute to set while capturing).
-const VARLEN_GRAPH_SMEM: usize = 48 * 1024;
 
 /// Which forward a graph holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -249,8 +246,8 @@ impl CudaBackend {
         // fits the default 48 KiB, so a capture sets no kernel attribute.
         let varlen = self.mla.fixed_split_blocks(bt_stride).is_some()
             || self.opts.kv_cache_dtype == mlaserve_core::KvCacheDtype::Fp8;
-        let varlen_smem = (dims.dlat + dims.drope + bt_stride * BLOCK_SIZE) * 4;
-        if varlen && !crate::MlaDecode::is_fast_path(&dims) && varlen_smem > VARLEN_GRAPH_SMEM {
+        let smem = crate::ops::attn::varlen_smem(dims.dlat + dims.drope, bt_stride * BLOCK_SIZE - 1);
+        if varlen && !crate::MlaDecode::is_fast_path(&dims) && smem > crate::ops::attn::DEFAULT_SMEM {
             return None;
         }
         let max_len = batch.seqs.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);

@@ -29,6 +29,15 @@ struct HeadsTc {
 /// Bytes of split-K partials one `heads_tc` launch may write; more rows run in slabs.
 const HEADS_PARTIAL_BYTES: usize = 32 << 20;
 
+/// Dynamic shared memory a kernel takes without raising its attribute.
+pub(crate) const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// Dynamic shared memory of `mla_attn_varlen` for entries of `dqk` channels and
+/// positions up to `max_pos`: the query and every position's score, f32.
+pub(crate) fn varlen_smem(dqk: usize, max_pos: usize) -> usize {
+    (dqk + max_pos + 1) * 4
+}
+
 /// `heads_tc`'s split of K, from K alone (so a row's sums never depend on the batch):
 /// (ranges, width). Long sums (W_UV's K = 512) run as 128-wide ranges, four times the
 /// blocks of one pass over K: a decode call has a single 64-row tile per head, and
@@ -224,7 +233,7 @@ impl Ops {
         if n == 0 {
             return Ok(());
         }
-        let smem = (dqk + meta.max_pos + 1) * 4;
+        let smem = varlen_smem(dqk, meta.max_pos);
         if smem > self.max_smem {
             return Err(CudaError::shape(
                 K,
@@ -232,7 +241,7 @@ impl Ops {
             ));
         }
         let f = if self.kv_fp8 { &self.attn_fp8 } else { &self.attn };
-        if smem > 48 * 1024 {
+        if smem > DEFAULT_SMEM {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
