@@ -35,8 +35,10 @@
 //   and promote. wgmma's fp8 accumulator keeps fewer bits than f32 (the checks measure
 //   up to ~2.5e-4 relative L2 against the f64 reference), so the wgmma kernels are not
 //   bit-identical to fp8_stream.
+// - fp8_gemm_wide_*: the same sums over 128 × 256 tiles, persistent (fp8_tile.cuh); the
+//   plan picks it where its fewer, larger tiles still fill the SMs (fp8_plan.rs).
 
-#include "fp8.cuh"
+#include "fp8_tile.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
     act_quant_bf16(const bf16* x, uint8_t* q, float* s, int m, int k, int kx) {
@@ -135,6 +137,15 @@ FP8_STREAM(fp8_stream4_of32, float, 4)
     }
 FP8_GEMM_WG(fp8_gemm_wg_obf16, bf16)
 FP8_GEMM_WG(fp8_gemm_wg_of32, float)
+
+#define FP8_GEMM_WIDE(NAME, T)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
+        NAME(const __grid_constant__ CUtensorMap tx, const __grid_constant__ CUtensorMap tw, T* y, const float* xs, \
+             const float* ws, int m, int n, int k) {                                                              \
+        fp8_gemm_wide<T, 256>(&tx, &tw, y, xs, ws, m, n, k);                                                      \
+    }
+FP8_GEMM_WIDE(fp8_gemm_wide_obf16, bf16)
+FP8_GEMM_WIDE(fp8_gemm_wide_of32, float)
 
 #define FP8_STREAM_WG(NAME, T, NT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(f8g::THREADS, f8g::Cfg<NT>::BLOCKS_PER_SM)                        \

@@ -36,6 +36,7 @@ const NO_SPILL_PREFIXES: &[&str] = &[
     "moe_grouped_wg",
     "fp8_stream",
     "fp8_gemm_wg",
+    "fp8_gemm_wide",
     "fp8_grouped",
 ];
 

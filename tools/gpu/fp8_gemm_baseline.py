@@ -14,7 +14,7 @@ Each is captured in a CUDA graph of one call per weight copy (at least 8; copies
 timed with CUDA events; the median over replays, per call, is printed in µs with
 TFLOP/s and weight GB/s (the same method as `mlaserve-cuda-check --fp8`).
 
-Usage: python3 tools/gpu/fp8_gemm_baseline.py [--quick] [--iters N]
+Usage: python3 tools/gpu/fp8_gemm_baseline.py [--quick] [--iters N] [--rows 256,4096]
 """
 import argparse
 import statistics
@@ -73,8 +73,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--rows", help="comma-separated row counts (default: the full sweep)")
     args = ap.parse_args()
     rows = [1, 64, 4096] if args.quick else ROWS
+    if args.rows:
+        rows = [int(r) for r in args.rows.split(",")]
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
     hdr = f"{'shape':<26} {'m':>5} {'block us':>9} {'TF/s':>7} {'GB/s':>7} {'tensor us':>9} {'TF/s':>7} {'bf16 us':>9} {'TF/s':>7}"

@@ -59,6 +59,8 @@ pub struct Fp8BenchRow {
     /// [`Fp8Path::Portable`] (the mma.sync streaming kernel), Hopper only.
     pub portable_us: Option<f64>,
     pub wgmma_us: Option<f64>,
+    /// [`Fp8Path::Wide`], Hopper only.
+    pub wide_us: Option<f64>,
     pub cublas_us: f64,
     /// Weight bytes (fp8 codes + scales).
     pub weight_bytes: usize,
@@ -76,7 +78,7 @@ impl fmt::Display for Fp8BenchReport {
         writeln!(f, "device: {}; copy bandwidth {:.0} GB/s (read + write)", self.device, self.copy_gbps)?;
         writeln!(
             f,
-            "{:<26} {:>5} {:>8} {:>9} {:>10} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}",
+            "{:<26} {:>5} {:>8} {:>9} {:>10} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7}",
             "shape",
             "m",
             "quant us",
@@ -89,6 +91,7 @@ impl fmt::Display for Fp8BenchReport {
             "mma us",
             "wgmma us",
             "cublas us",
+            "wide us",
             "cb TF/s",
             "vs cb"
         )?;
@@ -97,7 +100,7 @@ impl fmt::Display for Fp8BenchReport {
             let gbps = r.weight_bytes as f64 / (r.auto_us * 1e-6) / 1e9;
             writeln!(
                 f,
-                "{:<26} {:>5} {:>8.1} {:>9.1} {:>10} {:>8.0} {:>5.0}% {:>8.1} {:>9.1} {:>9} {:>9} {:>9.1} {:>8.1} {:>6.2}x",
+                "{:<26} {:>5} {:>8.1} {:>9.1} {:>10} {:>8.0} {:>5.0}% {:>8.1} {:>9.1} {:>9} {:>9} {:>9.1} {:>8} {:>8.1} {:>6.2}x",
                 r.name,
                 r.m,
                 r.quant_us,
@@ -110,6 +113,7 @@ impl fmt::Display for Fp8BenchReport {
                 r.portable_us.map_or("-".to_string(), |t| format!("{t:.1}")),
                 r.wgmma_us.map_or("-".to_string(), |t| format!("{t:.1}")),
                 r.cublas_us,
+                r.wide_us.map_or("-".to_string(), |t| format!("{t:.1}")),
                 flop / (r.cublas_us * 1e-6) / 1e12,
                 r.cublas_us / r.auto_us
             )?;
@@ -154,6 +158,23 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
             let mut xs = s.alloc_zeros::<f32>(m * k / FP8_BLOCK)?;
             let mut y = s.alloc_zeros::<bf16>(m * n)?;
             let quant = time_calls(gpu, opts.warmup, iters, || fp8.act_quant(s, &x, m, k, &mut xq, &mut xs))?;
+            // The wide tile kernel must give the narrow one's bits (the same sums).
+            let wide_check = fp8.has_wgmma();
+            if wide_check {
+                let mut bits = Vec::new();
+                for path in [Fp8Path::Wgmma, Fp8Path::Wide] {
+                    fp8.path = path;
+                    s.memset_zeros(&mut y)?;
+                    fp8.forward_quantized(s, &ws[0], &xq, &xs, m, &mut y)?;
+                    bits.push(s.clone_dtoh(&y)?);
+                }
+                if let Some(j) = bits[0].iter().zip(&bits[1]).position(|(a, b)| a.to_bits() != b.to_bits()) {
+                    return Err(mlaserve_cuda::CudaError::shape(
+                        "bench fp8",
+                        format!("{name} m={m}: the wide tile kernel differs from the narrow one at output {j}"),
+                    ));
+                }
+            }
             let calls = copies.max(GRAPH_MIN_CALLS);
             let mut time_path = |fp8: &mut Fp8Gemm, path: Fp8Path| -> Result<f64> {
                 fp8.path = path;
@@ -168,6 +189,7 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
             let stream_us = time_path(&mut fp8, Fp8Path::Stream)?;
             let portable_us = if fp8.has_wgmma() { Some(time_path(&mut fp8, Fp8Path::Portable)?) } else { None };
             let wgmma_us = if fp8.has_wgmma() { Some(time_path(&mut fp8, Fp8Path::Wgmma)?) } else { None };
+            let wide_us = if wide_check { Some(time_path(&mut fp8, Fp8Path::Wide)?) } else { None };
             fp8.path = Fp8Path::Auto;
             let auto_kernel =
                 Fp8Path::Auto.kernel(m, n, k, gpu.num_sms, fp8.has_wgmma()).map_or("-", |kind| kind.name());
@@ -187,6 +209,7 @@ pub fn bench_fp8(gpu: &Gpu, opts: &Fp8BenchOpts) -> Result<Fp8BenchReport> {
                 stream_us,
                 portable_us,
                 wgmma_us,
+                wide_us,
                 cublas_us: median_us(cb),
                 weight_bytes: ws[0].bytes(),
             });

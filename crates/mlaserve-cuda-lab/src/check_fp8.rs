@@ -242,10 +242,10 @@ pub fn run_fp8_case(
 }
 
 /// The paths that run distinct kernels here: `stream`, and on Hopper also `portable`
-/// (the mma.sync streaming kernel) and `wgmma`.
+/// (the mma.sync streaming kernel), `wgmma` and `wide`.
 pub fn fp8_paths(fp8: &Fp8Gemm) -> Vec<Fp8Path> {
     if fp8.has_wgmma() {
-        vec![Fp8Path::Stream, Fp8Path::Portable, Fp8Path::Wgmma]
+        vec![Fp8Path::Stream, Fp8Path::Portable, Fp8Path::Wgmma, Fp8Path::Wide]
     } else {
         vec![Fp8Path::Stream]
     }
@@ -280,6 +280,7 @@ pub fn run_fp8_checks(gpu: &Gpu, util: &Util, seed: u64, rows: &[usize]) -> Resu
         out.push(run_fp8_case(gpu, &mut fp8, util, name, &w, 64, Fp8Path::Stream, false, &mut rng)?);
         if fp8.has_wgmma() {
             out.push(run_fp8_case(gpu, &mut fp8, util, name, &w, 256, Fp8Path::Wgmma, false, &mut rng)?);
+            out.push(run_fp8_case(gpu, &mut fp8, util, name, &w, 256, Fp8Path::Wide, false, &mut rng)?);
         }
     }
     Ok(out)

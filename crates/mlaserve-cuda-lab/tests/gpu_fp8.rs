@@ -235,6 +235,7 @@ fn fp8_rejects_bad_shapes() {
     assert!(fp8.forward(s, &w, &xb, 3, &mut y).is_err(), "y too short");
     if !fp8.has_wgmma() {
         assert!(Fp8Gemm::new(&gpu, Fp8Path::Wgmma).is_err());
+        assert!(Fp8Gemm::new(&gpu, Fp8Path::Wide).is_err());
     }
 }
 

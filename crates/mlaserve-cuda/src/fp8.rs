@@ -14,7 +14,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMu
 use half::bf16;
 
 use crate::error::{CudaError, Result};
-use crate::fp8_plan::{self, Fp8Kernel, Fp8Path, FP8_BLOCK, STREAM_COLS, STREAM_ROWS, WG_SMEM, WG_TILE};
+use crate::fp8_plan::{self, Fp8Kernel, Fp8Path, FP8_BLOCK, STREAM_COLS, STREAM_ROWS, WG_SMEM, WG_TILE, WIDE_TILE};
 use crate::gpu::Gpu;
 use crate::kernels;
 use crate::launch::{i32_of, need, with_smem};
@@ -94,6 +94,8 @@ pub struct Fp8Gemm {
     counters: CudaSlice<u32>,
     /// `fp8_gemm_wg_*` [bf16, f32] (Hopper with enough shared memory only).
     wg: Option<[CudaFunction; 2]>,
+    /// `fp8_gemm_wide_*` [bf16, f32] (with `wg`).
+    wide: Option<[CudaFunction; 2]>,
     /// `fp8_stream_wg{16,32,64}_*` [bf16, f32] (with `wg`).
     stream_wg: Option<[[CudaFunction; 2]; 3]>,
     num_sms: usize,
@@ -124,6 +126,11 @@ impl Fp8Gemm {
             counters: gpu.stream.alloc_zeros::<u32>(fp8_plan::STREAM_COUNTERS)?,
             wg: if wgmma {
                 Some([with_smem(&m, "fp8_gemm_wg_obf16", WG_SMEM)?, with_smem(&m, "fp8_gemm_wg_of32", WG_SMEM)?])
+            } else {
+                None
+            },
+            wide: if wgmma {
+                Some([with_smem(&m, "fp8_gemm_wide_obf16", WG_SMEM)?, with_smem(&m, "fp8_gemm_wide_of32", WG_SMEM)?])
             } else {
                 None
             },
@@ -358,7 +365,8 @@ impl Fp8Gemm {
             .map_err(|e| CudaError::shape(K, e))?;
         match kernel {
             Fp8Kernel::StreamMma | Fp8Kernel::StreamWg => self.stream(s, lin, xq, xs, m, y, kernel),
-            Fp8Kernel::Wgmma => self.wgmma(s, lin, xq, xs, m, y),
+            Fp8Kernel::Wgmma => self.wgmma(s, lin, xq, xs, m, y, false),
+            Fp8Kernel::WgmmaWide => self.wgmma(s, lin, xq, xs, m, y, true),
         }
     }
 
@@ -476,6 +484,9 @@ impl Fp8Gemm {
         Ok(())
     }
 
+    /// The tile kernels: `fp8_gemm_wg*` (one block per 128 × 128 tile) or, `wide`,
+    /// `fp8_gemm_wide*` (one block per SM over 128 × 256 tiles).
+    #[allow(clippy::too_many_arguments)]
     fn wgmma<T: GemmOut>(
         &self,
         s: &Arc<CudaStream>,
@@ -484,28 +495,31 @@ impl Fp8Gemm {
         xs: &impl DevicePtr<f32>,
         m: usize,
         y: &mut impl DevicePtrMut<T>,
+        wide: bool,
     ) -> Result<()> {
         const K: &str = "fp8_gemm_wg";
         let wg = self.wg.as_ref().ok_or_else(|| CudaError::shape(K, "no wgmma kernel on this GPU"))?;
-        let f = &wg[usize::from(!T::BF16)];
         let cols = lin.out.div_ceil(WG_TILE);
         if cols > 65_535 {
             return Err(CudaError::shape(K, "too many columns"));
         }
         let row_tiles = u32::try_from(m.div_ceil(WG_TILE)).map_err(|_| CudaError::shape(K, "too many rows"))?;
+        let (f, grid_dim, bn) = if wide {
+            let f = self.wide.as_ref().ok_or_else(|| CudaError::shape(K, "no wgmma kernel on this GPU"))?;
+            let tiles = i32_of(K, row_tiles as usize * lin.out.div_ceil(WIDE_TILE))? as usize;
+            (&f[usize::from(!T::BF16)], (tiles.min(self.num_sms) as u32, 1, 1), WIDE_TILE)
+        } else {
+            (&wg[usize::from(!T::BF16)], (row_tiles, cols as u32, 1), WG_TILE)
+        };
         let (xp, _g1) = xq.device_ptr(s);
         let (sp, _g2) = xs.device_ptr(s);
         let (wp, _g3) = lin.q.device_ptr(s);
         let (wsp, _g4) = lin.scale.device_ptr(s);
         let (yp, _g5) = y.device_ptr_mut(s);
         let tx = u8_matrix_map(xp, lin.inp, m, WG_TILE as u32)?;
-        let tw = u8_matrix_map(wp, lin.inp, lin.out, WG_TILE as u32)?;
+        let tw = u8_matrix_map(wp, lin.inp, lin.out, bn as u32)?;
         let (mi, ni, ki) = (i32_of(K, m)?, i32_of(K, lin.out)?, i32_of(K, lin.inp)?);
-        let cfg = LaunchConfig {
-            grid_dim: (row_tiles, cols as u32, 1),
-            block_dim: (384, 1, 1),
-            shared_mem_bytes: WG_SMEM as u32,
-        };
+        let cfg = LaunchConfig { grid_dim, block_dim: (384, 1, 1), shared_mem_bytes: WG_SMEM as u32 };
         // SAFETY: fp8_gemm_wg_*(tx, tw, y, xs, ws, m, n, k): the tensor maps cover exactly
         // xq's m × inp and W's out × inp bytes (made just above from live buffers, 16-byte
         // rows); the kernel reads xs[row][kb] for row < m, ws's scale grid, and writes

@@ -31,6 +31,9 @@ pub const WG_TILE: usize = 128;
 /// The wgmma kernel's dynamic shared memory: 1024 bytes of alignment slack, 6 stages of
 /// two 128 × 128-byte tiles, 12 barriers of 8 bytes.
 pub const WG_SMEM: usize = 1024 + 6 * 2 * WG_TILE * FP8_BLOCK + 16 * 6;
+/// Columns per tile of the wide wgmma kernel (`fp8_gemm_wide*`; 128 rows a tile, the
+/// same dynamic shared memory [`WG_SMEM`] as four stages).
+pub const WIDE_TILE: usize = 256;
 /// Bytes of f32 split-K partials one streaming launch may write; more rows run in slabs.
 pub const STREAM_PARTIAL_BYTES: usize = 64 << 20;
 
@@ -49,12 +52,15 @@ pub enum Fp8Path {
     /// The mma.sync streaming kernel (`fp8_stream*`) on every GPU, Hopper included (the
     /// portable kernel; batch-invariant).
     Portable,
-    /// The wgmma tile kernel at every row count (Hopper only).
+    /// The wgmma tile kernel (128 × 128 tiles) at every row count (Hopper only).
     Wgmma,
+    /// The wide wgmma tile kernel (128 × 256 tiles, persistent) at every row count
+    /// (Hopper only).
+    Wide,
 }
 
 impl Fp8Path {
-    pub const ALL: [Fp8Path; 4] = [Fp8Path::Auto, Fp8Path::Stream, Fp8Path::Portable, Fp8Path::Wgmma];
+    pub const ALL: [Fp8Path; 5] = [Fp8Path::Auto, Fp8Path::Stream, Fp8Path::Portable, Fp8Path::Wgmma, Fp8Path::Wide];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -62,6 +68,7 @@ impl Fp8Path {
             Fp8Path::Stream => "stream",
             Fp8Path::Portable => "portable",
             Fp8Path::Wgmma => "wgmma",
+            Fp8Path::Wide => "wide",
         }
     }
 
@@ -83,14 +90,33 @@ impl Fp8Path {
             Fp8Path::Stream => Ok(stream),
             Fp8Path::Portable => Ok(Fp8Kernel::StreamMma),
             Fp8Path::Wgmma if wgmma => Ok(Fp8Kernel::Wgmma),
-            Fp8Path::Wgmma => Err("the wgmma fp8 kernel needs a Hopper (sm_90) GPU".into()),
+            Fp8Path::Wide if wgmma => Ok(Fp8Kernel::WgmmaWide),
+            Fp8Path::Wgmma | Fp8Path::Wide => Err("the wgmma fp8 kernels need a Hopper (sm_90) GPU".into()),
             Fp8Path::Auto if !wgmma || rows <= STREAM_MAX_ROWS => Ok(stream),
             Fp8Path::Auto => {
                 let tiles = rows.div_ceil(WG_TILE) * out.div_ceil(WG_TILE);
                 let idle = 2 * tiles < num_sms;
-                Ok(if rows <= STREAM_MID_ROWS && idle && inp > TILE_SHORT_K { stream } else { Fp8Kernel::Wgmma })
+                Ok(if rows <= STREAM_MID_ROWS && idle && inp > TILE_SHORT_K {
+                    stream
+                } else {
+                    tile_kernel(rows, out, num_sms)
+                })
             }
         }
+    }
+}
+
+/// The tile kernel for `rows` rows of a weight with `out` output columns: the wide one
+/// where its waves of tiles cost less. A wide tile does twice a narrow one's work in
+/// about 1.6 times its time (H200, V3's projections at 4,096 rows: 1.1-1.3x the narrow
+/// kernel's speed), and a wave is as slow as its fullest SM, so the cost of a kernel is
+/// its waves (tiles over SMs, rounded up) times its tile's time.
+pub fn tile_kernel(rows: usize, out: usize, num_sms: usize) -> Fp8Kernel {
+    let waves = |cols: usize| (rows.div_ceil(WG_TILE) * out.div_ceil(cols)).div_ceil(num_sms.max(1));
+    if 8 * waves(WIDE_TILE) < 5 * waves(WG_TILE) {
+        Fp8Kernel::WgmmaWide
+    } else {
+        Fp8Kernel::Wgmma
     }
 }
 
@@ -103,6 +129,8 @@ pub enum Fp8Kernel {
     StreamWg,
     /// `fp8_gemm_wg*`: 128 × 128 tiles on wgmma (Hopper).
     Wgmma,
+    /// `fp8_gemm_wide*`: 128 × 256 tiles on wgmma, persistent (Hopper).
+    WgmmaWide,
 }
 
 impl Fp8Kernel {
@@ -111,6 +139,7 @@ impl Fp8Kernel {
             Fp8Kernel::StreamMma => "stream-mma",
             Fp8Kernel::StreamWg => "stream-wg",
             Fp8Kernel::Wgmma => "wgmma",
+            Fp8Kernel::WgmmaWide => "wide",
         }
     }
 }
@@ -475,7 +504,8 @@ mod tests {
     fn path_choice() {
         let auto = |m, out, inp| Fp8Path::Auto.kernel(m, out, inp, 132, true);
         assert_eq!(auto(STREAM_MAX_ROWS, 18432, 7168), Ok(Fp8Kernel::StreamWg));
-        assert_eq!(auto(STREAM_MAX_ROWS + 1, 18432, 7168), Ok(Fp8Kernel::Wgmma)); // 144 tiles
+        // 144 narrow tiles (two waves) or 72 wide ones (one).
+        assert_eq!(auto(STREAM_MAX_ROWS + 1, 18432, 7168), Ok(Fp8Kernel::WgmmaWide));
         assert_eq!(auto(64, 1536, 7168), Ok(Fp8Kernel::StreamWg)); // q_a: 12 tiles
         assert_eq!(auto(64, 7168, 2048), Ok(Fp8Kernel::Wgmma)); // a short k loop
         assert_eq!(auto(256, 7168, 16384), Ok(Fp8Kernel::Wgmma)); // 112 tiles
@@ -486,6 +516,18 @@ mod tests {
         assert_eq!(Fp8Path::Stream.kernel(4096, 7168, 2048, 132, false), Ok(Fp8Kernel::StreamMma));
         assert_eq!(Fp8Path::Portable.kernel(1, 7168, 2048, 132, true), Ok(Fp8Kernel::StreamMma));
         assert!(Fp8Path::Wgmma.kernel(1, 7168, 2048, 132, false).is_err());
+        assert!(Fp8Path::Wide.kernel(1, 7168, 2048, 132, false).is_err());
+        assert_eq!(Fp8Path::Wide.kernel(1, 7168, 2048, 132, true), Ok(Fp8Kernel::WgmmaWide));
+        // The tile kernels by their waves (H200 at 4,096 rows: o_proj 7168 columns wide
+        // 1,024 µs, narrow 1,144; q_a 1536 narrow 101, wide 122; kv_a 576 wide 52,
+        // narrow 65; 256 columns narrow 33, wide 49; 256 rows of o_proj narrow 75,
+        // wide 112).
+        assert_eq!(tile_kernel(4096, 7168, 132), Fp8Kernel::WgmmaWide);
+        assert_eq!(tile_kernel(4096, 1536, 132), Fp8Kernel::Wgmma);
+        assert_eq!(tile_kernel(4096, 576, 132), Fp8Kernel::WgmmaWide);
+        assert_eq!(tile_kernel(4096, 256, 132), Fp8Kernel::Wgmma);
+        assert_eq!(tile_kernel(256, 7168, 132), Fp8Kernel::Wgmma);
+        assert_eq!(tile_kernel(0, 7168, 132), Fp8Kernel::Wgmma);
         assert!(Fp8Path::Stream.batch_invariant() && Fp8Path::Portable.batch_invariant());
         assert!(!Fp8Path::Auto.batch_invariant() && !Fp8Path::Wgmma.batch_invariant());
         for p in Fp8Path::ALL {

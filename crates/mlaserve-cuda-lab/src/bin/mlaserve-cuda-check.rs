@@ -208,6 +208,16 @@ fn fp8(gpu: &Gpu, no_check: bool, no_bench: bool, quick: bool) -> Result<()> {
             opts.rows = vec![1, 64, 4096];
             opts.iters = 10;
         }
+        // --rows 256,4096 and --shape NAME (shapes whose name contains it) narrow the sweep.
+        let args: Vec<String> = std::env::args().collect();
+        let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1));
+        if let Some(v) = value("--rows") {
+            opts.rows =
+                v.split(',').map(|r| r.parse().with_context(|| format!("--rows: {r:?}"))).collect::<Result<_>>()?;
+        }
+        if let Some(v) = value("--shape") {
+            opts.shapes.retain(|(name, _, _)| name.contains(v.as_str()));
+        }
         println!(
             "== bench fp8 GEMM (CUDA graphs of one call per weight copy, copies over 256 MB; median of {} replays; \
              bf16 out; quant per call)",
