@@ -59,7 +59,7 @@ async fn graceful_worker_stop_under_load_fails_no_request() {
         Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
     };
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 2).await);
+    assert!(eventually(READY, || pool.ready_count() == 2).await);
     let c = client(r.get().addr).await;
 
     // Long streams on both groups (the router spreads them by outstanding tokens).
@@ -192,7 +192,7 @@ async fn drain_timeouts_say_what_happened() {
     };
     let r = start_router(a.get().addr);
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    assert!(eventually(READY, || pool.ready_count() == 1).await);
     let c = client(r.get().addr).await;
     let stream = long_stream(&c);
     let engine = a.get().engine.clone();
@@ -213,7 +213,7 @@ async fn drain_timeouts_say_what_happened() {
     };
     let mut r = start_router(b.get().addr);
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    assert!(eventually(READY, || pool.ready_count() == 1).await);
     let c = client(r.get().addr).await;
     let stream = long_stream(&c);
     let engine = b.get().engine.clone();

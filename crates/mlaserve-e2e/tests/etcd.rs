@@ -45,7 +45,7 @@ async fn two_groups_kill_one_then_both() {
     let mut g1 = worker(&etcd.endpoint, "g1");
     let mut g2 = worker(&etcd.endpoint, "g2");
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 2).await, "both groups must register");
+    assert!(eventually(READY, || pool.ready_count() == 2).await, "both groups must register");
     assert_eq!(health(addr).await, ServingStatus::Serving as i32);
 
     // Long streams spread over both groups (least outstanding tokens each time).
@@ -127,7 +127,7 @@ async fn graceful_worker_shutdown_deregisters_at_once() {
     let r = router(&etcd.endpoint);
     let pool = r.get().pool().clone();
     let mut w = worker(&etcd.endpoint, "g-graceful");
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    assert!(eventually(READY, || pool.ready_count() == 1).await);
     // The registration carries the group's address and its real TP size.
     let kv = mlaserve_cluster::Etcd::connect(std::slice::from_ref(&etcd.endpoint)).await.unwrap();
     let key = mlaserve_cluster::keys::group_key(CLUSTER, "g-graceful");

@@ -43,7 +43,7 @@ async fn watch_holds_against_a_stock_etcd() {
     let r = router(&etcd.endpoint);
     let _w = worker(&etcd.endpoint, "g-soak");
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await, "the group must register");
+    assert!(eventually(READY, || pool.ready_count() == 1).await, "the group must register");
     let before = watch_restarts();
 
     let start = Instant::now();

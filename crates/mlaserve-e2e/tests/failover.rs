@@ -34,7 +34,7 @@ async fn queued_request_is_retried_on_the_survivor() {
         Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
     };
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    assert!(eventually(READY, || pool.ready_count() == 1).await);
     let mut c = client(r.get().addr).await;
 
     // R1 streams tokens from A; R2 waits in A's queue.
@@ -56,7 +56,7 @@ async fn queued_request_is_retried_on_the_survivor() {
     // B joins; A dies.
     let b = worker(8);
     pool.upsert("b", &format!("http://{}", b.get().addr));
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 2).await);
+    assert!(eventually(READY, || pool.ready_count() == 2).await);
     a.kill();
 
     // R1 had tokens: UNAVAILABLE. R2 had none: retried on B, same greedy tokens.
@@ -90,7 +90,7 @@ async fn requests_go_to_the_group_with_fewer_outstanding_tokens() {
         Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
     };
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 2).await);
+    assert!(eventually(READY, || pool.ready_count() == 2).await);
     let mut c = client(r.get().addr).await;
     let room =
         c.get_model_info(mlaserve_proto::v1::GetModelInfoRequest {}).await.unwrap().into_inner().max_context_tokens;
@@ -136,7 +136,7 @@ async fn model_info_keeps_the_groups_limits_while_none_is_ready() {
         Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
     };
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    assert!(eventually(READY, || pool.ready_count() == 1).await);
     let mut c = client(r.get().addr).await;
     let info = |mut c: mlaserve_proto::v1::generation_client::GenerationClient<tonic::transport::Channel>| async move {
         c.get_model_info(mlaserve_proto::v1::GetModelInfoRequest {}).await.unwrap().into_inner()

@@ -41,7 +41,7 @@ async fn a_group_serving_another_model_is_refused() {
     // A group serving the router's model joins; the stranger stays out.
     let own = worker(model_path());
     pool.upsert("own", &format!("http://{}", own.get().addr));
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await, "the matching group must join");
+    assert!(eventually(READY, || pool.ready_count() == 1).await, "the matching group must join");
     let ok = collect(&mut c, ids_request(vec![2, 3, 4], 4)).await;
     assert!(ok.error.is_none(), "{:?}", ok.error);
     assert_eq!(ok.tokens.len(), 4);

@@ -89,7 +89,7 @@ async fn metrics_from_the_first_scrape_and_after_a_kill() {
     let mut w = worker();
     let r = router(vec![format!("http://{}", w.get().addr)]);
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await, "the group must be ready");
+    assert!(eventually(READY, || pool.ready_count() == 1).await, "the group must be ready");
     let group = pool.names().pop().unwrap();
     let m = r.get().metrics_addr.unwrap();
     let mut c = client(r.get().addr).await;

@@ -69,7 +69,7 @@ async fn run(policy: RoutingPolicy, w: Setup) -> (BenchReport, i64) {
         Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
     };
     let pool = r.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 2).await);
+    assert!(eventually(READY, || pool.ready_count() == 2).await);
     // Watch both groups' load while the workload runs.
     let (ea, eb) = (a.get().engine.clone(), b.get().engine.clone());
     let (stop, worst) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicI64::new(i64::MIN)));

@@ -94,7 +94,7 @@ async fn a_killed_rank_mid_stream_reaches_the_client_as_unavailable() {
         Background::start(move || async move { mlaserve_router::start(args).await.unwrap() })
     };
     let pool = router.get().pool().clone();
-    assert!(eventually(Duration::from_secs(10), || pool.ready_count() == 1).await);
+    assert!(eventually(READY, || pool.ready_count() == 1).await);
     let group = pool.ready_groups().pop().unwrap();
     assert_eq!(group.info.tp_size, 2, "the group reports its real TP size");
 

@@ -247,6 +247,11 @@ pub fn engine_greedy(prompt: &[u32], sampling: mlaserve_engine::SamplingParams, 
     panic!("the engine did not finish");
 }
 
+/// How long a test waits for worker groups to become ready behind a router: a bound on
+/// liveness, not a latency claim (the wait ends as soon as they are). With every test
+/// binary running at once on CI's two cores, two CPU groups once took over 10 s.
+pub const READY: Duration = Duration::from_secs(60);
+
 /// Polls `cond` every 20 ms for up to `timeout`.
 pub async fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let until = tokio::time::Instant::now() + timeout;
