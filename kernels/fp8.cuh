@@ -405,6 +405,44 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
+
+// The pieces of the tile kernels (fp8_gemm_wg, fp8_gemm_wide, fp8_grouped_tile).
+// The ring's barriers: `full` (one arrival: the producer's, with the stage's bytes) and
+// `empty` (the two consumer warpgroups) per stage, by thread 0; every thread calls it.
+__device__ __forceinline__ void f8w_ring_init(uint32_t full, uint32_t empty, int stages) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 2 * 128);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+}
+
+// Four wgmma m64n128k32 into a fresh accumulator, committed as one group: this
+// warpgroup's 64 rows of the stage's x tile (at `xa`) times 128 W rows (at `wb`).
+__device__ __forceinline__ void f8p_issue(float (&acc)[64], uint32_t xa, uint32_t wb) {
+    using namespace f8w;
+    const uint64_t da = gmma_desc_sw128(xa, 16, 1024), db = gmma_desc_sw128(wb, 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int k32 = 0; k32 < BK / 32; ++k32)
+        wgmma_m64n128k32_e4m3(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
+    wgmma_commit();
+}
+
+// tot += acc · scale, rows lo (the accumulator's registers 4j, 4j + 1) and hi (4j + 2,
+// 4j + 3): the promotion of one k block.
+__device__ __forceinline__ void f8p_promote(const float (&acc)[64], float s_lo, float s_hi, float (&tot)[64]) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        tot[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, tot[4 * j + 0]);
+        tot[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, tot[4 * j + 1]);
+        tot[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, tot[4 * j + 2]);
+        tot[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, tot[4 * j + 3]);
+    }
+}
 #endif
 
 // Tensor maps: x [m][k] and w [n][k], u8, boxes of 128 × 128 bytes, 128-byte swizzle.
@@ -421,14 +459,7 @@ __device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __r
     const int tid = threadIdx.x, wg = tid >> 7;
     const int base = blockIdx.x * BM, nb = blockIdx.y, n0 = nb * BN;
     const int kbs = k / BK;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 2 * 128);  // the two consumer warpgroups
-        }
-        fence_mbar_init();
-    }
-    __syncthreads();
+    f8w_ring_init(full, empty, STAGES);
     if (wg == 0) {  // the producer
         if (tid == 0) {
             for (int g = 0; g < kbs; ++g) {
@@ -453,23 +484,11 @@ __device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __r
         const float sa_hi = row_hi < m ? xs[static_cast<size_t>(row_hi) * kbs + g] : 0.f;
         mbar_wait(full + 8 * st, (g / STAGES) & 1);
         const uint32_t xt = sbase + st * STAGE;
-        const uint64_t da = gmma_desc_sw128(xt + cw * 64 * BK, 16, 1024), db = gmma_desc_sw128(xt + TILE, 16, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int k32 = 0; k32 < BK / 32; ++k32)
-            wgmma_m64n128k32_e4m3(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
-        wgmma_commit();
+        f8p_issue(acc, xt + cw * 64 * BK, xt + TILE);
         wgmma_wait<0>();
         fence_operands(acc);
         mbar_arrive(empty + 8 * st);
-        const float s_lo = sa_lo * sw, s_hi = sa_hi * sw;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            tot[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, tot[4 * j + 0]);
-            tot[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, tot[4 * j + 1]);
-            tot[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, tot[4 * j + 2]);
-            tot[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, tot[4 * j + 3]);
-        }
+        f8p_promote(acc, sa_lo * sw, sa_hi * sw, tot);
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {

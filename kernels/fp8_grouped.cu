@@ -164,14 +164,7 @@ __device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T
     const int nb = blockIdx.x, nbs = (n + BN - 1) / BN, n0 = nb * BN;
     const int kbs = k / BK;
     const int total = ((rend - rbeg + BM - 1) / BM) * kbs;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 2 * 128);  // the two consumer warpgroups
-        }
-        fence_mbar_init();
-    }
-    __syncthreads();
+    f8w_ring_init(full, empty, STAGES);
     if (wg == 0) {  // the producer
         if (tid == 0) {
             for (int g = 0; g < total; ++g) {
@@ -207,23 +200,11 @@ __device__ void fp8_grouped_tile(const CUtensorMap* tx, const CUtensorMap* tw, T
             continue;
         }
         const uint32_t xt = sbase + st * STAGE;
-        const uint64_t da = gmma_desc_sw128(xt + cw * 64 * BK, 16, 1024), db = gmma_desc_sw128(xt + TILE, 16, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int k32 = 0; k32 < BK / 32; ++k32)
-            wgmma_m64n128k32_e4m3(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
-        wgmma_commit();
+        f8p_issue(acc, xt + cw * 64 * BK, xt + TILE);
         wgmma_wait<0>();
         fence_operands(acc);
         mbar_arrive(empty + 8 * st);
-        const float s_lo = sa_lo * sw, s_hi = sa_hi * sw;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            tot[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, tot[4 * j + 0]);
-            tot[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, tot[4 * j + 1]);
-            tot[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, tot[4 * j + 2]);
-            tot[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, tot[4 * j + 3]);
-        }
+        f8p_promote(acc, sa_lo * sw, sa_hi * sw, tot);
         if (kb == kbs - 1) {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {

@@ -27,28 +27,6 @@ __device__ __forceinline__ void setmaxnreg_dec_40() { asm volatile("setmaxnreg.d
 __device__ __forceinline__ void setmaxnreg_inc_232() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 }
-
-// Four wgmma m64n128k32 into a fresh accumulator, committed as one group: this
-// warpgroup's 64 rows of the stage's x tile (at `xa`) times 128 W rows (at `wb`).
-__device__ __forceinline__ void f8p_issue(float (&acc)[64], uint32_t xa, uint32_t wb) {
-    using namespace f8w;
-    const uint64_t da = gmma_desc_sw128(xa, 16, 1024), db = gmma_desc_sw128(wb, 16, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int k32 = 0; k32 < BK / 32; ++k32)
-        wgmma_m64n128k32_e4m3(acc, gmma_desc_add(da, k32 * 32), gmma_desc_add(db, k32 * 32), k32 > 0);
-    wgmma_commit();
-}
-
-__device__ __forceinline__ void f8p_promote(const float (&acc)[64], float s_lo, float s_hi, float (&tot)[64]) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        tot[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, tot[4 * j + 0]);
-        tot[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, tot[4 * j + 1]);
-        tot[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, tot[4 * j + 2]);
-        tot[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, tot[4 * j + 3]);
-    }
-}
 #endif
 
 // Tensor maps as fp8_gemm_wg but W's box is BN rows; dynamic shared memory as
@@ -66,14 +44,7 @@ __device__ void fp8_gemm_wide(const CUtensorMap* tx, const CUtensorMap* tw, T* _
     const uint32_t full = sbase + STAGES * STAGE, empty = full + 8 * STAGES;
     const int tid = threadIdx.x, wg = tid >> 7;
     const int kbs = k / BK, mt = (m + BM - 1) / BM, nbs = (n + 127) / 128, tiles = mt * ((n + BN - 1) / BN);
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 2 * 128);  // the two consumer warpgroups
-        }
-        fence_mbar_init();
-    }
-    __syncthreads();
+    f8w_ring_init(full, empty, STAGES);
     if (wg == 0) {  // the producer
         setmaxnreg_dec_40();
         if (tid == 0) {
