@@ -508,7 +508,8 @@ __device__ void fp8_gemm_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* __r
 // decode batch is too short for wgmma's 64-row A): A = 64 weight rows, B = the block's
 // NT = 16, 32 or 64 activation rows, D = yᵀ. The same grid, split-K, TMA ring (per stage
 // two k blocks, each a [rows][128 bytes] tile in the K-major 128-byte-swizzle layout,
-// two 2-D boxes per operand), scale ring and last-block reduction as fp8_stream; each
+// two 2-D boxes per operand), scale ring and last-block reduction as fp8_stream (or,
+// launched as clusters of a tile's k chunks, f8g_cluster_reduce); each
 // of the two warpgroups runs 4 wgmma m64nNTk32 per k block into a fresh accumulator,
 // waits and promotes it. mma.sync's fp8 rate on Hopper caps fp8_stream near 150
 // TFLOP/s (measured), which a decode batch of 64 rows already reaches.
@@ -579,6 +580,46 @@ struct WgE4m3<64> {
     static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_m64n64k32_e4m3(d, a, b, s); }
 };
 #endif
+
+// Split-K inside a cluster (the host launches a tile's gridDim.y k chunks as one cluster
+// of that many CTAs, at most 8): each CTA parks its partial `tot` in its own idle ring as
+// red[col][weight row], then CTA r sums quads [r·Q/ks, (r+1)·Q/ks) of the tile over the
+// cluster's partials in ks order (f8_reduce_tile's order and bits) and stores them; no
+// global partials, no counters.
+template <typename T, int NT>
+__device__ __forceinline__ void f8g_cluster_reduce(float* red, const float (&tot)[NT / 2], T* __restrict__ y, int n,
+                                                   int r0, int nr, int nb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace f8g;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    __syncthreads();  // every warpgroup's last wgmma has read the ring
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        const int col = 8 * (j / 4) + 2 * (lane & 3) + (j & 1);
+        red[col * BN + 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1)] = tot[j];
+    }
+    cluster_sync();
+    const int ks = gridDim.y, rank = static_cast<int>(cluster_ctarank());
+    constexpr int Q = BN * NT / 4;
+    const uint32_t base = smem_u32(red);
+    for (int q = rank * Q / ks + tid; q < (rank + 1) * Q / ks; q += THREADS) {
+        const int col = 4 * q / BN, wr = 4 * q % BN;
+        float4 v[8];
+#pragma unroll
+        for (int p = 0; p < 8; ++p)
+            if (p < ks) v[p] = ld_cluster_f32x4(cluster_map(base + 16u * q, p));
+        float4 sum = v[0];
+#pragma unroll
+        for (int p = 1; p < 8; ++p)
+            if (p < ks) add4(sum, v[p]);
+        if (col < nr) {
+            f8_store(y, static_cast<size_t>(r0 + col), nb * BN + wr, n, sum.x, sum.y);
+            f8_store(y, static_cast<size_t>(r0 + col), nb * BN + wr + 2, n, sum.z, sum.w);
+        }
+    }
+    cluster_sync();  // the other CTAs may still be reading this one's partial
+#endif
+}
 
 // Tensor maps: x [m][k] (box 128 bytes × NT rows) and w [n][k] (box 128 × 128), u8,
 // 128-byte swizzle. grid = (ceil(n / 128), ksplit, ceil(m / NT)), 256 threads, dynamic
@@ -670,6 +711,11 @@ __device__ void fp8_stream_wg(const CUtensorMap* tx, const CUtensorMap* tw, T* _
     }
     cp_async_wait<0>();
     const int ks = gridDim.y;
+    if (ks > 1 && cluster_nctarank() > 1) {
+        f8g_cluster_reduce<T, NT>(reinterpret_cast<float*>(f8g_smem + (sbase - smem_u32(f8g_smem))), tot, y, n, r0, nr,
+                                  nb);
+        return;
+    }
     const int wrow = nb * BN + 64 * wg + 16 * warp + (lane >> 2);
     T* const yo = ks == 1 ? y : nullptr;
     float* const po = ks == 1 ? nullptr : part + static_cast<size_t>(blockIdx.y) * m * n;

@@ -27,7 +27,9 @@
 //   mma.sync accumulates in full f32 (the checks measure ~1e-7 relative error).
 // - fp8_stream_wg*: the same streaming GEMM on Hopper's wgmma, operands swapped (64
 //   weight rows as A, the batch's 16/32/64 rows as B; described below); the fp8 path
-//   the engine can select as batch-invariant on Hopper.
+//   the engine can select as batch-invariant on Hopper. Launched with a cluster of the
+//   ksplit blocks of a column tile (cuLaunchKernelEx), it sums the split in distributed
+//   shared memory instead of global partials, in the same order (f8g_cluster_reduce).
 // - fp8_gemm_wg_*: Hopper (sm_90a) for many rows: a producer warpgroup's one thread
 //   fills a 6-stage ring of 128 × 128-byte tiles of x and W by TMA (the maps' 128-byte
 //   swizzle is wgmma's K-major layout); two consumer warpgroups each run 64 rows × 128

@@ -98,6 +98,7 @@ if [[ "$mode" == fp8 ]]; then
     sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
     step "gpu_fp8" "$out/tests.log" timeout 200 "$gpu_dir/tests/gpu_fp8" --test-threads=1 --nocapture
     for name in act_quant_is_bit_exact padded_inputs_quantise_as_the_unpadded_row fp8_gemm_odd_shapes \
+        fp8_stream_cluster_split_equals_global \
         fp8_rejects_bad_shapes fp8_grouped_small \
         fp8_grouped_rejects_bad_shapes; do
         step "memcheck gpu_fp8::$name" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \

@@ -324,3 +324,30 @@ pub fn run_fp8_invariance(
     }
     Ok(bad)
 }
+
+/// The Hopper streaming kernel's two split-K reductions ([`Fp8Gemm::cluster_split`]) on
+/// the same inputs: the mismatching `m` and element, if any (f32 out, bit for bit).
+pub fn run_fp8_cluster_vs_global(
+    gpu: &Gpu,
+    util: &Util,
+    w: &Fp8Pair,
+    rows: &[usize],
+    seed: u64,
+) -> Result<Vec<String>> {
+    let mut fp8 = Fp8Gemm::new(gpu, Fp8Path::Stream)?;
+    let mut rng = Rng::new(seed);
+    let (n, k) = (w.host.n, w.host.k);
+    let mut bad = Vec::new();
+    for &m in rows {
+        let x = random_activation(&mut rng, m, k);
+        let (xq, xs) = gpu_act_quant(gpu, &fp8, &x, m, k)?;
+        fp8.cluster_split = true;
+        let a = gpu_fp8_gemm(gpu, &mut fp8, util, &w.dev, (&xq, &xs), m, Fp8Path::Stream, true)?;
+        fp8.cluster_split = false;
+        let b = gpu_fp8_gemm(gpu, &mut fp8, util, &w.dev, (&xq, &xs), m, Fp8Path::Stream, true)?;
+        if let Some(i) = (0..m * n).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            bad.push(format!("[{n}, {k}] m = {m}: element ({}, {}) {} against {}", i / n, i % n, a[i], b[i]));
+        }
+    }
+    Ok(bad)
+}

@@ -216,6 +216,30 @@ fn fp8_stream_is_batch_invariant() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// On Hopper the streaming kernel sums a tile's k chunks inside a cluster; that gives the
+/// same bits as the global partials summed by the tile's last block, at every k split
+/// (2 to 8 chunks here) and row tile (16, 32, 64 rows; more rows in several tiles).
+#[test]
+fn fp8_stream_cluster_split_equals_global() {
+    let Some(gpu) = common::gpu() else { return };
+    let util = Util::new(&gpu).expect("util");
+    let probe = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load");
+    if !probe.has_wgmma() {
+        return;
+    }
+    println!("clusters held at once [16, 32, 64 rows][blocks]: {:?}", probe.cluster_capacity());
+    let mut rng = Rng::new(31);
+    let mut bad = Vec::new();
+    for (n, k) in [(576, 7168), (1536, 7168), (3072, 1536), (7168, 2048), (256, 7168), (200, 1280), (7168, 256)] {
+        let (ks, _) = mlaserve_cuda::fp8_plan::stream_split(n, k, gpu.num_sms);
+        let w = Fp8Pair::random(&gpu, &mut rng, n, k).expect("weight");
+        let r = check_fp8::run_fp8_cluster_vs_global(&gpu, &util, &w, &[1, 5, 16, 17, 33, 64, 130], 7).expect("ran");
+        println!("[{n}, {k}]: {ks} k chunks, {} mismatches", r.len());
+        bad.extend(r);
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
 /// Shape errors are typed and raised before any launch.
 #[test]
 fn fp8_rejects_bad_shapes() {

@@ -14,10 +14,12 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMu
 use half::bf16;
 
 use crate::error::{CudaError, Result};
-use crate::fp8_plan::{self, Fp8Kernel, Fp8Path, FP8_BLOCK, STREAM_COLS, STREAM_ROWS, WG_SMEM, WG_TILE, WIDE_TILE};
+use crate::fp8_plan::{
+    self, Fp8Kernel, Fp8Path, FP8_BLOCK, STREAM_COLS, STREAM_MAX_SPLIT, STREAM_ROWS, WG_SMEM, WG_TILE, WIDE_TILE,
+};
 use crate::gpu::Gpu;
 use crate::kernels;
-use crate::launch::{i32_of, need, with_smem};
+use crate::launch::{i32_of, launch_cluster, max_active_clusters, need, with_smem};
 use crate::linear::GemmOut;
 use crate::tensor_map::{u8_kblock_map, u8_matrix_map};
 
@@ -101,6 +103,15 @@ pub struct Fp8Gemm {
     num_sms: usize,
     /// Which kernel runs a call (fixed per process for a batch-invariant engine).
     pub path: Fp8Path,
+    /// On Hopper, run the streaming kernel's k chunks of a column tile as one cluster that
+    /// sums its partials in shared memory where the GPU holds all of a launch's clusters
+    /// at once (the default); off, through global partials and the tile's last block,
+    /// as elsewhere. Both give the same bits (`gpu_fp8`), so the choice may depend on the
+    /// rows of a call.
+    pub cluster_split: bool,
+    /// Clusters of `fp8_stream_wg{16,32,64}` of 2 ..= 8 blocks the GPU runs at once
+    /// ([16, 32, 64 rows][blocks], 0 where none can run).
+    max_clusters: [[usize; STREAM_MAX_SPLIT + 1]; 3],
 }
 
 impl Fp8Gemm {
@@ -117,6 +128,21 @@ impl Fp8Gemm {
                 with_smem(&m, &format!("fp8_stream{mt}_of32"), smem)?,
             ])
         };
+        let mut max_clusters = [[0; STREAM_MAX_SPLIT + 1]; 3];
+        if wgmma {
+            for (i, nt) in [16usize, 32, 64].into_iter().enumerate() {
+                let smem = fp8_plan::stream_wg_smem(nt);
+                let f = with_smem(&m, &format!("fp8_stream_wg{nt}_of32"), smem)?;
+                for (cl, slot) in max_clusters[i].iter_mut().enumerate().skip(2) {
+                    let cfg = LaunchConfig {
+                        grid_dim: (1, cl as u32, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: smem as u32,
+                    };
+                    *slot = max_active_clusters(&f, cfg, (1, cl as u32, 1))?;
+                }
+            }
+        }
         Ok(Fp8Gemm {
             quant_bf16: f("act_quant_bf16")?,
             quant_f32: f("act_quant_f32")?,
@@ -148,7 +174,15 @@ impl Fp8Gemm {
             },
             num_sms: gpu.num_sms,
             path,
+            cluster_split: true,
+            max_clusters,
         })
+    }
+
+    /// Clusters of the streaming kernel of 16, 32 and 64 rows, by blocks per cluster, the
+    /// GPU holds at once (all 0 without the wgmma kernels).
+    pub fn cluster_capacity(&self) -> [[usize; STREAM_MAX_SPLIT + 1]; 3] {
+        self.max_clusters
     }
 
     /// Whether the Hopper wgmma kernel is available on this GPU.
@@ -401,7 +435,14 @@ impl Fp8Gemm {
         if ksplit > 65_535 {
             return Err(CudaError::shape(K, "too many k splits"));
         }
-        let mut part = if ksplit > 1 {
+        // On Hopper a column tile's k chunks run as one cluster and sum their partials in
+        // shared memory (`f8g_cluster_reduce`, the same order and bits as the last block's
+        // sum): no partials in global memory.
+        let cluster = self.cluster_split
+            && wg.is_some()
+            && ksplit > 1
+            && cols as usize * slab.div_ceil(STREAM_ROWS) <= self.max_clusters[mt.trailing_zeros() as usize][ksplit];
+        let mut part = if ksplit > 1 && !cluster {
             // SAFETY: every block of a launch writes its (ks, row, col) partials before it
             // counts itself, and the last block of a tile reads them only after every
             // block of the tile has counted (a block stores all its rows < rows, cols < out).
@@ -464,21 +505,45 @@ impl Fp8Gemm {
             // row < rows, col < out (within the ksplit × slab × out allocation) and
             // counters[tile · cols + col tile] (< STREAM_COUNTERS, checked above), which
             // the tile's last block sets back to zero. Dynamic shared memory allowed at load.
-            unsafe {
-                s.launch_builder(f)
-                    .arg(&tx)
-                    .arg(&tw)
-                    .arg(&yr)
-                    .arg(&pp)
-                    .arg(&cp)
-                    .arg(&sr)
-                    .arg(&wsp)
-                    .arg(&ri)
-                    .arg(&ni)
-                    .arg(&ki)
-                    .arg(&kc)
-                    .launch(cfg)
-            }?;
+            // As clusters of the ksplit chunks of a tile, the kernel writes no partials and
+            // touches no counter (grid.y = ksplit ≤ STREAM_MAX_SPLIT, a cluster's size).
+            if cluster {
+                let (mut tx, mut tw, mut yr, mut pp, mut cp, mut sr, mut wsp) = (tx, tw, yr, pp, cp, sr, wsp);
+                let (mut ri, mut ni, mut ki, mut kc) = (ri, ni, ki, kc);
+                let mut params = [
+                    (&mut tx) as *mut _ as *mut std::ffi::c_void,
+                    (&mut tw) as *mut _ as *mut _,
+                    (&mut yr) as *mut _ as *mut _,
+                    (&mut pp) as *mut _ as *mut _,
+                    (&mut cp) as *mut _ as *mut _,
+                    (&mut sr) as *mut _ as *mut _,
+                    (&mut wsp) as *mut _ as *mut _,
+                    (&mut ri) as *mut _ as *mut _,
+                    (&mut ni) as *mut _ as *mut _,
+                    (&mut ki) as *mut _ as *mut _,
+                    (&mut kc) as *mut _ as *mut _,
+                ];
+                // SAFETY: as above; `params` points at this scope's copies of the same
+                // arguments, of the kernel's parameter types, alive through the launch.
+                unsafe { launch_cluster(s, f, cfg, (1, ksplit as u32, 1), &mut params) }?;
+            } else {
+                // SAFETY: as above.
+                unsafe {
+                    s.launch_builder(f)
+                        .arg(&tx)
+                        .arg(&tw)
+                        .arg(&yr)
+                        .arg(&pp)
+                        .arg(&cp)
+                        .arg(&sr)
+                        .arg(&wsp)
+                        .arg(&ri)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .arg(&kc)
+                        .launch(cfg)
+                }?;
+            }
             r0 += rows;
         }
         Ok(())
