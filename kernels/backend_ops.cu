@@ -71,13 +71,34 @@ __device__ void rmsnorm_rows(T* __restrict__ out, int out_stride, const float* _
                      ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(w)) % 16) == 0 &&
                      reinterpret_cast<uintptr_t>(o) % (4 * sizeof(T)) == 0;
     float ss = 0.f;
+    const int n4 = dim / 4, nt = blockDim.x;
+    if (vec && n4 <= NORM_REGS * nt) {
+        // The row and the weight loaded once, all at the start, and kept in registers.
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float4 v[NORM_REGS], g[NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * nt;
+            if (i < n4) v[j] = x4[i], g[j] = w4[i];
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j)
+            if (threadIdx.x + j * nt < n4) ss += sq4(v[j]);
+        const float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * nt;
+            if (i < n4)
+                bops::store4(o + 4 * i, v[j].x * inv * g[j].x, v[j].y * inv * g[j].y, v[j].z * inv * g[j].z,
+                             v[j].w * inv * g[j].w);
+        }
+        return;
+    }
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
 #pragma unroll 4
-        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
-            const float4 v = x4[i];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) ss += sq4(x4[i]);
     } else {
 #pragma unroll 4
         for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
@@ -115,6 +136,40 @@ extern "C" __global__ void __launch_bounds__(256)
                       16) == 0 &&
                      reinterpret_cast<uintptr_t>(ob ? ob + base : nullptr) % 8 == 0;
     float ss = 0.f;
+    const int n4 = dim / 4, nt = blockDim.x;
+    if (vec && n4 <= NORM_REGS * nt) {
+        // Both rows and the weight loaded once, all at the start; the sum kept in registers.
+        float4* x4 = reinterpret_cast<float4*>(xr);
+        const float4* a4 = reinterpret_cast<const float4*>(ar);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float4 v[NORM_REGS], d[NORM_REGS], g[NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * nt;
+            if (i < n4) v[j] = x4[i], d[j] = a4[i], g[j] = w4[i];
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * nt;
+            if (i < n4) {
+                v[j].x += d[j].x, v[j].y += d[j].y, v[j].z += d[j].z, v[j].w += d[j].w;
+                x4[i] = v[j];
+                ss += sq4(v[j]);
+            }
+        }
+        const float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int i = threadIdx.x + j * nt;
+            if (i < n4) {
+                const float p = v[j].x * inv * g[j].x, q = v[j].y * inv * g[j].y, r = v[j].z * inv * g[j].z,
+                            t = v[j].w * inv * g[j].w;
+                if (of) bops::store4(of + base + 4 * i, p, q, r, t);
+                if (ob) bops::store4(ob + base + 4 * i, p, q, r, t);
+            }
+        }
+        return;
+    }
     if (vec) {
         float4* x4 = reinterpret_cast<float4*>(xr);
         const float4* a4 = reinterpret_cast<const float4*>(ar);
@@ -124,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(256)
             const float4 d = a4[i];
             v.x += d.x, v.y += d.y, v.z += d.z, v.w += d.w;
             x4[i] = v;
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            ss += sq4(v);
         }
     } else {
 #pragma unroll 4

@@ -119,6 +119,13 @@ __device__ __forceinline__ float e4m3_to_f32(uint8_t x) {
     return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// v.x² + v.y² + v.z² + v.w², one expression for every RMSNorm's sum of squares (so each
+// compiles to the same contractions and the fused kernels keep the plain ones' bits).
+__device__ __forceinline__ float sq4(const float4& v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+// float4s of a row each thread of a 256-thread RMSNorm block keeps in registers between
+// its two passes: rows up to 4 · 256 · NORM_REGS = 8192 wide read global memory once.
+constexpr int NORM_REGS = 8;
+
 // Block-wide sum of one float per thread (blockDim.x a multiple of 32, <= 1024).
 __device__ __forceinline__ float block_sum(float v, float* red) {
     v = warp_sum(v);

@@ -88,11 +88,40 @@ extern "C" __global__ void __launch_bounds__(256)
     const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(blockIdx.x) * x_stride);
     const float4* w4 = reinterpret_cast<const float4*>(w);
     float ss = 0.f;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
-        const float4 v = x4[i];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    if (blockDim.x == 256 && k <= 4 * 256 * NORM_REGS) {
+        // The row and the weight loaded once, all at the start, and kept in registers:
+        // thread (warp w, lane l)'s j-th float4, channel 4(256j + 32w + l), is lane l's
+        // part of group w + 8j, the group warp w quantises j-th below.
+        const int n4 = dim / 4;
+        float4 v[NORM_REGS], g[NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int i = threadIdx.x + 256 * j;
+            if (i < n4) v[j] = x4[i], g[j] = w4[i];
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j)
+            if (threadIdx.x + 256 * j < n4) ss += sq4(v[j]);
+        const float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = k / f8::QB;
+        const size_t row = blockIdx.x;
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int gi = warp + 8 * j, ch = gi * f8::QB + 4 * lane;
+            if (gi >= groups) break;
+            float q4[4] = {0.f, 0.f, 0.f, 0.f};
+            if (ch < dim) {
+                q4[0] = __bfloat162float(__float2bfloat16_rn(v[j].x * inv * g[j].x));
+                q4[1] = __bfloat162float(__float2bfloat16_rn(v[j].y * inv * g[j].y));
+                q4[2] = __bfloat162float(__float2bfloat16_rn(v[j].z * inv * g[j].z));
+                q4[3] = __bfloat162float(__float2bfloat16_rn(v[j].w * inv * g[j].w));
+            }
+            quant_group(q4, q, row * k + ch, s + row * groups + gi, lane);
+        }
+        return;
     }
+#pragma unroll 4
+    for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) ss += sq4(x4[i]);
     // The block sum of common.cuh's block_sum: warp sums, then every thread adds
     // the warps' in order.
     ss = warp_sum(ss);
