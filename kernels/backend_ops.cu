@@ -286,6 +286,20 @@ extern "C" __global__ void gather_rows_f32_obf16(bf16* out, const float* in, con
 extern "C" __global__ void gather_rows_bf16(bf16* out, const bf16* in, const int* rows, int h) {
     gather(out, in, rows, h);
 }
+// The rows rows[i] of a quantised activation (codes [.][k] e4m3, scales [.][k / 128])
+// into row i of q_out / s_out: the routed experts' inputs, quantised once per token.
+// k a multiple of 128, the buffers 16-byte aligned. grid = (n_out, column blocks).
+extern "C" __global__ void gather_rows_q8(uint8_t* __restrict__ q_out, float* __restrict__ s_out,
+                                          const uint8_t* __restrict__ q_in, const float* __restrict__ s_in,
+                                          const int* __restrict__ rows, int k) {
+    const size_t r = rows[blockIdx.x], i = blockIdx.x;
+    const uint4* ip = reinterpret_cast<const uint4*>(q_in + r * k);
+    uint4* op = reinterpret_cast<uint4*>(q_out + i * k);
+    const int first = blockIdx.y * blockDim.x + threadIdx.x, step = gridDim.y * blockDim.x;
+    for (int c = first; c < k / 16; c += step) op[c] = ip[c];
+    const int g = k / 128;
+    for (int c = first; c < g; c += step) s_out[i * g + c] = s_in[r * g + c];
+}
 
 
 // Latent-cache write: per row r, c_kv = RMSNorm(kv[r][:lora]) * norm_w (eps), k_pe =

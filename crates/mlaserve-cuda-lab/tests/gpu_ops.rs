@@ -506,6 +506,47 @@ fn mla_pieces_match_reference() {
 }
 
 /// Embedding gather (with the MTP position-0 zeroing), strided RMSNorm and the MoE combine.
+/// The routed experts' gather of quantised rows: codes and scales of `rows[i]` into row
+/// i, byte for byte, at V3's width and a one-block one, with repeated and skipped rows.
+#[test]
+fn quantised_rows_gather_exactly() {
+    let Some(g) = common::gpu() else { return };
+    let s = &g.stream;
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
+    let mut rng = Rng::new(17);
+    for (n_in, n, k) in [(64usize, 512usize, 7168usize), (5, 9, 128), (3, 1, 256)] {
+        let q: Vec<u8> = (0..n_in * k).map(|_| rng.below(256) as u8).collect();
+        let sc: Vec<f32> = (0..n_in * k / 128).map(|_| rng.uniform(0.001, 1.0)).collect();
+        let rows: Vec<i32> = (0..n).map(|_| rng.below(n_in) as i32).collect();
+        let (qd, sd, rd) =
+            (s.clone_htod(&q).expect("q"), s.clone_htod(&sc).expect("s"), s.clone_htod(&rows).expect("r"));
+        let mut qo = s.alloc_zeros::<u8>(n * k).expect("qo");
+        let mut so = s.alloc_zeros::<f32>(n * k / 128).expect("so");
+        ops.gather_q8_sorted(s, &mut qo, &mut so, &qd, &sd, &rd, n, k).expect("gather");
+        let (qh, sh) = (s.clone_dtoh(&qo).expect("qo"), s.clone_dtoh(&so).expect("so"));
+        let g8 = k / 128;
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            assert_eq!(qh[i * k..(i + 1) * k], q[r * k..(r + 1) * k], "codes of row {i} (input {r}), k = {k}");
+            assert_eq!(sh[i * g8..(i + 1) * g8], sc[r * g8..(r + 1) * g8], "scales of row {i} (input {r}), k = {k}");
+        }
+    }
+    assert!(
+        ops.gather_q8_sorted(
+            s,
+            &mut s.alloc_zeros::<u8>(100).unwrap(),
+            &mut s.alloc_zeros::<f32>(1).unwrap(),
+            &s.alloc_zeros::<u8>(100).unwrap(),
+            &s.alloc_zeros::<f32>(1).unwrap(),
+            &s.alloc_zeros::<i32>(1).unwrap(),
+            1,
+            100
+        )
+        .is_err(),
+        "k not a multiple of 128 is refused"
+    );
+}
+
 #[test]
 fn small_backend_ops_match_reference() {
     let Some(g) = common::gpu() else { return };

@@ -24,16 +24,16 @@ use crate::{MlaDecode, MlaDecodeShape};
 /// runs no CUDA graphs, see `graphs.rs`).
 pub(crate) const GROUPED_MAX_EXPERTS: usize = 1024;
 
-/// A MoE step's routing slots sorted by expert on the device (`CudaBackend::moe_sort_gather`).
+/// A MoE step's routing slots sorted by expert on the device (`CudaBackend::moe_sort`).
 struct Sorted {
     /// Each expert's first sorted row (`experts + 1`).
     off: CudaSlice<i32>,
+    /// Each sorted row's token.
+    perm: CudaSlice<i32>,
     /// Each slot's sorted row.
     inv: CudaSlice<i32>,
     /// The experts with rows, ascending, then -1s (the grouped fp8 kernels' compact grid).
     act: CudaSlice<i32>,
-    /// Each sorted row's input.
-    xs: CudaSlice<bf16>,
 }
 
 /// Rows that take the absorbed form, with the metadata the absorbed kernels read (the
@@ -352,10 +352,35 @@ impl CudaBackend {
         rows: usize,
         out: &mut impl cudarc::driver::DevicePtrMut<f32>,
     ) -> Result<()> {
+        let mut gu = self.gpu.stream.alloc_zeros::<bf16>(rows * 2 * m.half())?;
+        self.proj(&m.gate_up, x, rows, &mut gu)?;
+        self.mlp_down(m, &gu, rows, out)
+    }
+
+    /// [`CudaBackend::mlp_into`] over an input already normed or quantised for `m`'s
+    /// gate_up ([`Normed`]).
+    fn mlp_into_normed(
+        &self,
+        m: &Mlp,
+        x: &Normed,
+        rows: usize,
+        out: &mut impl cudarc::driver::DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let mut gu = self.gpu.stream.alloc_zeros::<bf16>(rows * 2 * m.half())?;
+        self.proj_normed(&m.gate_up, x, rows, &mut gu)?;
+        self.mlp_down(m, &gu, rows, out)
+    }
+
+    /// SiLU-mul of gate_up's output `gu` and the down projection.
+    fn mlp_down(
+        &self,
+        m: &Mlp,
+        gu: &CudaSlice<bf16>,
+        rows: usize,
+        out: &mut impl cudarc::driver::DevicePtrMut<f32>,
+    ) -> Result<()> {
         let s = &self.gpu.stream;
         let (i, half) = (m.inter(), m.half());
-        let mut gu = s.alloc_zeros::<bf16>(rows * 2 * half)?;
-        self.proj(&m.gate_up, x, rows, &mut gu)?;
         if let Proj::Fp8(down) = &m.down {
             if down.x_inp == i && rows > 0 {
                 // SiLU fused with the down projection's activation quantisation.
@@ -364,12 +389,12 @@ impl CudaBackend {
                 // reads them.
                 let mut q = unsafe { s.alloc::<u8>(rows * down.inp) }?;
                 let mut sc = unsafe { s.alloc::<f32>(rows * down.inp / fp8_plan::FP8_BLOCK) }?;
-                g.silu_quant(s, &gu, rows, i, half, down.inp, &mut q, &mut sc)?;
+                g.silu_quant(s, gu, rows, i, half, down.inp, &mut q, &mut sc)?;
                 return g.forward_quantized(s, down, &q, &sc, rows, out);
             }
         }
         let mut act = s.alloc_zeros::<bf16>(rows * i)?;
-        self.silu.launch_padded(s, &mut act, &gu, i, half)?;
+        self.silu.launch_padded(s, &mut act, gu, i, half)?;
         self.proj(&m.down, &act, rows, out)
     }
 
@@ -393,9 +418,31 @@ impl CudaBackend {
         let mut w = s.alloc_zeros::<f32>(n * k)?;
         self.ops.route(s, &mut ids, &mut w, &logits, m.bias.as_ref(), n, &m.route)?;
         self.mark("MoE routing")?;
-        let mut out = match &m.shared {
-            Some(sh) => self.mlp(sh, xn, n)?,
-            None => s.alloc_zeros::<f32>(n * h)?,
+        // Where the routed experts are fp8, each token's input is quantised once, for them
+        // and for a shared expert of the same input width (the bytes each GEMM's own
+        // quantisation of the row would give).
+        let fp8_in = match &m.grouped {
+            Some(Grouped::Fp8(gate_up, _)) if e <= GROUPED_MAX_EXPERTS => {
+                let (x_inp, inp) = (gate_up.x_inp, gate_up.inp);
+                // SAFETY: the quantiser writes every byte and scale of the n rows.
+                let mut q = unsafe { s.alloc::<u8>(n * inp) }?;
+                let mut scale = unsafe { s.alloc::<f32>(n * inp / fp8_plan::FP8_BLOCK) }?;
+                self.fp8_kernels()?.gemm.act_quant_padded(s, xn, n, x_inp, inp, &mut q, &mut scale)?;
+                Some(Normed::Fp8 { q, scale, x_inp, inp })
+            }
+            _ => None,
+        };
+        let mut out = match (&m.shared, &fp8_in) {
+            (Some(sh), Some(x)) => match &sh.gate_up {
+                Proj::Fp8(l) if matches!(x, Normed::Fp8 { x_inp, inp, .. } if l.x_inp == *x_inp && l.inp == *inp) => {
+                    let mut out = s.alloc_zeros::<f32>(n * h)?;
+                    self.mlp_into_normed(sh, x, n, &mut out)?;
+                    out
+                }
+                _ => self.mlp(sh, xn, n)?,
+            },
+            (Some(sh), None) => self.mlp(sh, xn, n)?,
+            (None, _) => s.alloc_zeros::<f32>(n * h)?,
         };
         self.mark("MoE shared experts")?;
         let rows = n * k;
@@ -409,12 +456,25 @@ impl CudaBackend {
         let inv_d = match &m.grouped {
             // Sorted and run on the device: no host round trip, three expert launches.
             Some(Grouped::Fp8(gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
-                let Sorted { off, inv, act, xs } = self.moe_sort_gather(&ids, xn, n, k, e)?;
-                self.moe_fp8(gate_up, down, &xs, &off, &act, rows, e, &mut ys)?;
+                let Sorted { off, perm, inv, act } = self.moe_sort(&ids, n, k, e)?;
+                let Some(Normed::Fp8 { q, scale, inp, .. }) = &fp8_in else {
+                    return Err(crate::CudaError::shape("moe", "the routed experts' input was not quantised"));
+                };
+                // SAFETY: the gather writes every byte and scale of the `rows` rows.
+                let mut xq = unsafe { s.alloc::<u8>(rows * inp) }?;
+                let mut xsc = unsafe { s.alloc::<f32>(rows * inp / fp8_plan::FP8_BLOCK) }?;
+                self.ops.gather_q8_sorted(s, &mut xq, &mut xsc, q, scale, &perm, rows, *inp)?;
+                self.mark("MoE routed experts: sort, gather")?;
+                self.moe_fp8(gate_up, down, &xq, &xsc, &off, &act, rows, e, &mut ys)?;
                 inv
             }
             Some(Grouped::Bf16(gate_up, down)) if e <= GROUPED_MAX_EXPERTS => {
-                let Sorted { off, inv, xs, .. } = self.moe_sort_gather(&ids, xn, n, k, e)?;
+                let Sorted { off, perm, inv, .. } = self.moe_sort(&ids, n, k, e)?;
+                // SAFETY: uninitialised device memory of a plain type; the gather writes all
+                // `rows` rows.
+                let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
+                self.ops.gather_sorted(s, &mut xs, xn, &perm, rows, h)?;
+                self.mark("MoE routed experts: sort, gather")?;
                 // Tensor cores in fast mode; the invariant mode keeps `linear_inv`'s sums.
                 let variant = GroupedVariant::Auto(self.gemm.mode);
                 let i = gate_up.out / 2;
@@ -475,40 +535,28 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The `(token, expert)` pairs of `ids` (`[n][k]`) sorted by expert on the device,
-    /// and each sorted row's input gathered from `xn`.
-    fn moe_sort_gather(
-        &self,
-        ids: &CudaSlice<i32>,
-        xn: &CudaSlice<bf16>,
-        n: usize,
-        k: usize,
-        e: usize,
-    ) -> Result<Sorted> {
+    /// The `(token, expert)` pairs of `ids` (`[n][k]`) sorted by expert on the device.
+    fn moe_sort(&self, ids: &CudaSlice<i32>, n: usize, k: usize, e: usize) -> Result<Sorted> {
         let s = &self.gpu.stream;
-        let (rows, h) = (n * k, self.cfg.hidden_size);
+        let rows = n * k;
         let mut off = s.alloc_zeros::<i32>(e + 1)?;
         let mut perm = s.alloc_zeros::<i32>(rows)?;
         let mut inv = s.alloc_zeros::<i32>(rows)?;
         let mut act = s.alloc_zeros::<i32>(e.min(rows).max(1))?;
         self.ops.moe_sort(s, ids, n, k, e, &mut off, &mut perm, &mut inv, &mut act)?;
-        // SAFETY: uninitialised device memory of a plain type; the gather writes all
-        // `rows` rows.
-        let mut xs = unsafe { s.alloc::<bf16>(rows * h) }?;
-        self.ops.gather_sorted(s, &mut xs, xn, &perm, rows, h)?;
-        self.mark("MoE routed experts: sort, gather")?;
-        Ok(Sorted { off, inv, act, xs })
+        Ok(Sorted { off, perm, inv, act })
     }
 
-    /// The routed experts of an fp8 layer over `rows` gathered rows `xs` (sorted by
-    /// expert, `off` each expert's range, `act` the experts with rows): quantised, the grouped fp8 GEMMs (gate_up,
-    /// SiLU-mul, down) into `ys` (`[rows][h]` f32).
+    /// The routed experts of an fp8 layer over `rows` gathered, quantised rows (`xq`,
+    /// `xsc`; sorted by expert, `off` each expert's range, `act` the experts with rows):
+    /// the grouped fp8 GEMMs (gate_up, SiLU-mul, down) into `ys` (`[rows][h]` f32).
     #[allow(clippy::too_many_arguments)]
     fn moe_fp8(
         &self,
         gate_up: &Fp8Experts,
         down: &Fp8Experts,
-        xs: &CudaSlice<bf16>,
+        xq: &CudaSlice<u8>,
+        xsc: &CudaSlice<f32>,
         off: &CudaSlice<i32>,
         act: &CudaSlice<i32>,
         rows: usize,
@@ -524,15 +572,12 @@ impl CudaBackend {
         // write every element of their rows; the experts' ranges cover every row).
         let invariant = self.gemm.mode.batch_invariant();
         let tiled = fp8_plan::grouped_tiled(rows, e, invariant);
-        let mut xq = unsafe { s.alloc::<u8>(rows * gate_up.inp) }?;
-        let mut xsc = unsafe { s.alloc::<f32>(rows * gate_up.inp / fp8_plan::FP8_BLOCK) }?;
-        fp8.gemm.act_quant_padded(s, xs, rows, gate_up.x_inp, gate_up.inp, &mut xq, &mut xsc)?;
         let half = gate_up.out / 2;
         let mut gu = unsafe { s.alloc::<bf16>(rows * gate_up.out) }?;
         if tiled {
-            grouped.forward_tiled(s, gate_up, &xq, &xsc, off, Some(act), rows, &mut gu)?;
+            grouped.forward_tiled(s, gate_up, xq, xsc, off, Some(act), rows, &mut gu)?;
         } else {
-            grouped.forward(s, gate_up, &xq, &xsc, off, Some(act), rows, &mut gu)?;
+            grouped.forward(s, gate_up, xq, xsc, off, Some(act), rows, &mut gu)?;
         }
         self.mark("MoE routed experts: gate_up")?;
         let i = down.x_inp;

@@ -94,4 +94,50 @@ impl Ops {
         unsafe { s.launch_builder(f).arg(out).arg(x).arg(rows).arg(&hi).launch(gather_cfg::<bf16, bf16>(n, h)) }?;
         Ok(())
     }
+
+    /// `q_out[i] = q[rows[i]]` and `s_out[i] = scale[rows[i]]` for `n` rows of a quantised
+    /// activation (`k` e4m3 codes and `k / 128` scales a row; `k` a multiple of 128)
+    /// whose indices were made on the device ([`Ops::moe_sort`]'s `perm`, each < the
+    /// rows of `q`), so not checked on the host.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_q8_sorted(
+        &self,
+        s: &Arc<CudaStream>,
+        q_out: &mut CudaSlice<u8>,
+        s_out: &mut CudaSlice<f32>,
+        q: &CudaSlice<u8>,
+        scale: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_rows_q8";
+        if !k.is_multiple_of(128) {
+            return Err(CudaError::shape(K, format!("k = {k} is not a multiple of 128")));
+        }
+        need(K, "rows", rows.len(), n)?;
+        need(K, "q_out", q_out.len(), n * k)?;
+        need(K, "s_out", s_out.len(), n * k / 128)?;
+        need(K, "scale", scale.len(), q.len() / k * (k / 128))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let ki = i32_of(K, k)?;
+        // SAFETY: blocks (i, ..) read rows[i] (n entries) — a token index from moe_sort, <
+        // the rows q holds (and scale, checked) — then q[rows[i]*k..][..k] by 16-byte
+        // copies (k % 128 == 0; cudarc buffers are 256-byte aligned) and
+        // scale[rows[i]*k/128..][..k/128]; writes q_out[i*k..][..k] and
+        // s_out[i*k/128..][..k/128] (lengths checked).
+        unsafe {
+            s.launch_builder(&self.gather_q8)
+                .arg(q_out)
+                .arg(s_out)
+                .arg(q)
+                .arg(scale)
+                .arg(rows)
+                .arg(&ki)
+                .launch(row_blocks_cfg(n, k, 256, 16))
+        }?;
+        Ok(())
+    }
 }
