@@ -73,11 +73,17 @@ pub(crate) fn with_smem(m: &Arc<CudaModule>, name: &str, smem: usize) -> Result<
     Ok(f)
 }
 
-/// How many clusters of `cluster` blocks of `f` (with `cfg`'s block and shared memory)
-/// the GPU runs at once (0 where such a cluster cannot run).
-pub(crate) fn max_active_clusters(f: &CudaFunction, cfg: LaunchConfig, cluster: (u32, u32, u32)) -> Result<usize> {
+/// Calls `f` with a `cuLaunchKernelEx` configuration of `cfg` on `stream` (null for an
+/// occupancy query) whose one attribute makes clusters of `cluster` blocks (cudarc's
+/// launcher has no cluster attribute); the attribute lives through the call.
+fn with_cluster_config<R>(
+    cfg: LaunchConfig,
+    stream: cudarc::driver::sys::CUstream,
+    cluster: (u32, u32, u32),
+    f: impl FnOnce(&cudarc::driver::sys::CUlaunchConfig) -> R,
+) -> R {
     use cudarc::driver::sys;
-    // SAFETY: plain data; every field the query reads is set below.
+    // SAFETY: plain data; every field the driver reads is set below.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.clusterDim =
@@ -90,19 +96,26 @@ pub(crate) fn max_active_clusters(f: &CudaFunction, cfg: LaunchConfig, cluster: 
         blockDimY: cfg.block_dim.1,
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: std::ptr::null_mut(),
+        hStream: stream,
         attrs: &mut attr,
         numAttrs: 1,
     };
+    f(&config)
+}
+
+/// How many clusters of `cluster` blocks of `f` (with `cfg`'s block and shared memory)
+/// the GPU runs at once (0 where such a cluster cannot run).
+pub(crate) fn max_active_clusters(f: &CudaFunction, cfg: LaunchConfig, cluster: (u32, u32, u32)) -> Result<usize> {
     let mut n = 0;
-    // SAFETY: a live function; the configuration outlives the call, which writes `n`.
-    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config).result()? };
+    with_cluster_config(cfg, std::ptr::null_mut(), cluster, |config| {
+        // SAFETY: a live function; the configuration outlives the call, which writes `n`.
+        unsafe { cudarc::driver::sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), config).result() }
+    })?;
     Ok(n.max(0) as usize)
 }
 
-/// Launches `f` on `s` as clusters of `cluster` blocks (`cuLaunchKernelEx`; cudarc's
-/// launcher has no cluster attribute), `params` pointing at the kernel's arguments in
-/// order.
+/// Launches `f` on `s` as clusters of `cluster` blocks (`cuLaunchKernelEx`), `params`
+/// pointing at the kernel's arguments in order.
 ///
 /// # Safety
 /// As any launch: `params` must match the kernel's parameters (each entry pointing at a
@@ -115,26 +128,13 @@ pub(crate) unsafe fn launch_cluster(
     cluster: (u32, u32, u32),
     params: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
-    use cudarc::driver::sys;
     s.context().bind_to_thread()?;
-    // SAFETY: plain data; every field the launch reads is set below.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim =
-        sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster.0, y: cluster.1, z: cluster.2 };
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: s.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: the caller's contract; the configuration and attribute outlive the call.
-    unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()? };
+    with_cluster_config(cfg, s.cu_stream(), cluster, |config| {
+        // SAFETY: the caller's contract; the configuration outlives the call.
+        unsafe {
+            cudarc::driver::sys::cuLaunchKernelEx(config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut())
+                .result()
+        }
+    })?;
     Ok(())
 }
