@@ -9,7 +9,7 @@
 // ldmatrix.trans). x is split into bf16 hi + lo (x − hi, rounded), both through the mma,
 // so the sum keeps about 16 bits of x (f32 accumulate), not bf16's 8. Block = 64 rows × 64
 // columns of one head, 4 warps of 16 columns as in gtc_tile, BK = 64 per stage (K past its
-// end zero-filled). Outputs: y (f32, may be null) and yb (bf16) at (r·heads + h)·y_stride
+// end zero-filled); the next stage's x is loaded into registers while a stage is multiplied. Outputs: y (f32, may be null) and yb (bf16) at (r·heads + h)·y_stride
 // + c. With rope > 0 (the absorbed query) the blocks also write the rotated q_pe: x's
 // elements K.. K + rope of the row, at position pos[r], into y/yb columns N.. N + rope
 // (spread over the column blocks). Split K (`part` not null, rope 0): grid.y runs over
@@ -20,6 +20,9 @@
 // loads), y_stride even, kchunk a multiple of BK.
 namespace hts {
 constexpr int BM = 64, BN = 64, BK = 64, THREADS = 128, MT = 4, CHUNKS = BK / 8;
+// (row, chunk) pieces of an x tile per thread.
+constexpr int XPT = BM * CHUNKS / THREADS;
+static_assert(BM * CHUNKS % THREADS == 0, "x tile pieces per thread");
 }
 
 // Element offset of (row, 16-byte chunk c) in a swizzled [row][BK] tile (chunks XORed with
@@ -50,6 +53,26 @@ extern "C" __global__ void __launch_bounds__(hts::THREADS)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[a][t][q] = 0.f;
     const uint32_t wsb = smem_u32(ws), xhb = smem_u32(xh), xlb = smem_u32(xl);
+    // x tile of k block k0: each thread's XPT (row, 8-channel chunk) pieces as f32, all
+    // loads issued before any is used (zeros past nr rows / kend).
+    float v[XPT][8];
+    auto load_x = [&](int k0) {
+#pragma unroll
+        for (int u = 0; u < XPT; ++u) {
+            const int i = tid + u * THREADS, row = i / CHUNKS, kk = k0 + (i % CHUNKS) * 8;
+            if (row < nr && kk < kend) {
+                const float4* src = reinterpret_cast<const float4*>(
+                    x + (static_cast<size_t>(r0 + row) * heads + h) * x_stride + kk);
+                const float4 p = src[0], q = src[1];
+                v[u][0] = p.x, v[u][1] = p.y, v[u][2] = p.z, v[u][3] = p.w;
+                v[u][4] = q.x, v[u][5] = q.y, v[u][6] = q.z, v[u][7] = q.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[u][j] = 0.f;
+            }
+        }
+    };
+    if (kbeg < kend) load_x(kbeg);
     for (int k0 = kbeg; k0 < kend; k0 += BK) {
         __syncthreads();  // the previous stage's reads are done
         // W tile: [n][k] rows (wt = 0) or [k][n] rows (wt = 1), 64 × 64, zero past kend / N.
@@ -67,32 +90,25 @@ extern "C" __global__ void __launch_bounds__(hts::THREADS)
             cp_async_16(wsb + 2 * hts_at(row, c), ok ? src : w, ok ? 16 : 0);
         }
         cp_async_commit();
-        // x tile: 8 f32 per (row, chunk) -> hi and lo bf16 chunks.
-        for (int i = tid; i < BM * CHUNKS; i += THREADS) {
-            const int row = i / CHUNKS, c = i % CHUNKS, kk = k0 + c * 8;
-            float v[8];
-            if (row < nr && kk < kend) {
-                const float4* src = reinterpret_cast<const float4*>(
-                    x + (static_cast<size_t>(r0 + row) * heads + h) * x_stride + kk);
-                const float4 p = src[0], q = src[1];
-                v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
-            } else {
+        // The loaded x pieces -> hi and lo bf16 chunks; then the next k block's x is
+        // loaded into registers while this one is multiplied.
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] = 0.f;
-            }
+        for (int u = 0; u < XPT; ++u) {
+            const int i = tid + u * THREADS, row = i / CHUNKS, c = i % CHUNKS;
             uint4 hi, lo;
             uint32_t* hp = reinterpret_cast<uint32_t*>(&hi);
             uint32_t* lp = reinterpret_cast<uint32_t*>(&lo);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const float a = __bfloat162float(__float2bfloat16_rn(v[2 * j]));
-                const float b = __bfloat162float(__float2bfloat16_rn(v[2 * j + 1]));
+                const float a = __bfloat162float(__float2bfloat16_rn(v[u][2 * j]));
+                const float b = __bfloat162float(__float2bfloat16_rn(v[u][2 * j + 1]));
                 hp[j] = pack_bf16x2(a, b);
-                lp[j] = pack_bf16x2(v[2 * j] - a, v[2 * j + 1] - b);
+                lp[j] = pack_bf16x2(v[u][2 * j] - a, v[u][2 * j + 1] - b);
             }
             *reinterpret_cast<uint4*>(xh + hts_at(row, c)) = hi;
             *reinterpret_cast<uint4*>(xl + hts_at(row, c)) = lo;
         }
+        if (k0 + BK < kend) load_x(k0 + BK);
         cp_async_wait<0>();
         __syncthreads();
 #pragma unroll
