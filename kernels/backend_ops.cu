@@ -416,11 +416,15 @@ __device__ __forceinline__ int warp_argmax(unsigned key, int idx) {
 // Scores by the whole block; group scores, group choice and the top k on warp 0 (lanes
 // over groups, then over the experts in registers, each pick a warp argmax), giving the
 // serial rule's picks.
+// With ksplit > 1, `logits` holds the router's k-range partials [ksplit][tokens][experts]
+// (router_f32_tile*'s output, tokens = gridDim.x) and each logit is their sum in range
+// order, ((p_0 + p_1) + p_2) + ..., as router_reduce_f32 adds them: the same bits, one
+// launch fewer.
 // Dynamic shared memory: (2 * experts + n_group) floats + (experts + n_group) bytes.
 extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restrict__ weights,
                                          const float* __restrict__ logits, const float* __restrict__ bias,
                                          int experts, int k, int n_group, int topk_group, int method, int scoring,
-                                         int has_bias, int normalise, float scale) {
+                                         int has_bias, int normalise, float scale, int ksplit) {
     extern __shared__ float rs[];
     __shared__ float red[32];
     float* score = rs;
@@ -429,12 +433,28 @@ extern "C" __global__ void moe_route_f32(int* __restrict__ ids, float* __restric
     unsigned char* taken = reinterpret_cast<unsigned char*>(gscore + n_group);
     unsigned char* gkeep = taken + experts;
     const float* lg = logits + static_cast<size_t>(blockIdx.x) * experts;
+    const size_t plane = static_cast<size_t>(gridDim.x) * experts;
+    // The logits, parked in score[] (each thread its own experts, in both loops below).
     float m = -INFINITY;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, lg[e]);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        float v = lg[e];
+        // Eight partials loaded at a time, then added in order.
+        for (int z0 = 1; z0 < ksplit; z0 += 8) {
+            float p[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) p[j] = z0 + j < ksplit ? lg[(z0 + j) * plane + e] : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (z0 + j < ksplit) v = __fadd_rn(v, p[j]);
+        }
+        score[e] = v;
+        m = fmaxf(m, v);
+    }
     m = block_max(m, red);
     float s = 0.f;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        const float v = scoring == 0 ? 1.f / (1.f + expf(-lg[e])) : expf(lg[e] - m);
+        const float l = score[e];
+        const float v = scoring == 0 ? 1.f / (1.f + expf(-l)) : expf(l - m);
         score[e] = v;
         s += v;
     }

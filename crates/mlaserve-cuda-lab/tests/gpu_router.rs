@@ -238,3 +238,54 @@ fn router_auto_takes_the_faster_tile() {
     }
     assert!(fails.is_empty(), "failed: {fails:?}");
 }
+
+/// `Router::logits_split` (the partials the routing kernel sums itself) and
+/// `Ops::route_split`: the partials added in range order on the host are the bits of
+/// `Router::logits`, and routing from the partials picks the same experts with the same
+/// weights, bit for bit, as routing from the logits. At 1, 64 and 300 rows of V3's router
+/// (16 k ranges) and at 5,000 rows (more partials than one launch holds: the logits).
+#[test]
+fn split_logits_route_as_the_logits() {
+    use mlaserve_cuda::ops::RouteParams;
+    let Some(g) = common::gpu() else { return };
+    let s = &g.stream;
+    let router = Router::new(&g).expect("router");
+    let ops = Ops::new(&g, mlaserve_cuda::linear::TcKernels::Auto).expect("ops");
+    let mut rng = Rng::new(29);
+    let (n, k) = (256, 7168);
+    let wd = s.clone_htod(&rand(&mut rng, n * k, -0.05, 0.05)).expect("w");
+    let bias = s.clone_htod(&rand(&mut rng, n, 0.0, 0.1)).expect("bias");
+    let p =
+        RouteParams { experts: n, k: 8, n_group: 8, topk_group: 4, method: 2, scoring: 0, normalise: true, scale: 2.5 };
+    let mut fails = Vec::new();
+    for m in [1usize, 64, 300, 5000] {
+        let xd = s.clone_htod(&rand(&mut rng, m * k, -1.0, 1.0)).expect("x");
+        let logits = run(&g, &router, &s.clone_dtoh(&xd).expect("x"), &wd, m, n, k, RouterTile::Auto);
+        let (part, ksplit) = router.logits_split(s, &xd, &wd, m, n, k).expect("split");
+        let ph = s.clone_dtoh(&part).expect("part");
+        let summed: Vec<f32> = (0..m * n).map(|i| (1..ksplit).fold(ph[i], |acc, z| acc + ph[z * m * n + i])).collect();
+        let route = |buf: &CudaSlice<f32>, ks: usize| {
+            let mut ids = s.alloc_zeros::<i32>(m * p.k).expect("ids");
+            let mut w = s.alloc_zeros::<f32>(m * p.k).expect("w");
+            ops.route_split(s, &mut ids, &mut w, (buf, ks), Some(&bias), m, &p).expect("route");
+            (s.clone_dtoh(&ids).expect("ids"), s.clone_dtoh(&w).expect("w"))
+        };
+        let (ids_l, w_l) = route(&s.clone_htod(&logits).expect("logits"), 1);
+        let (ids_p, w_p) = route(&part, ksplit);
+        let same_sum = same_bits(&summed, &logits);
+        let same_route = ids_l == ids_p && same_bits(&w_l, &w_p);
+        println!(
+            "router m={m}: {ksplit} k ranges handed over; summed == logits: {same_sum}; route equal: {same_route}"
+        );
+        if !same_sum || !same_route {
+            fails.push(format!("m = {m}: sums {same_sum}, routes {same_route}"));
+        }
+        if m == 5000 && ksplit != 1 {
+            fails.push("5,000 rows: partials past one launch's bound".into());
+        }
+        if m < 5000 && ksplit != plan::router_split(n, k, g.num_sms).0 {
+            fails.push(format!("m = {m}: {ksplit} ranges handed over"));
+        }
+    }
+    assert!(fails.is_empty(), "failed: {fails:?}");
+}

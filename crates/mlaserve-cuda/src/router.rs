@@ -11,6 +11,8 @@
 //! 16 columns, so that the ranges give every SM blocks to stream it; prefill calls are
 //! bound by the arithmetic and get 64 × 64 tiles with 4 × 4 outputs per thread; tens of
 //! rows (a large batch's decode step) get 32 × 32 tiles, four times the blocks.
+//! [`Router::logits_split`] leaves the ranges' partials unsummed for the routing kernel,
+//! which adds them in the same order (one launch fewer per MoE layer).
 
 use std::sync::Arc;
 
@@ -133,9 +135,8 @@ impl Router {
         let (ksplit, kchunk) = plan::router_split(n, k, self.num_sms);
         let (f, tile_rows, tile_cols) = tile.pick(self, m);
         i32_of(K, m)?; // also bounds the row tiles of grid.x
-        let (ni, ki, kci) = (i32_of(K, n)?, i32_of(K, k)?, i32_of(K, kchunk)?);
-        if n.div_ceil(tile_cols) > 65_535 || ksplit > 65_535 {
-            return Err(CudaError::shape(K, format!("grid too large: n = {n}, {ksplit} k ranges")));
+        if ksplit > 65_535 {
+            return Err(CudaError::shape(K, format!("grid too large: {ksplit} k ranges")));
         }
         // Rows per launch: all of them with one k range (the kernel writes y), else as many
         // 64-row tiles as fit PARTIAL_BYTES of partials. Slabs change no logit's sum.
@@ -164,25 +165,11 @@ impl Router {
             let rows = slab.min(m - r0);
             let (xr, yr) = (xp + (r0 * k) as u64 * elem, yp + (r0 * n) as u64 * elem);
             let out = if ksplit > 1 { pp } else { yr };
-            let ri = rows as i32; // <= m, checked above
-            let cfg = LaunchConfig {
-                grid_dim: (rows.div_ceil(tile_rows) as u32, n.div_ceil(tile_cols) as u32, ksplit as u32),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: router_f32_tile{16,32,64}(out, x, w, m, n, k, kchunk) (static shared
-            // memory only) reads x rows r0..r0 + rows (rows × k floats: r0 + rows <= m, and
-            // x holds m × k, checked) and w (n × k, checked), only rows < rows and < n and
-            // k < k (the rest zero-filled), 16 bytes at a time only when k % 4 == 0 (row
-            // starts then 16-byte aligned: cudarc buffers are 256-byte aligned). With one k
-            // range (grid.z = 1) `out` is y from row r0 and the kernel writes y[r][c] for
-            // r < rows, c < n (y holds m × n, checked); with ksplit ranges block (.., .., z)
-            // writes part[z][r][c] for the same r and c: ksplit × rows × n floats, within
-            // the ksplit × slab × n allocation. kchunk is a multiple of every tile's k width
-            // (64 or 32) and the ranges cover k (plan::router_split).
-            unsafe {
-                s.launch_builder(f).arg(&out).arg(&xr).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kci).launch(cfg)
-            }?;
+            // SAFETY: x from row r0 holds rows × k floats (r0 + rows <= m, x holds m × k,
+            // checked), w holds n × k (checked); `out` is y from row r0 (rows × n floats
+            // within y's m × n, checked) with one k range, else the ksplit × slab × n
+            // partials (rows <= slab).
+            unsafe { self.gemm(s, f, (tile_rows, tile_cols), out, xr, wp, rows, n, k, ksplit, kchunk) }?;
             if ksplit > 1 {
                 let len = (rows * n) as u64;
                 let rcfg = LaunchConfig {
@@ -198,6 +185,90 @@ impl Router {
             }
             r0 += rows;
         }
+        Ok(())
+    }
+
+    /// The logits for a consumer that adds the k ranges itself (`Ops::route_split`):
+    /// `(buffer, ksplit)`, the GEMM's partials `[ksplit][m][n]` with no reduce where
+    /// [`plan::router_split`] cuts k and one launch holds the rows' partials, else the
+    /// logits `[m][n]` of [`Router::logits`] (ksplit 1). The same bits once summed in
+    /// range order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits_split(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(CudaSlice<f32>, usize)> {
+        const K: &str = "router_f32";
+        let (ksplit, kchunk) = plan::router_split(n, k, self.num_sms);
+        let one_slab = m * ksplit * n * 4 <= PARTIAL_BYTES;
+        if ksplit == 1 || !one_slab || m == 0 || n == 0 {
+            let mut y = s.alloc_zeros::<f32>(m * n)?;
+            self.logits(s, &mut y, x, w, m, n, k)?;
+            return Ok((y, 1));
+        }
+        need(K, "x", x.len(), m * k)?;
+        need(K, "w", w.len(), n * k)?;
+        i32_of(K, m)?;
+        let (f, tile_rows, tile_cols) = RouterTile::Auto.pick(self, m);
+        // SAFETY: the launch below writes every element (block (.., .., z) stores each of
+        // its rows < m and columns < n, 0 for an empty k range) before any later read on
+        // this stream.
+        let mut part = unsafe { s.alloc::<f32>(ksplit * m * n) }?;
+        {
+            let (pp, _gp) = part.device_ptr_mut(s);
+            let (xp, _gx) = x.device_ptr(s);
+            let (wp, _gw) = w.device_ptr(s);
+            // SAFETY: x holds m × k, w n × k (checked); `part` ksplit × m × n floats.
+            unsafe { self.gemm(s, f, (tile_rows, tile_cols), pp, xp, wp, m, n, k, ksplit, kchunk) }?;
+        }
+        Ok((part, ksplit))
+    }
+
+    /// One launch of a tile kernel `f` over `rows` rows of x at `xp` into `out` (the
+    /// logits with one k range, else the partials `[ksplit][rows][n]`).
+    ///
+    /// # Safety
+    /// `xp` must hold rows × k floats, `wp` n × k, and `out` rows × n floats (one k range)
+    /// or ksplit × rows × n; all device pointers of live buffers used on stream `s`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        &self,
+        s: &Arc<CudaStream>,
+        f: &CudaFunction,
+        (tile_rows, tile_cols): (usize, usize),
+        out: u64,
+        xp: u64,
+        wp: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+        ksplit: usize,
+        kchunk: usize,
+    ) -> Result<()> {
+        const K: &str = "router_f32";
+        let (ri, ni, ki, kci) = (i32_of(K, rows)?, i32_of(K, n)?, i32_of(K, k)?, i32_of(K, kchunk)?);
+        if n.div_ceil(tile_cols) > 65_535 || ksplit > 65_535 {
+            return Err(CudaError::shape(K, format!("grid too large: n = {n}, {ksplit} k ranges")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(tile_rows) as u32, n.div_ceil(tile_cols) as u32, ksplit as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: router_f32_tile{16,32,64}(out, x, w, m, n, k, kchunk) (static shared
+        // memory only) reads x's rows × k floats and w (n × k), only rows < rows and < n
+        // and k < k (the rest zero-filled), 16 bytes at a time only when k % 4 == 0 (row
+        // starts then 16-byte aligned: cudarc buffers are 256-byte aligned). With one k
+        // range (grid.z = 1) the kernel writes out[r][c] for r < rows, c < n; with ksplit
+        // ranges block (.., .., z) writes out[z][r][c] for the same r and c. kchunk is a
+        // multiple of every tile's k width (64 or 32) and the ranges cover k
+        // (plan::router_split). The caller vouches for the buffers' sizes.
+        unsafe { s.launch_builder(f).arg(&out).arg(&xp).arg(&wp).arg(&ri).arg(&ni).arg(&ki).arg(&kci).launch(cfg) }?;
         Ok(())
     }
 

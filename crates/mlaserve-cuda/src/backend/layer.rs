@@ -412,11 +412,11 @@ impl CudaBackend {
         let s = &self.gpu.stream;
         let h = self.cfg.hidden_size;
         let (e, k) = (m.route.experts, m.route.k);
-        let mut logits = s.alloc_zeros::<f32>(n * e)?;
-        self.ops.router_logits(s, &mut logits, xf, &m.gate, n, e, h)?;
+        // The router's k-range partials, summed inside the routing kernel.
+        let (logits, ksplit) = self.ops.router_logits_split(s, xf, &m.gate, n, e, h)?;
         let mut ids = s.alloc_zeros::<i32>(n * k)?;
         let mut w = s.alloc_zeros::<f32>(n * k)?;
-        self.ops.route(s, &mut ids, &mut w, &logits, m.bias.as_ref(), n, &m.route)?;
+        self.ops.route_split(s, &mut ids, &mut w, (&logits, ksplit), m.bias.as_ref(), n, &m.route)?;
         self.mark("MoE routing")?;
         // Where the routed experts are fp8, each token's input is quantised once, for them
         // and for a shared expert of the same input width (the bytes each GEMM's own

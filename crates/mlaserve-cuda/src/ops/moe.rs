@@ -286,7 +286,23 @@ impl Ops {
         self.router.logits(s, y, x, w, m, n, k)
     }
 
+    /// Router logits for [`Ops::route_split`]: `(buffer, ksplit)`, the logits `[m][n]`
+    /// (ksplit 1) or their k-range partials `[ksplit][m][n]` ([`Router::logits_split`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_logits_split(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(CudaSlice<f32>, usize)> {
+        self.router.logits_split(s, x, w, m, n, k)
+    }
+
     /// Routes `n` tokens from gate logits `[n][experts]`: `ids`/`weights` `[n][k]`.
+    #[allow(clippy::too_many_arguments)]
     pub fn route(
         &self,
         s: &Arc<CudaStream>,
@@ -297,8 +313,29 @@ impl Ops {
         n: usize,
         p: &RouteParams,
     ) -> Result<()> {
+        self.route_split(s, ids, weights, (logits, 1), bias, n, p)
+    }
+
+    /// [`Ops::route`] from `logits.0` holding the router's `logits.1` k-range partials
+    /// `[ksplit][n][experts]` (1: the logits themselves), summed in range order inside the
+    /// routing kernel: the bits of [`Router::logits`]'s reduce.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_split(
+        &self,
+        s: &Arc<CudaStream>,
+        ids: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+        logits: (&CudaSlice<f32>, usize),
+        bias: Option<&CudaSlice<f32>>,
+        n: usize,
+        p: &RouteParams,
+    ) -> Result<()> {
         const K: &str = "moe_route_f32";
-        need(K, "logits", logits.len(), n * p.experts)?;
+        let (logits, ksplit) = logits;
+        if ksplit == 0 {
+            return Err(CudaError::shape(K, "0 k ranges"));
+        }
+        need(K, "logits", logits.len(), ksplit * n * p.experts)?;
         need(K, "ids", ids.len(), n * p.k)?;
         need(K, "weights", weights.len(), n * p.k)?;
         if p.n_group == 0 || !p.experts.is_multiple_of(p.n_group) || p.k == 0 || p.k > p.experts {
@@ -314,9 +351,11 @@ impl Ops {
         let (e, k, g, tg) = (i32_of(K, p.experts)?, i32_of(K, p.k)?, i32_of(K, p.n_group)?, i32_of(K, p.topk_group)?);
         let (has_bias, norm) = (bias.is_some() as i32, p.normalise as i32);
         let b = bias.unwrap_or(logits);
-        // SAFETY: block t reads logits[t*E..][..E] and bias[..E] (only when has_bias; the
-        // stand-in is a live buffer otherwise), writes ids/weights[t*k..][..k]; lengths
-        // checked; shared memory holds 2E + G floats and E + G bytes.
+        let ks = i32_of(K, ksplit)?;
+        // SAFETY: block t reads logits[z*n*E + t*E..][..E] for z < ksplit and bias[..E]
+        // (only when has_bias; the stand-in is a live buffer otherwise), writes
+        // ids/weights[t*k..][..k]; lengths checked (grid.x = n); shared memory holds
+        // 2E + G floats and E + G bytes.
         unsafe {
             s.launch_builder(&self.route)
                 .arg(ids)
@@ -332,6 +371,7 @@ impl Ops {
                 .arg(&has_bias)
                 .arg(&norm)
                 .arg(&p.scale)
+                .arg(&ks)
                 .launch(rows_cfg(n, 128, smem))
         }?;
         Ok(())
