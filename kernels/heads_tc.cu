@@ -1,6 +1,7 @@
 // The absorbed form's per-head projections on tensor cores (mma.sync m16n8k16, bf16 in,
-// f32 accumulate): heads_tc and its split-K reduce, described below.
+// f32 accumulate): heads_tc and its split-K reduces, described below.
 #include "common.cuh"
+#include "fp8_quant.cuh"
 
 // Per-head projections of the absorbed form on tensor cores (heads_tc_*): for row r and
 // head h = blockIdx.z, y[r][h][c] = Σ_k x[r][h][k] · W_h[k][c] over K inputs and N outputs,
@@ -189,4 +190,30 @@ extern "C" __global__ void __launch_bounds__(256)
     const size_t o = (i / N) * y_stride + i % N;
     if (y) y[o] = v;
     yb[o] = __float2bfloat16_rn(v);
+}
+
+// heads_tc_reduce's sums for an fp8 GEMM that reads them (W_UV's output, o_proj's input):
+// with N = y_stride = 128, head h of row r is the row's 128-channel group h, and the
+// value heads_tc_reduce would store, bf16(((part[0] + part[1]) + ...)), is quantised as
+// act_quant_bf16 quantises it: codes q [m][heads · 128] and scales s [m][heads], the
+// bytes of heads_tc_reduce followed by act_quant_bf16. One warp per (row, head), 8 a
+// block; lane l sums channels 4l .. 4l + 3.
+extern "C" __global__ void __launch_bounds__(256)
+    heads_tc_reduce_quant(uint8_t* __restrict__ q, float* __restrict__ s, const float* __restrict__ part, int m,
+                          int heads, int ksplit) {
+    const size_t wid = static_cast<size_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (wid >= static_cast<size_t>(m) * heads) return;
+    const int lane = threadIdx.x & 31;
+    const size_t len = static_cast<size_t>(m) * heads * f8::QB, i = wid * f8::QB + 4 * lane;
+    float v[4];
+    load4(part + i, v);
+    for (int z = 1; z < ksplit; ++z) {
+        float p[4];
+        load4(part + z * len + i, p);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = __fadd_rn(v[j], p[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(v[j]));
+    quant_group(v, q, i, s + wid, lane);
 }

@@ -54,6 +54,43 @@ fn silu_quant_is_silu_then_act_quant() {
     }
 }
 
+/// W_UV with o_proj's quantisation in its split-K reduce (`Ops::wuv_quant`): the bytes
+/// of `Ops::wuv` (bf16) then `act_quant`, at TP 8's 16 heads and TP 1's 128 (whose 600
+/// rows run in five slabs of partials), lora 512 and vdim 128; other widths refused.
+#[test]
+fn wuv_quant_is_wuv_then_act_quant() {
+    use mlaserve_cuda::linear::TcKernels;
+    use mlaserve_cuda::ops::Ops;
+    let Some(gpu) = common::gpu() else { return };
+    let fp8 = Fp8Gemm::new(&gpu, Fp8Path::Auto).expect("load fp8_gemm");
+    let ops = Ops::new(&gpu, TcKernels::Auto).expect("ops");
+    let s = &gpu.stream;
+    let mut rng = Rng::new(31);
+    let (lora, vdim) = (512usize, 128usize);
+    for (n, heads) in [(1usize, 16usize), (64, 16), (600, 128)] {
+        let o_lat: Vec<f32> = (0..n * heads * lora).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let w: Vec<half::bf16> =
+            (0..heads * vdim * lora).map(|_| half::bf16::from_f32(rng.uniform(-0.1, 0.1))).collect();
+        let (od, wd) = (s.clone_htod(&o_lat).expect("o_lat"), s.clone_htod(&w).expect("w"));
+        let k = heads * vdim;
+        let mut o = s.alloc_zeros::<half::bf16>(n * k).expect("o");
+        ops.wuv(s, &mut o, &od, &wd, n, heads, lora, vdim).expect("wuv");
+        let (mut q1, mut s1) = (s.alloc_zeros::<u8>(n * k).expect("q"), s.alloc_zeros::<f32>(n * heads).expect("s"));
+        fp8.act_quant(s, &o, n, k, &mut q1, &mut s1).expect("quant");
+        let (mut q2, mut s2) = (s.alloc_zeros::<u8>(n * k).expect("q"), s.alloc_zeros::<f32>(n * heads).expect("s"));
+        ops.wuv_quant(s, &mut q2, &mut s2, &od, &wd, n, heads, lora, vdim).expect("wuv_quant");
+        let same_q = s.clone_dtoh(&q1).expect("q1") == s.clone_dtoh(&q2).expect("q2");
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let same_s = bits(s.clone_dtoh(&s1).expect("s1")) == bits(s.clone_dtoh(&s2).expect("s2"));
+        println!("wuv_quant n={n} heads={heads}: codes {same_q}, scales {same_s}");
+        assert!(same_q && same_s, "wuv_quant differs from wuv + act_quant (n={n} heads={heads})");
+    }
+    assert!(Ops::wuv_quant_takes(512, 128) && !Ops::wuv_quant_takes(512, 64) && !Ops::wuv_quant_takes(128, 128));
+    let (mut q, mut sc) = (s.alloc_zeros::<u8>(64).unwrap(), s.alloc_zeros::<f32>(1).unwrap());
+    let (od, wd) = (s.alloc_zeros::<f32>(512).unwrap(), s.alloc_zeros::<half::bf16>(64 * 512).unwrap());
+    assert!(ops.wuv_quant(s, &mut q, &mut sc, &od, &wd, 1, 1, 512, 64).is_err(), "vdim 64 is refused");
+}
+
 /// RMSNorm fused with the quantisation (`rmsnorm_quant`): the bytes of `Ops::rmsnorm`
 /// into bf16 then `act_quant`, at V3's hidden and q_lora widths, a row stride wider than
 /// the row, and a padded tiny width (96 channels of a 128-wide weight).

@@ -546,3 +546,35 @@ fn the_cache_is_sized_from_the_device_memory() {
     let e = CudaBackend::load_with(t.path(), opts).expect_err("cannot fit").to_string();
     assert!(e.contains("does not fit") && e.contains("--gpu-memory-utilization 0.0001"), "{e}");
 }
+
+/// W_UV quantising o_proj's input inside its split-K reduce (`Ops::wuv_quant`: every row
+/// absorbed, an fp8 o_proj, one head a 128-channel group) gives the bytes of W_UV then
+/// the GEMM's own quantisation: with the batch-invariant options, on tiny-v3 in fp8 at
+/// V3's attention widths (512 + 64 latent, 16 heads, v_head_dim 128), a decode window's
+/// logits in a step of its own (the fused path) equal the same window's beside a
+/// prefill chunk (a mixed step: W_UV to bf16, then the quantisation), bit for bit.
+#[test]
+fn fp8_o_proj_input_quantised_in_w_uv_equals_the_unfused_path() {
+    if !require_gpu() {
+        return;
+    }
+    let t = tempfile::tempdir().expect("tempdir");
+    let mut overrides = common::v3_attention();
+    overrides["v_head_dim"] = serde_json::json!(128);
+    let gen = mlaserve_model::presets::GenOptions { fp8: true, overrides, ..Default::default() };
+    mlaserve_model::presets::generate_opts("tiny-v3", t.path(), &gen).expect("preset");
+    let mut be = CudaBackend::load_with(t.path(), CudaOptions::new(BLOCKS, 0).batch_invariant()).expect("load");
+    let v = be.config().vocab_size;
+    let prefill = |tokens, table: &[u32]| SeqChunk { prefill: true, ..chunk(tokens, 0, table) };
+    be.forward(&Batch { seqs: vec![prefill(toks(1, 70), &[3, 7])], ..Default::default() }).expect("prefill A");
+    let window = || chunk(toks(3, 2), 70, &[3, 7]);
+    let alone = Batch { seqs: vec![window()], logit_rows: vec![0, 1], ..Default::default() };
+    let a = be.forward(&alone).expect("window alone").logits;
+    let mixed =
+        Batch { seqs: vec![window(), prefill(toks(2, 20), &[1, 9])], logit_rows: vec![0, 1], ..Default::default() };
+    let b = be.forward(&mixed).expect("window beside a prefill chunk").logits;
+    assert_eq!(a.len(), 2 * v);
+    let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+    println!("fp8 o_proj input from W_UV's reduce: window alone == beside a prefill chunk: {same}");
+    assert!(same, "the fused W_UV quantisation changed a decode window's logits");
+}

@@ -144,21 +144,48 @@ impl CudaBackend {
         self.ops.kv_write(s, cache, &kv, &a.kv_a_norm, &self.rope, &st.pos, &st.slot, n, eps_lat)?;
         self.mark("attention: q/kv projections, cache write")?;
         let scale = c.softmax_scale() as f32;
+        // Every row absorbed into an fp8 o_proj whose input groups are the heads: W_UV's
+        // reduce quantises o_proj's input itself (the bytes W_UV then the GEMM's own
+        // quantisation give).
+        let o_proj_fp8 = match &a.o_proj {
+            Proj::Fp8(l) if l.x_inp == heads * vdim && l.inp == heads * vdim => Some(l),
+            _ => None,
+        };
+        let fused = o_proj_fp8.filter(|_| {
+            matches!(st.route.abs, Absorbed::All)
+                && st.route.exp.is_none()
+                && n > 0
+                && crate::ops::Ops::wuv_quant_takes(lora, vdim)
+        });
+        let all_rows = || AbsView {
+            n,
+            pos: &st.pos,
+            row_seq: &st.row_seq,
+            tables: &st.tables,
+            seq_lens: &st.seq_lens,
+            meta: st.meta,
+            uniform: st.uniform,
+            splits: st.splits,
+            chunks: &st.chunks,
+        };
+        if let Some(l) = fused {
+            let o_lat = self.absorbed(a, &q, cache, &all_rows())?;
+            // SAFETY: wuv_quant writes every code and scale of the n rows.
+            let mut oq = unsafe { s.alloc::<u8>(n * heads * vdim) }?;
+            let mut osc = unsafe { s.alloc::<f32>(n * heads) }?;
+            self.ops.wuv_quant(s, &mut oq, &mut osc, &o_lat, &a.w_uv.w, n, heads, lora, vdim)?;
+            self.mark("attention: absorbed q (W_UK), W_UV")?;
+            let mut out = s.alloc_zeros::<f32>(n * c.hidden_size)?;
+            self.fp8_kernels()?.gemm.forward_quantized(s, l, &oq, &osc, n, &mut out)?;
+            self.mark("attention: o_proj")?;
+            return Ok(out);
+        }
         let mut o = s.alloc_zeros::<bf16>(n * heads * vdim)?;
         match &st.route.abs {
             Absorbed::All => {
-                let rows = AbsView {
-                    n,
-                    pos: &st.pos,
-                    row_seq: &st.row_seq,
-                    tables: &st.tables,
-                    seq_lens: &st.seq_lens,
-                    meta: st.meta,
-                    uniform: st.uniform,
-                    splits: st.splits,
-                    chunks: &st.chunks,
-                };
-                self.absorbed(a, &q, cache, &rows, &mut o)?;
+                let o_lat = self.absorbed(a, &q, cache, &all_rows())?;
+                self.ops.wuv(s, &mut o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)?;
+                self.mark("attention: absorbed q (W_UK), W_UV")?;
             }
             Absorbed::Nothing => {}
             Absorbed::Rows(r) => {
@@ -177,7 +204,9 @@ impl CudaBackend {
                     chunks: &r.chunks,
                 };
                 let mut os = s.alloc_zeros::<bf16>(m * heads * vdim)?;
-                self.absorbed(a, &qs, cache, &rows, &mut os)?;
+                let o_lat = self.absorbed(a, &qs, cache, &rows)?;
+                self.ops.wuv(s, &mut os, &o_lat, &a.w_uv.w, m, heads, lora, vdim)?;
+                self.mark("attention: absorbed q (W_UK), W_UV")?;
                 self.prefill.scatter_rows(s, &mut o, &os, &r.rows_d, &r.rows, heads * vdim)?;
             }
         }
@@ -203,21 +232,19 @@ impl CudaBackend {
 
     /// The absorbed form over `rows.n` rows (`q` their q_b output, compact): query
     /// absorption, attention over the latent cache (the decode kernel for uniform windows
-    /// of ≤ 4 tokens when enabled, else the varlen kernel), `W_UV` into `o` (`[rows.n][heads
-    /// · vdim]` bf16).
+    /// of ≤ 4 tokens when enabled, else the varlen kernel): `o_lat` (`[rows.n][heads][lora]`
+    /// f32), which the caller multiplies by `W_UV`.
     fn absorbed(
         &self,
         a: &Attn,
         q: &CudaSlice<f32>,
         cache: &CudaSlice<bf16>,
         rows: &AbsView,
-        o: &mut CudaSlice<bf16>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<f32>> {
         let s = &self.gpu.stream;
         let c = &self.cfg;
         let n = rows.n;
-        let (heads, nope, rope, lora, vdim) =
-            (a.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim);
+        let (heads, nope, rope, lora) = (a.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank);
         let lat = lora + rope;
         let mut qa = s.alloc_zeros::<f32>(n * heads * lat)?;
         let mut qa_bf16 = s.alloc_zeros::<bf16>(n * heads * lat)?;
@@ -285,8 +312,7 @@ impl CudaBackend {
             }
         }
         self.mark("attention: absorbed kernel")?;
-        self.ops.wuv(s, o, &o_lat, &a.w_uv.w, n, heads, lora, vdim)?;
-        self.mark("attention: absorbed q (W_UK), W_UV")
+        Ok(o_lat)
     }
 
     /// The decode kernel over a step whose absorbed chunks differ in length (fixed-size

@@ -26,6 +26,15 @@ struct HeadsTc {
     w_kn: bool,
 }
 
+/// Where `heads_tc` puts its result.
+enum HeadsOut<'a> {
+    /// f32 rows (when given) and bf16 rows of `y_stride` elements.
+    Rows { y: Option<&'a mut CudaSlice<f32>>, yb: &'a mut CudaSlice<bf16> },
+    /// Quantised for an fp8 GEMM that reads them (`heads_tc_reduce_quant`): codes
+    /// `[m][heads · 128]` and scales `[m][heads]`; needs N = y_stride = 128 and split K.
+    Fp8 { q: &'a mut CudaSlice<u8>, scale: &'a mut CudaSlice<f32> },
+}
+
 /// Bytes of split-K partials one `heads_tc` launch may write; more rows run in slabs.
 const HEADS_PARTIAL_BYTES: usize = 32 << 20;
 
@@ -173,7 +182,7 @@ impl Ops {
         }
         if heads_tc_takes(nope, lora, nope + r, lora + r) {
             let t = HeadsTc { m: n, heads, k: nope, n: lora, x_stride: nope + r, y_stride: lora + r, w_kn: true };
-            return self.heads_tc(s, Some(qa), qa_bf16, q, wuk, &t, Some((rope, pos)));
+            return self.heads_tc(s, HeadsOut::Rows { y: Some(qa), yb: qa_bf16 }, q, wuk, &t, Some((rope, pos)));
         }
         let (hi, ni, ri, li) = (i32_of(K, heads)?, i32_of(K, nope)?, i32_of(K, r)?, i32_of(K, lora)?);
         // SAFETY: block (h, r) reads q[(r*heads+h)*(nope+rope)..][..nope+rope],
@@ -278,8 +287,7 @@ impl Ops {
     fn heads_tc(
         &self,
         s: &Arc<CudaStream>,
-        y: Option<&mut CudaSlice<f32>>,
-        yb: &mut CudaSlice<bf16>,
+        out: HeadsOut,
         x: &CudaSlice<f32>,
         w: &CudaSlice<bf16>,
         t: &HeadsTc,
@@ -288,12 +296,33 @@ impl Ops {
         const K: &str = "heads_tc";
         let rd = rope.map_or(0, |r| r.0.dim);
         need(K, "x", x.len(), t.m * t.heads * t.x_stride)?;
-        need(K, "yb", yb.len(), t.m * t.heads * t.y_stride)?;
         need(K, "w", w.len(), t.heads * t.k * t.n)?;
         if t.x_stride < t.k + rd || t.y_stride < t.n + rd {
             return Err(CudaError::shape(K, "strides narrower than the row"));
         }
+        let (ksplit, kchunk) = heads_tc_split(t.k, rd);
+        // The outputs: y and yb, or the quantised codes and scales (q, sc: null otherwise).
+        let (y, yb, quant) = match out {
+            HeadsOut::Rows { y, yb } => (y, Some(yb), None),
+            HeadsOut::Fp8 { q, scale } => {
+                if ksplit == 1 || t.n != 128 || t.y_stride != 128 || rd != 0 {
+                    return Err(CudaError::shape(K, "quantised output needs N = 128 and split K"));
+                }
+                need(K, "q", q.len(), t.m * t.heads * t.n)?;
+                need(K, "scale", scale.len(), t.m * t.heads)?;
+                (None, None, Some((q, scale)))
+            }
+        };
         let (yp, _gy) = opt_ptr_mut(K, "y", s, y, t.m * t.heads * t.y_stride)?;
+        let (ybp, _gyb) = opt_ptr_mut(K, "yb", s, yb, t.m * t.heads * t.y_stride)?;
+        let (qp, sp_q, _gq) = match quant {
+            Some((q, sc)) => {
+                let (a, g1) = q.device_ptr_mut(s);
+                let (b, g2) = sc.device_ptr_mut(s);
+                (a, b, Some((g1, g2)))
+            }
+            None => (0, 0, None),
+        };
         let (cp, sp, pp, _gr) = match rope {
             Some((tab, pos)) => {
                 need(K, "pos", pos.len(), t.m)?;
@@ -304,7 +333,6 @@ impl Ops {
             }
             None => (0, 0, 0, None),
         };
-        let (ksplit, kchunk) = heads_tc_split(t.k, rd);
         let nblocks = t.n.div_ceil(64);
         if t.m.div_ceil(64) > u32::MAX as usize || nblocks * ksplit > 65_535 || t.heads > 65_535 {
             return Err(CudaError::shape(K, "grid too large"));
@@ -331,12 +359,12 @@ impl Ops {
         let plen = part.as_ref().map_or(0, |p| p.len());
         let (partp, _gp) = opt_ptr_mut(K, "part", s, part.as_mut(), plen)?;
         let (xp, _gx) = x.device_ptr(s);
-        let (ybp, _gyb) = yb.device_ptr_mut(s);
         let mut r0 = 0;
         while r0 < t.m {
             let rows = slab.min(t.m - r0);
             let (row_x, row_y) = ((r0 * t.heads * t.x_stride) as u64, (r0 * t.heads * t.y_stride) as u64);
-            let (xr, ybr) = (xp + row_x * 4, ybp + row_y * 2);
+            let xr = xp + row_x * 4;
+            let ybr = if ybp == 0 { 0 } else { ybp + row_y * 2 };
             let yr = if yp == 0 { 0 } else { yp + row_y * 4 };
             let ri = rows as i32; // <= m, checked above
             let cfg = LaunchConfig {
@@ -351,7 +379,7 @@ impl Ops {
             // tables cover them; rope only unsplit, in one slab from row 0) and writes
             // y/yb[(r·heads + h)·y_stride..][..N + rope] for r < rows only, or with a split
             // part[z][r·heads + h][..N] (ksplit × slab × heads × N allocated); every length
-            // is checked above (y null: not written); 16-byte loads: K, N, x_stride
+            // is checked above (y, yb null: not written, only with a split); 16-byte loads: K, N, x_stride
             // multiples of 8, 8, 4 (heads_tc_takes), 256-byte aligned buffers, so row
             // offsets of x_stride floats stay 16-byte aligned; kchunk a multiple of 64.
             unsafe {
@@ -375,7 +403,30 @@ impl Ops {
                     .arg(&kci)
                     .launch(cfg)
             }?;
-            if ksplit > 1 {
+            if qp != 0 {
+                let groups = rows * t.heads;
+                let qcfg = LaunchConfig {
+                    grid_dim: (groups.div_ceil(8) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let (qr, sr) = (qp + (r0 * t.heads * t.n) as u64, sp_q + (r0 * t.heads) as u64 * 4);
+                // SAFETY: heads_tc_reduce_quant(q, s, part, m, heads, ksplit) reads
+                // part[z][i] for z < ksplit, i < rows × heads × 128 (all written by the
+                // launch above, on this stream; N = 128 checked) and writes q[i] and
+                // s[i / 128] from row r0: within q's m × heads × 128 bytes and the scales'
+                // m × heads floats (checked above).
+                unsafe {
+                    s.launch_builder(&self.heads_tc_reduce_quant)
+                        .arg(&qr)
+                        .arg(&sr)
+                        .arg(&partp)
+                        .arg(&ri)
+                        .arg(&args[0])
+                        .arg(&ksi)
+                        .launch(qcfg)
+                }?;
+            } else if ksplit > 1 {
                 let len = rows * t.heads * t.n;
                 let rcfg = LaunchConfig {
                     grid_dim: (len.div_ceil(256) as u32, 1, 1),
@@ -404,6 +455,42 @@ impl Ops {
         Ok(())
     }
 
+    /// Whether [`Ops::wuv_quant`] takes these widths: the tensor-core path with K split
+    /// and one head a 128-channel group (V3: lora 512, vdim 128).
+    pub fn wuv_quant_takes(lora: usize, vdim: usize) -> bool {
+        vdim == 128 && heads_tc_takes(lora, vdim, lora, vdim) && heads_tc_split(lora, 0).0 > 1
+    }
+
+    /// [`Ops::wuv`]'s output quantised for an fp8 GEMM that reads it (o_proj), in the
+    /// reduce of its split K: codes `q` `[n][heads · 128]` and scales `[n][heads]`, the
+    /// bytes [`Ops::wuv`] then the activation quantisation give. Widths per
+    /// [`Ops::wuv_quant_takes`], else an error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn wuv_quant(
+        &self,
+        s: &Arc<CudaStream>,
+        q: &mut CudaSlice<u8>,
+        scale: &mut CudaSlice<f32>,
+        o_lat: &CudaSlice<f32>,
+        wuv: &CudaSlice<bf16>,
+        n: usize,
+        heads: usize,
+        lora: usize,
+        vdim: usize,
+    ) -> Result<()> {
+        const K: &str = "wuv_quant";
+        need(K, "o_lat", o_lat.len(), n * heads * lora)?;
+        need(K, "wuv", wuv.len(), heads * vdim * lora)?;
+        if !Self::wuv_quant_takes(lora, vdim) {
+            return Err(CudaError::shape(K, format!("lora {lora}, vdim {vdim}: not one 128-group a head")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let t = HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false };
+        self.heads_tc(s, HeadsOut::Fp8 { q, scale }, o_lat, wuv, &t, None)
+    }
+
     /// `out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h]` (bf16 out), on tensor cores
     /// (`heads_tc`) when the widths allow.
     #[allow(clippy::too_many_arguments)]
@@ -427,7 +514,7 @@ impl Ops {
         }
         if heads_tc_takes(lora, vdim, lora, vdim) {
             let t = HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false };
-            return self.heads_tc(s, None, out, o_lat, wuv, &t, None);
+            return self.heads_tc(s, HeadsOut::Rows { y: None, yb: out }, o_lat, wuv, &t, None);
         }
         let (hi, li, vi) = (i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, vdim)?);
         // SAFETY: block (h, r) reads o_lat[(r*heads+h)*lora..][..lora] and
