@@ -35,6 +35,16 @@ pub const MID_MAX_ROWS: usize = 64;
 /// Bytes of f32 partials one launch may write; more rows run in slabs.
 const PARTIAL_BYTES: usize = 64 << 20;
 
+/// Rows per launch of the router's GEMM: all `m` with one k range (the kernel writes the
+/// logits), else as many 64-row tiles as fit [`PARTIAL_BYTES`] of partials. Slabs change
+/// no logit's sum.
+fn slab_rows(m: usize, n: usize, ksplit: usize) -> usize {
+    if ksplit == 1 {
+        return m;
+    }
+    ((PARTIAL_BYTES / (ksplit * n.max(1) * 4)).max(64) / 64 * 64).min(m)
+}
+
 /// Which tile computes the logits. Every choice gives the same bits; only the time
 /// differs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,12 +145,7 @@ impl Router {
         let (ksplit, kchunk) = plan::router_split(n, k, self.num_sms);
         let (f, tile_rows, tile_cols) = tile.pick(self, m);
         i32_of(K, m)?; // also bounds the row tiles of grid.x
-        if ksplit > 65_535 {
-            return Err(CudaError::shape(K, format!("grid too large: {ksplit} k ranges")));
-        }
-        // Rows per launch: all of them with one k range (the kernel writes y), else as many
-        // 64-row tiles as fit PARTIAL_BYTES of partials. Slabs change no logit's sum.
-        let slab = if ksplit == 1 { m } else { (PARTIAL_BYTES / (ksplit * n * 4)).max(64) / 64 * 64 }.min(m);
+        let slab = slab_rows(m, n, ksplit);
         let mut part = if ksplit > 1 {
             // SAFETY: every element a slab's reduce reads (ksplit × rows × n) is written by
             // that slab's GEMM launch first, earlier on this stream: block (.., .., z)
@@ -177,7 +182,7 @@ impl Router {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let ksi = ksplit as i32; // <= 65_535, checked above
+                let ksi = ksplit as i32; // <= 65_535, checked by the launch above
                                          // SAFETY: router_reduce_f32(y, part, len, ksplit) reads part[z][i] for
                                          // z < ksplit, i < len = rows × n (all written by the launch above, on this
                                          // stream) and writes y[i] from row r0, i < len: within y's m × n (checked).
@@ -205,8 +210,7 @@ impl Router {
     ) -> Result<(CudaSlice<f32>, usize)> {
         const K: &str = "router_f32";
         let (ksplit, kchunk) = plan::router_split(n, k, self.num_sms);
-        let one_slab = m * ksplit * n * 4 <= PARTIAL_BYTES;
-        if ksplit == 1 || !one_slab || m == 0 || n == 0 {
+        if ksplit == 1 || slab_rows(m, n, ksplit) < m || m == 0 || n == 0 {
             let mut y = s.alloc_zeros::<f32>(m * n)?;
             self.logits(s, &mut y, x, w, m, n, k)?;
             return Ok((y, 1));
