@@ -60,7 +60,19 @@ pub struct Batch {
     /// Argmax or sample rows whose log-probabilities are returned
     /// (`ForwardOutput::logprobs`, in this order), of the unedited row.
     pub logprob_rows: Vec<LogprobRow>,
+    /// MTP calls on a backend that [`Backend::keeps_drafts`]: `(row, slot)`, row `row`'s
+    /// token is the id in draft slot `slot` (stored by an earlier call of the same
+    /// drafting pass); the id in `seqs` at that row is a placeholder.
+    pub draft_links: Vec<(u32, u32)>,
+    /// MTP calls on a backend that [`Backend::keeps_drafts`]: when not empty, one slot
+    /// per `argmax_rows` entry, the backend keeps each argmax id in its slot instead of
+    /// returning it (`ForwardOutput::argmax` comes back empty; [`Backend::read_drafts`]
+    /// returns the slots).
+    pub argmax_slots: Vec<u32>,
 }
+
+/// Draft slots a drafting pass may use ([`Batch::draft_links`], [`Batch::argmax_slots`]).
+pub const MAX_DRAFT_SLOTS: usize = 1 << 16;
 
 impl Batch {
     /// The token a row chose: its argmax or sampled id, given the answers to
@@ -80,6 +92,16 @@ impl Batch {
     /// Total number of new tokens in the step.
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Refuses [`Batch::draft_links`] and [`Batch::argmax_slots`] where the call cannot
+    /// honour them (`keeps`: an MTP call on a backend that [`Backend::keeps_drafts`]).
+    pub fn validate_kept(&self, keeps: bool) -> Result<()> {
+        let carries = !self.draft_links.is_empty() || !self.argmax_slots.is_empty();
+        if carries && !keeps {
+            return Err(Error::Batch("draft links or argmax slots for a call that keeps no drafts".into()));
+        }
+        Ok(())
     }
 
     /// Checks shapes against the model and the cache size; every backend calls this.
@@ -142,6 +164,28 @@ impl Batch {
             if e.edits.iter().any(|t| !(t.repetition > 0.0 && t.repetition.is_finite())) {
                 return Err(Error::Batch(format!("edits of row {}: a repetition penalty is not finite > 0", e.row)));
             }
+        }
+        let decides_more = !self.sample_rows.is_empty() || !self.edits.is_empty() || !self.logprob_rows.is_empty();
+        if !self.argmax_slots.is_empty() && decides_more {
+            return Err(Error::Batch("argmax slots with samples, edits or logprobs (drafts have none)".into()));
+        }
+        if !self.argmax_slots.is_empty() && self.argmax_slots.len() != self.argmax_rows.len() {
+            return Err(Error::Batch(format!(
+                "{} argmax slots for {} argmax rows",
+                self.argmax_slots.len(),
+                self.argmax_rows.len()
+            )));
+        }
+        if let Some(&s) = self
+            .argmax_slots
+            .iter()
+            .chain(self.draft_links.iter().map(|(_, s)| s))
+            .find(|&&s| s as usize >= MAX_DRAFT_SLOTS)
+        {
+            return Err(Error::Batch(format!("draft slot {s} >= {MAX_DRAFT_SLOTS}")));
+        }
+        if let Some(&(r, _)) = self.draft_links.iter().find(|&&(r, _)| r as usize >= n) {
+            return Err(Error::Batch(format!("draft link row {r} >= {n} tokens")));
         }
         for l in &self.logprob_rows {
             if !self.chooses(l.row) || l.top > MAX_TOP_LOGPROBS {
@@ -261,6 +305,20 @@ pub trait Backend {
         std::time::Instant::now()
     }
 
+    /// Whether MTP calls honour [`Batch::draft_links`] and [`Batch::argmax_slots`]: the
+    /// drafts of a pass stay on the device, so its stages run back to back without a
+    /// round trip to the host between them. `false` (the default): the caller writes
+    /// the drafts into the batches itself, and the batches carry neither field.
+    fn keeps_drafts(&self) -> bool {
+        false
+    }
+
+    /// The ids in draft slots `0..n` (after the pass that stored them).
+    fn read_drafts(&mut self, n: usize) -> Result<Vec<u32>> {
+        let _ = n;
+        Err(Error::Batch("this backend keeps no drafts".into()))
+    }
+
     /// CUDA graphs captured so far. A call that captured one took several times a
     /// replay's time, so the engine keeps such steps out of the costs adaptive
     /// speculation measures. 0 for backends without graphs.
@@ -296,6 +354,12 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
         (**self).hidden_to_host(h)
+    }
+    fn keeps_drafts(&self) -> bool {
+        (**self).keeps_drafts()
+    }
+    fn read_drafts(&mut self, n: usize) -> Result<Vec<u32>> {
+        (**self).read_drafts(n)
     }
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
         (**self).concat_hidden(parts)

@@ -14,7 +14,7 @@ pub mod memory;
 pub mod request;
 pub mod sampling;
 
-pub use backend::{argmax, Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE};
+pub use backend::{argmax, Backend, Batch, ForwardOutput, SeqChunk, BLOCK_SIZE, MAX_DRAFT_SLOTS};
 pub use collective::{Collective, SingleRank};
 pub use config::{ModelConfig, MoeConfig, RopeScaling, ScoringFunc, TopkMethod};
 pub use error::{Error, Result};

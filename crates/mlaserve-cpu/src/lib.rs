@@ -368,6 +368,7 @@ impl Backend for CpuBackend {
 
     fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<CpuHidden>> {
         batch.validate(self.cfg.vocab_size, self.opts.num_blocks, self.cfg.max_position_embeddings)?;
+        batch.validate_kept(false)?;
         let tokens: Vec<u32> = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x = self.embed_rows(&self.embed, &tokens)?;
         let lay = layout(batch);
@@ -389,6 +390,7 @@ impl Backend for CpuBackend {
         hidden_rows: &[u32],
     ) -> Result<ForwardOutput<CpuHidden>> {
         batch.validate(self.cfg.vocab_size, self.opts.num_blocks, self.cfg.max_position_embeddings)?;
+        batch.validate_kept(false)?;
         if layer >= self.mtp.len() {
             return Err(Error::Batch(format!("MTP layer {layer} requested; the model has {}", self.mtp.len())));
         }

@@ -22,8 +22,78 @@
 
 use crate::api::MAX_SPECULATIVE_TOKENS;
 use crate::sequence::Sequence;
-use mlaserve_core::{Backend, Batch, SeqChunk};
+use mlaserve_core::{Backend, Batch, SeqChunk, MAX_DRAFT_SLOTS};
 use std::time::Instant;
+
+/// On a backend that keeps a pass's drafts ([`Backend::keeps_drafts`]), the drafts in
+/// [`DraftScratch::drafts`] are references to their slots, `KEPT | slot` (slot
+/// `i × k + d`: chain entry i's draft d), not ids; token ids are below the vocabulary,
+/// far below this bit. The stages copy them into their tokens as they copy ids;
+/// [`link_drafts`] turns them into [`Batch::draft_links`] for the call.
+const KEPT: u32 = 1 << 31;
+
+/// Moves the slot references out of `batch`'s tokens into its links for the backend
+/// call (the tokens there get a placeholder, 0); [`unlink_drafts`] puts them back
+/// (stage d + 1 builds its tokens from stage d's).
+fn link_drafts(batch: &mut Batch) {
+    batch.draft_links.clear();
+    let mut row = 0u32;
+    for c in &mut batch.seqs {
+        for t in &mut c.tokens {
+            if *t & KEPT != 0 {
+                batch.draft_links.push((row, *t & !KEPT));
+                *t = 0;
+            }
+            row += 1;
+        }
+    }
+}
+
+/// Undoes [`link_drafts`].
+fn unlink_drafts(batch: &mut Batch) {
+    let mut links = batch.draft_links.iter().peekable();
+    let mut row = 0u32;
+    for c in &mut batch.seqs {
+        for t in &mut c.tokens {
+            if let Some(&(_, slot)) = links.next_if(|&&(r, _)| r == row) {
+                *t = KEPT | slot;
+            }
+            row += 1;
+        }
+    }
+    batch.draft_links.clear();
+}
+
+/// One MTP call of a pass: with kept drafts, the batch's draft tokens go as links and
+/// its argmax ids into slots `i × k + d` (chain entry i, draft d), and the call returns
+/// no ids; else the ids come back.
+fn mtp_call<B: Backend>(
+    backend: &mut B,
+    layer: usize,
+    batch: &mut Batch,
+    prev: &B::Hidden,
+    rows: &[u32],
+    keep: Option<(usize, usize)>,
+) -> Result<mlaserve_core::ForwardOutput<B::Hidden>, mlaserve_core::Error> {
+    batch.argmax_slots.clear();
+    let Some((d, k)) = keep else {
+        return backend.mtp_forward(layer, batch, prev, rows);
+    };
+    batch.argmax_slots.extend((0..batch.argmax_rows.len()).map(|i| (i * k + d) as u32));
+    link_drafts(batch);
+    let out = backend.mtp_forward(layer, batch, prev, rows);
+    unlink_drafts(batch);
+    batch.argmax_slots.clear();
+    out
+}
+
+/// Stores stage `d`'s drafts of the `m` chain entries: their ids (`argmax`, in chain
+/// order) or, kept on the device, their slots.
+fn store_drafts(drafts: &mut [u32], argmax: &[u32], m: usize, k: usize, d: usize, keep: bool) {
+    for i in 0..m {
+        drafts[i * k + d] = if keep { KEPT | (i * k + d) as u32 } else { argmax[i] };
+    }
+}
 
 /// One sequence's share of the step, for drafting.
 #[derive(Debug, Clone, Copy)]
@@ -275,15 +345,16 @@ pub(crate) fn draft<B: Backend>(
         rows += len;
     }
     debug_assert!(next_job.next().is_none(), "every job has a scheduled chunk, in running order");
-    let t = Instant::now();
-    let out = backend.mtp_forward(0, batch, target_hidden, identity(&mut sc.identity, rows))?;
-    let mut backend_us = t.elapsed().as_micros() as u64;
     let m = sc.chain.len();
+    // Drafts stay on the device between the stages where the backend can keep them.
+    let keep = backend.keeps_drafts() && m * k <= MAX_DRAFT_SLOTS;
+    let keep_at = |d: usize| keep.then_some((d, k));
+    let t = Instant::now();
+    let out = mtp_call(backend, 0, batch, target_hidden, identity(&mut sc.identity, rows), keep_at(0))?;
+    let mut backend_us = t.elapsed().as_micros() as u64;
     sc.drafts.clear();
     sc.drafts.resize(m * k, 0);
-    for i in 0..m {
-        sc.drafts[i * k] = out.argmax[i];
-    }
+    store_drafts(&mut sc.drafts, &out.argmax, m, k, 0, keep);
     let mut outs = std::mem::take(&mut mem.spare);
     outs.clear();
     outs.push(out.hidden);
@@ -373,11 +444,9 @@ pub(crate) fn draft<B: Backend>(
             &input
         };
         let t = Instant::now();
-        let out = backend.mtp_forward(d, batch, prev, &sc.hidden_rows)?;
+        let out = mtp_call(backend, d, batch, prev, &sc.hidden_rows, keep_at(d))?;
         backend_us += t.elapsed().as_micros() as u64;
-        for i in 0..m {
-            sc.drafts[i * k + d] = out.argmax[i];
-        }
+        store_drafts(&mut sc.drafts, &out.argmax, m, k, d, keep);
         outs.push(out.hidden);
     }
     let last_out = outs.pop().ok_or_else(|| mlaserve_core::Error::Batch("no MTP stage ran".into()))?;
@@ -390,11 +459,21 @@ pub(crate) fn draft<B: Backend>(
             std::mem::swap(&mut c.block_table, &mut batch.seqs[e.chunk].block_table);
         }
         sc.batch.seqs.truncate(m);
-        let r = chain_stages(backend, sc, &batch.argmax_rows, last_out, k, n_mtp);
+        let r = chain_stages(backend, sc, &batch.argmax_rows, last_out, k, n_mtp, keep);
         for (c, e) in sc.batch.seqs.iter_mut().zip(&sc.chain) {
             std::mem::swap(&mut c.block_table, &mut batch.seqs[e.chunk].block_table);
         }
         backend_us += r?;
+    }
+    if keep {
+        // The one wait of the pass: every draft's id, slot i × k + d.
+        let t = Instant::now();
+        let ids = backend.read_drafts(m * k)?;
+        backend_us += t.elapsed().as_micros() as u64;
+        if ids.len() != m * k {
+            return Err(mlaserve_core::Error::Backend(format!("{} draft ids for {} slots", ids.len(), m * k)));
+        }
+        sc.drafts.copy_from_slice(&ids);
     }
     // One pass over the requests: their block tables back, their drafts, and (with
     // several full stages) the rows kept for the next step: for a request that goes on,
@@ -444,6 +523,7 @@ fn chain_stages<B: Backend>(
     mut prev_hidden: B::Hidden,
     k: usize,
     n_mtp: usize,
+    keep: bool,
 ) -> Result<u64, mlaserve_core::Error> {
     let m = sc.chain.len();
     let mut backend_us = 0;
@@ -461,11 +541,9 @@ fn chain_stages<B: Backend>(
         }
         let rows = if d == n_mtp.min(k) { draft_rows } else { &sc.identity[..m] };
         let t = Instant::now();
-        let out = backend.mtp_forward(n_mtp - 1, &sc.batch, &prev_hidden, rows)?;
+        let out = mtp_call(backend, n_mtp - 1, &mut sc.batch, &prev_hidden, rows, keep.then_some((d, k)))?;
         backend_us += t.elapsed().as_micros() as u64;
-        for i in 0..m {
-            sc.drafts[i * k + d] = out.argmax[i];
-        }
+        store_drafts(&mut sc.drafts, &out.argmax, m, k, d, keep);
         prev_hidden = out.hidden;
     }
     Ok(backend_us)

@@ -478,6 +478,8 @@ impl<B: Backend> Engine<B> {
         b.sample_rows.clear();
         b.edits.clear();
         b.logprob_rows.clear();
+        b.draft_links.clear();
+        b.argmax_slots.clear();
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
             let c = chunk_at(&mut b.seqs, n);
             n += 1;

@@ -61,6 +61,12 @@ pub struct SyntheticBackend {
     mtp_cache: Vec<Vec<u64>>,
     /// Shapes (MTP call?, tokens) already "captured" under [`SynthCost::capture_us`].
     captured: std::collections::HashSet<(bool, usize)>,
+    /// Keep a drafting pass's drafts in slots ([`Backend::keeps_drafts`]), as the CUDA
+    /// backend does on its device.
+    pub keep_drafts: bool,
+    /// Drafting passes whose kept drafts were read.
+    pub passes_kept: u64,
+    slots: Vec<u32>,
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -98,7 +104,30 @@ impl SyntheticBackend {
             clock_us: 0,
             mtp_cache: vec![vec![0; num_blocks * BLOCK_SIZE]; n_mtp],
             captured: std::collections::HashSet::new(),
+            keep_drafts: false,
+            passes_kept: 0,
+            slots: vec![NO_TOKEN; mlaserve_core::MAX_DRAFT_SLOTS],
         }
+    }
+
+    /// `batch` with its linked rows' tokens read from the draft slots (a slot never
+    /// stored is an error: the drafter linked a draft no earlier stage made).
+    fn resolve_links(&self, batch: &Batch) -> mlaserve_core::Result<Batch> {
+        let mut b = batch.clone();
+        let mut at = Vec::with_capacity(b.num_tokens());
+        for (i, c) in b.seqs.iter().enumerate() {
+            at.extend((0..c.tokens.len()).map(|j| (i, j)));
+        }
+        for &(row, slot) in &batch.draft_links {
+            let t = self.slots[slot as usize];
+            if t == NO_TOKEN {
+                return Err(mlaserve_core::Error::Batch(format!("draft slot {slot} read before it was stored")));
+            }
+            let (i, j) = at[row as usize];
+            b.seqs[i].tokens[j] = t;
+        }
+        b.draft_links.clear();
+        Ok(b)
     }
 
     /// Advances the clock by one call of `call_us` plus `token_us` per token (plus a
@@ -163,6 +192,7 @@ impl Backend for SyntheticBackend {
 
     fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
         batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
+        batch.validate_kept(false)?;
         self.forward_calls += 1;
         let c = self.cost;
         self.spend(false, c.forward_call_us, c.forward_token_us, batch.num_tokens());
@@ -221,6 +251,14 @@ impl Backend for SyntheticBackend {
         hidden_rows: &[u32],
     ) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
         batch.validate(self.config.vocab_size, self.num_blocks, self.config.max_position_embeddings)?;
+        batch.validate_kept(self.keep_drafts)?;
+        let resolved;
+        let batch = if batch.draft_links.is_empty() {
+            batch
+        } else {
+            resolved = self.resolve_links(batch)?;
+            &resolved
+        };
         if layer >= self.config.num_nextn_predict_layers {
             return Err(mlaserve_core::Error::Batch(format!("no MTP layer {layer}")));
         }
@@ -275,9 +313,30 @@ impl Backend for SyntheticBackend {
             let c = mlaserve_core::host_choices(batch, |r, row| self.one_hot(preds[r as usize], row));
             return Ok(ForwardOutput { hidden, logits, argmax: c.argmax, sampled: c.sampled, logprobs: c.logprobs });
         }
-        let argmax = batch.argmax_rows.iter().map(|&r| preds[r as usize]).collect();
+        let mut argmax: Vec<u32> = batch.argmax_rows.iter().map(|&r| preds[r as usize]).collect();
+        if !batch.argmax_slots.is_empty() {
+            for (&slot, &id) in batch.argmax_slots.iter().zip(&argmax) {
+                self.slots[slot as usize] = id;
+            }
+            argmax.clear();
+        }
         let sampled = self.sample_rows(batch, |r, row| self.one_hot(preds[r], row));
         Ok(ForwardOutput { hidden, logits, argmax, sampled, logprobs: Vec::new() })
+    }
+
+    fn keeps_drafts(&self) -> bool {
+        self.keep_drafts
+    }
+
+    fn read_drafts(&mut self, n: usize) -> mlaserve_core::Result<Vec<u32>> {
+        if !self.keep_drafts || n > self.slots.len() {
+            return Err(mlaserve_core::Error::Batch(format!("{n} draft slots cannot be read")));
+        }
+        let ids = self.slots[..n].to_vec();
+        self.passes_kept += 1;
+        // A pass's slots are its own: the next one must store before it reads.
+        self.slots[..n].fill(NO_TOKEN);
+        Ok(ids)
     }
 
     fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {

@@ -48,6 +48,36 @@ fn greedy_lossless_across_k() {
     }
 }
 
+/// Drafts kept on the backend between a pass's stages (`Backend::keeps_drafts`, as the
+/// CUDA backend keeps them on its device) are the drafts the engine would have written
+/// itself: the same tokens, drafts and acceptance per request, at every k (2 MTP layers:
+/// k = 3, 4 chain the last one), greedy and sampled, with preemption.
+#[test]
+fn kept_drafts_equal_drafts_through_the_host() {
+    let sp = SamplingParams { temperature: 0.8, top_k: 20, ..Default::default() };
+    let mut a = arrivals(6, 48, &SamplingParams::default());
+    for (i, x) in arrivals(7, 16, &sp).into_iter().enumerate() {
+        a.push(Arrival {
+            req: Request { sampling: SamplingParams { seed: Some(i as u64), ..x.req.sampling }, ..x.req },
+            ..x
+        });
+    }
+    for (k, blocks) in [(1, 1024), (2, 1024), (3, 1024), (4, 1024), (3, 24)] {
+        let host = run_all(&mut engine_with(k, blocks, 256, false), &a);
+        let mut e = engine_with(k, blocks, 256, false);
+        e.backend_mut().keep_drafts = true;
+        let kept = run_all(&mut e, &a);
+        assert!(e.backend().passes_kept > 0, "k={k}: the passes kept their drafts");
+        assert!(e.stats().totals.accepted_tokens > 0, "k={k}: drafts accepted");
+        for (i, (x, y)) in host.iter().zip(&kept).enumerate() {
+            assert_eq!(x, y, "k={k}, {blocks} blocks, request {i}: tokens, drafts and acceptance");
+        }
+        if blocks < 100 {
+            assert!(kept.iter().map(|o| o.usage.preemptions).sum::<u64>() > 0, "the small pool must preempt");
+        }
+    }
+}
+
 #[test]
 fn sampled_outputs_independent_of_k_and_batch() {
     let sp = SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.9, ..Default::default() };

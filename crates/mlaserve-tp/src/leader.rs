@@ -240,6 +240,13 @@ fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
     for l in &b.logprob_rows {
         w.extend_from_slice(&[l.row, l.top]);
     }
+    // Kept drafts: links (row, slot), then the argmax rows' slots.
+    w.push(b.draft_links.len() as u32);
+    for &(row, slot) in &b.draft_links {
+        w.extend_from_slice(&[row, slot]);
+    }
+    w.push(b.argmax_slots.len() as u32);
+    w.extend_from_slice(&b.argmax_slots);
 }
 
 struct Reader<'a> {
@@ -306,7 +313,11 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     }
     let nl = r.next()? as usize;
     let logprob_rows = r.take(2 * nl)?.chunks_exact(2).map(|w| LogprobRow { row: w[0], top: w[1] }).collect();
-    Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows, edits, logprob_rows })
+    let nk = r.next()? as usize;
+    let draft_links = r.take(2 * nk)?.chunks_exact(2).map(|w| (w[0], w[1])).collect();
+    let ns = r.next()? as usize;
+    let argmax_slots = r.take(ns)?.to_vec();
+    Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows, edits, logprob_rows, draft_links, argmax_slots })
 }
 
 /// Words of the frame every plan crosses in: the first holds the plan's length, the
@@ -385,6 +396,8 @@ mod tests {
                 edits: vec![LogitEdit { token: 5, bias: -1.5, repetition: 1.2, sub: 0.25 }],
             }],
             logprob_rows: vec![LogprobRow { row: 0, top: 5 }, LogprobRow { row: 3, top: 0 }],
+            draft_links: vec![(1, 6), (2, 0)],
+            argmax_slots: vec![3, 7],
         };
         let mut w = Vec::new();
         encode_batch(&b, &mut w);
