@@ -287,6 +287,13 @@ extern "C" __global__ void gather_rows_f32_obf16(bf16* out, const float* in, con
 extern "C" __global__ void gather_rows_bf16(bf16* out, const bf16* in, const int* rows, int h) {
     gather(out, in, rows, h);
 }
+// dst[pairs[2i]] = src[pairs[2i + 1]] for i < n: a drafting pass's ids kept on the device
+// (a draft linked into a stage's token row; a stage's argmax id stored in its slot).
+extern "C" __global__ void copy_ids(int* __restrict__ dst, const int* __restrict__ src,
+                                    const int* __restrict__ pairs, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[pairs[2 * i]] = src[pairs[2 * i + 1]];
+}
 // The rows rows[i] of a quantised activation (codes [.][k] e4m3, scales [.][k / 128])
 // into row i of q_out / s_out: the routed experts' inputs, quantised once per token.
 // k a multiple of 128, the buffers 16-byte aligned. grid = (n_out, column blocks).

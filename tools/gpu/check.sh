@@ -252,7 +252,7 @@ if [[ "$mode" == backend ]]; then
         gpu_ops:gemm_matches_reference_and_invariant_mode_is_batch_invariant \
         gpu_fp8:act_quant_is_bit_exact gpu_fp8:fp8_gemm_odd_shapes \
         gpu_backend:fp8_weights_widen_on_the_device_bit_for_bit gpu_kv_fp8:kv_write_fp8_matches_cpu_rounding \
-        gpu_kernels:mla_decode_fp8_cache_matches_reference; do
+        gpu_kernels:mla_decode_fp8_cache_matches_reference gpu_kernels:copy_ids_moves_ids_by_pairs; do
         t="$gpu_dir/tests/${spec%%:*}"
         step "memcheck ${spec/:/::}" "$out/memcheck.log" timeout 90 "$sanitizer" --tool memcheck \
             --error-exitcode 1 --leak-check no "$t" --exact "${spec#*:}" --test-threads=1

@@ -9,6 +9,8 @@
 #[path = "../../mlaserve-cuda/tests/common/mod.rs"]
 mod common;
 
+use mlaserve_cuda::linear::TcKernels;
+use mlaserve_cuda::ops::Ops;
 use mlaserve_cuda::MlaDecode;
 use mlaserve_cuda_lab::check::{run_decode_case, run_op_checks, run_window_invariance, standard_cases};
 use mlaserve_cuda_lab::util::Util;
@@ -145,4 +147,45 @@ fn mla_decode_fp8_cache_matches_reference() {
         }
     }
     assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
+}
+
+/// `copy_ids` (the kept drafts' moves: a slot into a token row, an argmax id into its
+/// slot) against the host rule on random pairs, a repeated source included; a pair
+/// outside either buffer is refused before the launch.
+#[test]
+fn copy_ids_moves_ids_by_pairs() {
+    let Some(g) = common::gpu() else { return };
+    let s = &g.stream;
+    let ops = Ops::new(&g, TcKernels::Auto).expect("ops");
+    let mut x = 0x9e37_79b9_u64;
+    let mut next = move |m: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % m as u64) as u32
+    };
+    for (n_dst, n_src, n) in [(1usize, 1usize, 1usize), (64, 300, 40), (1024, 65536, 1000)] {
+        let dst0: Vec<i32> = (0..n_dst as i32).map(|i| -1 - i).collect();
+        let src: Vec<i32> = (0..n_src).map(|_| next(4096) as i32).collect();
+        // Distinct destinations (a stage writes each row or slot once), any sources.
+        let mut dsts: Vec<u32> = (0..n_dst as u32).collect();
+        for i in (1..dsts.len()).rev() {
+            dsts.swap(i, next(i + 1) as usize);
+        }
+        let pairs: Vec<(u32, u32)> = dsts[..n].iter().map(|&d| (d, next(n_src))).collect();
+        let mut want = dst0.clone();
+        for &(d, x) in &pairs {
+            want[d as usize] = src[x as usize];
+        }
+        let mut dst = s.clone_htod(&dst0).expect("upload");
+        let src_d = s.clone_htod(&src).expect("upload");
+        let up = s.clone_htod(&pairs.iter().flat_map(|&(d, x)| [d as i32, x as i32]).collect::<Vec<_>>()).expect("up");
+        ops.copy_ids(s, &mut dst, &src_d, &up, &pairs).expect("copy_ids");
+        assert_eq!(s.clone_dtoh(&dst).expect("download"), want, "{n} pairs into {n_dst} from {n_src}");
+        let bad = [(n_dst as u32, 0)];
+        let up = s.clone_htod(&[0i32, 0]).expect("up");
+        assert!(ops.copy_ids(s, &mut dst, &src_d, &up, &bad).is_err(), "a destination outside is refused");
+        let bad = [(0, n_src as u32)];
+        assert!(ops.copy_ids(s, &mut dst, &src_d, &up, &bad).is_err(), "a source outside is refused");
+    }
 }

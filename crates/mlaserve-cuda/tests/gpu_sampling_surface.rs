@@ -81,6 +81,7 @@ fn probe_calls(b: &mut impl Backend, seed: u64) -> (Batch, Vec<f32>, mlaserve_co
             LogprobRow { row: 41, top: 20 },
             LogprobRow { row: 43, top: 0 },
         ],
+        ..Default::default()
     };
     let out = b.forward(&batch).expect("forward");
     let logits = out.logits.clone();

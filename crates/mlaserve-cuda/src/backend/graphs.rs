@@ -396,6 +396,7 @@ impl CudaBackend {
         self.ensure_io()?;
         let io = self.graphs.io.as_mut().expect("allocated above");
         s.memcpy_htod(&lay.tokens, &mut io.tokens)?;
+        super::drafts::link_tokens(&self.ops, &s, self.draft_slots.as_ref(), &mut io.tokens, &batch.draft_links)?;
         s.memcpy_htod(&lay.pos, &mut io.pos)?;
         s.memcpy_htod(&lay.slot, &mut io.slot)?;
         s.memcpy_htod(&lay.row_seq, &mut io.row_seq)?;

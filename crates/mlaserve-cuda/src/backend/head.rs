@@ -6,15 +6,24 @@ use cudarc::driver::CudaSlice;
 use mlaserve_core::{Batch, RowLogprobs, SampleRow, MAX_TOP_LOGPROBS};
 
 use super::{CudaBackend, HeadRows};
-use crate::error::Result;
+use crate::error::{CudaError, Result};
 use crate::linear::Linear;
 use crate::logit_ops::DeviceEdits;
 use crate::sample::Sampler;
+
+/// The argmax ids of a call: on the host, or kept on the device for the draft slots.
+enum HeadIds {
+    Host(Vec<u32>),
+    Device(CudaSlice<i32>),
+}
 
 /// What [`CudaBackend::head_outputs`] returns.
 pub(crate) struct HeadOut {
     pub logits: Vec<f32>,
     pub argmax: Vec<u32>,
+    /// The argmax ids on the device, for a batch with `argmax_slots` (then `argmax` is
+    /// empty): the caller stores them in the draft slots.
+    pub kept_ids: Option<CudaSlice<i32>>,
     pub sampled: Vec<u32>,
     pub logprobs: Vec<RowLogprobs>,
 }
@@ -132,9 +141,18 @@ impl CudaBackend {
     /// on the device; one id per row comes to the host (with TP: each rank's best value
     /// and id, all-gathered, the best taken in rank order — lowest id on a tie, as
     /// `mlaserve_core::argmax`).
-    fn head_argmax(&self, head: &Linear, normed: &CudaSlice<f32>, st: &HeadRows, rows: &[u32]) -> Result<Vec<u32>> {
+    /// With `keep` (a batch with [`Batch::argmax_slots`], on a single rank) the ids stay
+    /// on the device.
+    fn head_argmax(
+        &self,
+        head: &Linear,
+        normed: &CudaSlice<f32>,
+        st: &HeadRows,
+        rows: &[u32],
+        keep: bool,
+    ) -> Result<HeadIds> {
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(HeadIds::Host(Vec::new()));
         }
         let s = &self.gpu.stream;
         let n = rows.len();
@@ -144,10 +162,18 @@ impl CudaBackend {
         let Some(comm) = &self.comm else {
             let mut ids = s.alloc_zeros::<i32>(n)?;
             self.argmax.argmax(s, &logits, &mut ids, head.out)?;
+            if keep {
+                // To the draft slots (`store_drafts`), no wait: the pass's next stage
+                // reads them there.
+                return Ok(HeadIds::Device(ids));
+            }
             let out = s.clone_dtoh(&ids)?;
             self.gpu.sync()?;
-            return Ok(out.into_iter().map(|i| i as u32).collect());
+            return Ok(HeadIds::Host(out.into_iter().map(|i| i as u32).collect()));
         };
+        if keep {
+            return Err(CudaError::shape("head argmax", "a rank of a group keeps no drafts".to_string()));
+        }
         let mut pair = s.alloc_zeros::<f32>(2 * n)?;
         self.argmax.argmax_pair_f32(s, &logits, &mut pair, head.out, comm.rank * head.out)?;
         let mut all = s.alloc_zeros::<f32>(2 * n * comm.world)?;
@@ -155,18 +181,20 @@ impl CudaBackend {
         self.settle("head argmax all-gather")?;
         let g = s.clone_dtoh(&all)?;
         self.gpu.sync()?;
-        Ok((0..n)
-            .map(|r| {
-                let mut best: Option<(f32, u32)> = None;
-                for rk in 0..comm.world {
-                    let (v, i) = (g[(rk * n + r) * 2], g[(rk * n + r) * 2 + 1] as u32);
-                    if !v.is_nan() && best.is_none_or(|(bv, _)| v > bv) {
-                        best = Some((v, i));
+        Ok(HeadIds::Host(
+            (0..n)
+                .map(|r| {
+                    let mut best: Option<(f32, u32)> = None;
+                    for rk in 0..comm.world {
+                        let (v, i) = (g[(rk * n + r) * 2], g[(rk * n + r) * 2 + 1] as u32);
+                        if !v.is_nan() && best.is_none_or(|(bv, _)| v > bv) {
+                            best = Some((v, i));
+                        }
                     }
-                }
-                best.map_or(0, |b| b.1)
-            })
-            .collect())
+                    best.map_or(0, |b| b.1)
+                })
+                .collect(),
+        ))
     }
 
     /// Everything a call returns from `head` over `normed`: the logits of `logit_rows`
@@ -182,15 +210,22 @@ impl CudaBackend {
     ) -> Result<HeadOut> {
         let logits = self.head_logits(head, normed, rows, &batch.logit_rows)?;
         self.mark("head (logits to host)")?;
-        let argmax = self.head_argmax(head, normed, rows, &batch.argmax_rows)?;
+        let keep = !batch.argmax_slots.is_empty();
+        let (argmax, kept_ids) = match self.head_argmax(head, normed, rows, &batch.argmax_rows, keep)? {
+            HeadIds::Host(ids) => (ids, None),
+            HeadIds::Device(ids) => (Vec::new(), Some(ids)),
+        };
         self.mark("head (argmax)")?;
         let sampled = self.head_sample(head, normed, rows, &batch.sample_rows)?;
         self.mark("head (sample)")?;
         let logprobs = self.head_logprobs(head, normed, batch, &argmax, &sampled)?;
         self.mark("head (logprobs)")?;
         self.settle(what)?;
-        self.gpu.sync()?;
-        Ok(HeadOut { logits, argmax, sampled, logprobs })
+        if !keep {
+            // Kept drafts: nothing came to the host, so the stream goes on unwaited.
+            self.gpu.sync()?;
+        }
+        Ok(HeadOut { logits, argmax, kept_ids, sampled, logprobs })
     }
 
     /// The log-probabilities of `batch.logprob_rows` (`mlaserve_core::row_logprobs` of

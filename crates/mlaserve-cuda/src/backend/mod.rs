@@ -27,6 +27,7 @@
 //! order) so a token's sum never depends on its batch. Every wait for the stream is
 //! bounded ([`DeviceComm::wait`]): a dead peer fails the step instead of hanging it.
 
+mod drafts;
 mod graphs;
 mod head;
 mod layer;
@@ -131,6 +132,9 @@ pub struct CudaBackend {
     memory: Option<mlaserve_core::memory::MemoryPlan>,
     /// The fp8 GEMMs, when any projection is kept in fp8.
     fp8: Option<proj::Fp8Kernels>,
+    /// The draft slots of [`CudaOptions::keep_drafts`] (`drafts.rs`), from the first
+    /// pass that kept drafts.
+    draft_slots: Option<CudaSlice<i32>>,
 }
 
 impl Drop for CudaBackend {
@@ -360,6 +364,7 @@ impl CudaBackend {
             graphs: graphs::Graphs::default(),
             fp8,
             memory: None,
+            draft_slots: None,
         };
         if let (Some(u), Some((batch, _))) = (utilization, profile) {
             backend.plan_memory(u, mem, batch)?;
@@ -553,7 +558,8 @@ impl CudaBackend {
                 (out.x.expect("an MTP graph returns its hidden state"), out.normed)
             }
             None => {
-                let st = self.step(batch)?;
+                let mut st = self.step(batch)?;
+                drafts::link_tokens(&self.ops, &s, self.draft_slots.as_ref(), &mut st.tokens, &batch.draft_links)?;
                 self.mark("step metadata upload")?;
                 let mut hid = s.alloc_zeros::<f32>(n * h)?;
                 self.ops.gather(&s, &mut hid, &prev.data, &rows_d, hidden_rows, h)?;
@@ -565,6 +571,9 @@ impl CudaBackend {
         };
         let head = self.mtp[layer].head.as_ref().unwrap_or(&self.lm_head);
         let o = self.head_outputs(head, &normed, &rows, batch, "MTP forward")?;
+        if let Some(ids) = &o.kept_ids {
+            self.store_drafts(ids, batch)?;
+        }
         let hidden = CudaHidden { rows: n, data: x };
         Ok(ForwardOutput { hidden, logits: o.logits, argmax: o.argmax, sampled: o.sampled, logprobs: o.logprobs })
     }
@@ -623,6 +632,7 @@ impl Backend for CudaBackend {
 
     fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<CudaHidden>> {
         self.validate(batch)?;
+        batch.validate_kept(false)?;
         Ok(self.forward_impl(batch)?)
     }
 
@@ -634,6 +644,7 @@ impl Backend for CudaBackend {
         hidden_rows: &[u32],
     ) -> mlaserve_core::Result<ForwardOutput<CudaHidden>> {
         self.validate(batch)?;
+        batch.validate_kept(self.keeps_drafts_here())?;
         if layer >= self.mtp.len() {
             return Err(Error::Batch(format!("MTP layer {layer} requested; the model has {}", self.mtp.len())));
         }
@@ -649,6 +660,14 @@ impl Backend for CudaBackend {
 
     fn concat_hidden(&mut self, parts: &[(&CudaHidden, &[u32])]) -> mlaserve_core::Result<CudaHidden> {
         Ok(self.concat_impl(parts)?)
+    }
+
+    fn keeps_drafts(&self) -> bool {
+        self.keeps_drafts_here()
+    }
+
+    fn read_drafts(&mut self, n: usize) -> mlaserve_core::Result<Vec<u32>> {
+        Ok(self.read_drafts_impl(n)?)
     }
 
     fn hidden_to_host(&self, h: &CudaHidden) -> mlaserve_core::Result<Vec<f32>> {

@@ -61,6 +61,11 @@ pub struct CudaOptions {
     /// widths (`kernels/kv_fp8.cuh`: c_kv as e4m3 with per-128 f32 scales, k_pe bf16),
     /// quantised when written, as the CPU backend's fp8 cache.
     pub kv_cache_dtype: KvCacheDtype,
+    /// A drafting pass's drafts stay on the device between its MTP stages
+    /// (`Backend::keeps_drafts`), so the stages run back to back and the host waits once
+    /// per pass; off, every stage's ids come back to the host. A single rank only (a
+    /// tensor-parallel rank's argmax is a host reduction of the ranks' maxima).
+    pub keep_drafts: bool,
 }
 
 /// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
@@ -96,6 +101,7 @@ impl CudaOptions {
             fp8_kernels: true,
             synthetic_fp8: false,
             kv_cache_dtype: KvCacheDtype::Auto,
+            keep_drafts: true,
         }
     }
     /// Every token's result independent of its batch, on the fast kernels: the

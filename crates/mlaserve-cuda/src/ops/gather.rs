@@ -140,4 +140,34 @@ impl Ops {
         }?;
         Ok(())
     }
+
+    /// `dst[d] = src[s]` for each `(d, s)` of `host_pairs` (`pairs` is their upload,
+    /// `2 × n` words, `d` then `s`): ids moved on the device, each index checked on the
+    /// host copy.
+    pub fn copy_ids(
+        &self,
+        s: &Arc<CudaStream>,
+        dst: &mut CudaSlice<i32>,
+        src: &CudaSlice<i32>,
+        pairs: &CudaSlice<i32>,
+        host_pairs: &[(u32, u32)],
+    ) -> Result<()> {
+        const K: &str = "copy_ids";
+        let n = host_pairs.len();
+        need(K, "pairs", pairs.len(), 2 * n)?;
+        if let Some(&(d, x)) = host_pairs.iter().find(|&&(d, x)| d as usize >= dst.len() || x as usize >= src.len()) {
+            return Err(CudaError::shape(K, format!("pair ({d}, {x}) outside {} / {} ids", dst.len(), src.len())));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let ni = i32_of(K, n)?;
+        let cfg =
+            LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: copy_ids(dst, src, pairs, n): thread i < n reads pairs[2i..2i + 2] (2n
+        // words checked), src[pairs[2i + 1]] and writes dst[pairs[2i]], both indices
+        // checked in bounds on the host copy of the pairs.
+        unsafe { s.launch_builder(&self.copy_ids).arg(dst).arg(src).arg(pairs).arg(&ni).launch(cfg) }?;
+        Ok(())
+    }
 }

@@ -53,6 +53,7 @@ pub struct Ops {
     /// By [`GatherInto::KERNEL`].
     gather: [CudaFunction; 3],
     gather_q8: CudaFunction,
+    copy_ids: CudaFunction,
     kv_write: CudaFunction,
     /// The fp8 cache's writer and varlen reader (`kernels/kv_fp8.cu`).
     kv_write_fp8: CudaFunction,
@@ -107,6 +108,7 @@ impl Ops {
             to_bf16: f("to_bf16_f32")?,
             gather: [f(gather::KERNELS[0])?, f(gather::KERNELS[1])?, f(gather::KERNELS[2])?],
             gather_q8: f("gather_rows_q8")?,
+            copy_ids: f("copy_ids")?,
             kv_write: f("kv_cache_write_bf16")?,
             kv_write_fp8: kv8.load_function("kv_cache_write_fp8")?,
             attn_fp8: kv8.load_function("mla_attn_varlen_fp8")?,

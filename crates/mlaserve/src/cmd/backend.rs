@@ -136,6 +136,10 @@ pub struct CudaFlags {
     /// fp8 GEMMs.
     #[arg(long)]
     pub dequantize_fp8: bool,
+    /// CUDA backend: bring each MTP stage's drafts back to the host before the next
+    /// stage instead of keeping a drafting pass's drafts on the device (for comparisons).
+    #[arg(long)]
+    pub drafts_to_host: bool,
 }
 
 impl CudaFlags {
@@ -156,6 +160,7 @@ impl CudaFlags {
                 PrefillKernelArg::Tma => PrefillKernel::WgmmaTma,
             },
             fp8_kernels: !self.dequantize_fp8,
+            keep_drafts: !self.drafts_to_host,
             graph_capture: match self.graph_capture {
                 GraphCapture::ThreadLocal => mlaserve_cuda::CaptureMode::ThreadLocal,
                 GraphCapture::Relaxed => mlaserve_cuda::CaptureMode::Relaxed,
@@ -180,6 +185,9 @@ impl CudaFlags {
         ];
         if self.dequantize_fp8 {
             a.push("--dequantize-fp8".to_string());
+        }
+        if self.drafts_to_host {
+            a.push("--drafts-to-host".to_string());
         }
         a
     }
@@ -362,12 +370,21 @@ mod tests {
         let parse = |args: &[&str]| Cli::try_parse_from([&["mlaserve"], args].concat()).map(|c| c.b.cuda);
         let d = parse(&[]).expect("defaults");
         assert_eq!((d.linear_tc, d.prefill_kernel), (LinearTc::Auto, PrefillKernelArg::Tma));
-        assert_eq!((d.graph_capture, d.dequantize_fp8), (GraphCapture::ThreadLocal, false));
-        let args =
-            ["--linear-tc", "mma.sync", "--prefill-kernel", "wgmma", "--graph-capture", "relaxed", "--dequantize-fp8"];
+        assert_eq!((d.graph_capture, d.dequantize_fp8, d.drafts_to_host), (GraphCapture::ThreadLocal, false, false));
+        let args = [
+            "--linear-tc",
+            "mma.sync",
+            "--prefill-kernel",
+            "wgmma",
+            "--graph-capture",
+            "relaxed",
+            "--dequantize-fp8",
+            "--drafts-to-host",
+        ];
         let f = parse(&args).expect("flags");
         assert_eq!((f.linear_tc, f.prefill_kernel), (LinearTc::MmaSync, PrefillKernelArg::Wgmma));
         assert!(f.dequantize_fp8 && f.to_args().contains(&"--dequantize-fp8".to_string()));
+        assert!(f.drafts_to_host && f.to_args().contains(&"--drafts-to-host".to_string()));
         assert_eq!(f.graph_capture, GraphCapture::Relaxed);
         let again = f.to_args();
         let g = parse(&again.iter().map(String::as_str).collect::<Vec<_>>()).expect("round trip");

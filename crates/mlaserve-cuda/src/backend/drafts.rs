@@ -1,0 +1,61 @@
+//! Drafts kept on the device (`Backend::keeps_drafts`, `CudaOptions::keep_drafts`): a
+//! drafting pass's MTP stages store their argmax ids in slots of one device buffer
+//! (`Batch::argmax_slots`) and read their draft tokens from it (`Batch::draft_links`),
+//! so no stage waits for the host; the engine reads the slots once, after the pass.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use mlaserve_core::{Batch, MAX_DRAFT_SLOTS};
+
+use super::CudaBackend;
+use crate::error::{CudaError, Result};
+use crate::ops::Ops;
+
+/// Writes each linked row's draft from `slots` into `tokens` (a call's uploaded token
+/// ids), after the upload and before the body reads them.
+pub(super) fn link_tokens(
+    ops: &Ops,
+    s: &Arc<CudaStream>,
+    slots: Option<&CudaSlice<i32>>,
+    tokens: &mut CudaSlice<i32>,
+    links: &[(u32, u32)],
+) -> Result<()> {
+    if links.is_empty() {
+        return Ok(());
+    }
+    let slots = slots.ok_or_else(|| CudaError::shape("draft links", "no draft stored yet".to_string()))?;
+    let pairs = s.clone_htod(&links.iter().flat_map(|&(r, t)| [r as i32, t as i32]).collect::<Vec<_>>())?;
+    ops.copy_ids(s, tokens, slots, &pairs, links)
+}
+
+impl CudaBackend {
+    /// Whether MTP calls keep their drafts here (a single rank with the option on).
+    pub(super) fn keeps_drafts_here(&self) -> bool {
+        self.opts.keep_drafts && self.comm.is_none()
+    }
+
+    /// Stores `ids` (one per `batch.argmax_rows`, on the device) in their slots.
+    pub(super) fn store_drafts(&mut self, ids: &CudaSlice<i32>, batch: &Batch) -> Result<()> {
+        let s = self.gpu.stream.clone();
+        if self.draft_slots.is_none() {
+            self.draft_slots = Some(s.alloc_zeros::<i32>(MAX_DRAFT_SLOTS)?);
+        }
+        let pairs: Vec<(u32, u32)> = batch.argmax_slots.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
+        let up = s.clone_htod(&pairs.iter().flat_map(|&(t, i)| [t as i32, i as i32]).collect::<Vec<_>>())?;
+        let slots = self.draft_slots.as_mut().expect("allocated above");
+        self.ops.copy_ids(&s, slots, ids, &up, &pairs)
+    }
+
+    /// The ids in slots `0..n`: the pass's one wait.
+    pub(super) fn read_drafts_impl(&self, n: usize) -> Result<Vec<u32>> {
+        let slots = match &self.draft_slots {
+            Some(d) if self.keeps_drafts_here() && n <= d.len() => d,
+            _ => return Err(CudaError::shape("read_drafts", format!("{n} draft slots cannot be read here"))),
+        };
+        let s = &self.gpu.stream;
+        let v = s.clone_dtoh(&slots.slice(..n))?;
+        self.gpu.sync()?;
+        Ok(v.into_iter().map(|i| i as u32).collect())
+    }
+}
