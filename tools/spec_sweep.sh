@@ -17,7 +17,8 @@
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
 # cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
 # behind a router, as in a deployment, and the servers run one after another (groups
-# sharing GPUs would spin their NCCL kernels on the same SMs).
+# sharing GPUs would spin their NCCL kernels on the same SMs). SERVE_FLAGS: more flags
+# for every server (e.g. --drafts-to-host).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,9 +41,10 @@ declare -A port flags
 # hold a port for a while.
 base="${PORT:-21450}"
 port[k0]=$base port[k3]=$((base + 10)) port[adaptive]=$((base + 20))
-flags[k0]="--speculative-tokens 0 --speculation fixed"
-flags[k3]="--speculative-tokens 3 --speculation fixed"
-flags[adaptive]="--speculative-tokens 3 --speculation adaptive"
+extra="${SERVE_FLAGS:-}"
+flags[k0]="--speculative-tokens 0 --speculation fixed $extra"
+flags[k3]="--speculative-tokens 3 --speculation fixed $extra"
+flags[adaptive]="--speculative-tokens 3 --speculation adaptive $extra"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
 trap cleanup EXIT
@@ -104,9 +106,19 @@ steps_per_k() {
     done
 }
 
+# Server MODE's engine counters, "steps schedule forward verify draft" (seconds): its
+# rank 0's in a group (the worker's /metrics are served on p + 1 as `serve`'s are).
+counters() {
+    curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '
+        /^mlaserve_engine_steps_total / {s = $2}
+        /^mlaserve_engine_step_seconds_total/ {
+            for (p = 1; p <= 4; p++) if (index($0, "\"" ph[p] "\"")) v[p] = $2 }
+        BEGIN {split("schedule forward verify draft", ph, " ")}
+        END {printf "%s %s %s %s %s", s + 0, v[1] + 0, v[2] + 0, v[3] + 0, v[4] + 0}'
+}
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice runs before weighed
+declare -A tps choice runs before weighed phases wall at
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
     ((n < 8)) && n=8
@@ -114,6 +126,19 @@ bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into 
         --prompt-tokens "$prompt" "${prompts_arg[@]}" --max-new-tokens "$new" >"$log" 2>&1 ||
         { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
     runs[$m,$c]+="$(awk '/^throughput/ {print $2}' "$log") "
+    wall[$m,$c]=$(awk -v w="${wall[$m,$c]:-0}" '/^requests/ {print w + $(NF - 1)}' "$log")
+}
+# The engine's counters are published once a second: a snapshot waits for that first.
+snapshot() {  # snapshot MODE: its counters into `at[MODE]`
+    sleep 1.2
+    at[$1]=$(counters "$1")
+}
+phases_of() {  # phases_of MODE STREAMS: steps, run seconds, phase seconds since `at[MODE]`
+    local a
+    a=${at[$1]}
+    snapshot "$1"
+    phases[$1,$2]=$(awk -v a="$a" -v b="${at[$1]}" -v w="${wall[$1,$2]}" 'BEGIN { split(a, x, " "); split(b, y, " ");
+        printf "%s %s", y[1] - x[1], w; for (i = 2; i <= 5; i++) printf " %s", y[i] - x[i] }')
 }
 decided() {  # decided STREAMS: the adaptive server's decisions since `before`
     local a b
@@ -132,7 +157,9 @@ if ((tp > 1)); then
         ready "$m"
         for c in $conc; do
             [[ $m == adaptive ]] && before[$c]=$(steps_per_k)
+            snapshot "$m"
             for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
+            phases_of "$m" "$c"
             [[ $m == adaptive ]] && decided "$c"
         done
         stop "$m"
@@ -142,9 +169,12 @@ else
     for m in "${modes[@]}"; do ready "$m"; done
     for c in $conc; do
         before[$c]=$(steps_per_k)
+        for m in "${modes[@]}"; do at[$m]=$(counters "$m"); done
         for ((r = 0; r < rounds; r++)); do
             for ((i = 0; i < 3; i++)); do bench "${modes[$(((i + r) % 3))]}" "$c" "$r"; done
         done
+        sleep 1.2
+        for m in "${modes[@]}"; do phases_of "$m" "$c"; done
         decided "$c"
     done
 fi
@@ -165,6 +195,18 @@ echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
 for c in $conc; do
     awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[$c]}" \
         'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", c, z, t, a, a / b, a / z, ch }'
+done
+echo
+echo "engine steps per run second, and ms per step: the step's phases (schedule, forward,"
+echo "verify, draft) and the rest of the run's wall time (the server outside steps, idle)"
+echo "| streams | server | steps/s | schedule | forward | verify | draft | outside |"
+echo "| ---: | :--- | ---: | ---: | ---: | ---: | ---: | ---: |"
+for c in $conc; do
+    for m in "${modes[@]}"; do
+        awk -v c="$c" -v m="$m" -v p="${phases[$m,$c]}" 'BEGIN { split(p, v, " "); n = (v[1] > 0) ? v[1] : 1;
+            printf "| %d | %s | %.0f | %.3f | %.3f | %.3f | %.3f | %.3f |\n", c, m, v[1] / v[2], 1e3 * v[3] / n,
+                1e3 * v[4] / n, 1e3 * v[5] / n, 1e3 * v[6] / n, 1e3 * (v[2] - v[3] - v[4] - v[5] - v[6]) / n }'
+    done
 done
 echo
 for c in $conc; do
