@@ -227,7 +227,7 @@ impl CudaBackend {
             return None;
         }
         let q_len = batch.seqs.first()?.tokens.len();
-        if q_len == 0 || q_len > ABSORBED_MAX_ROWS || batch.seqs.iter().any(|c| c.tokens.len() != q_len) {
+        if q_len == 0 || q_len > self.graph_max_q(stage) || batch.seqs.iter().any(|c| c.tokens.len() != q_len) {
             return None;
         }
         let seqs = seq_bucket(batch.seqs.len())?;
@@ -254,6 +254,19 @@ impl CudaBackend {
         let key = GraphKey { stage, seqs, q_len, bt_stride, splits: self.mla.num_splits(&dims, max_len) };
         let known = self.graphs.map.contains_key(&key);
         (known || (self.graphs.map.len() < MAX_GRAPHS && !self.graphs.failed.contains_key(&key))).then_some(key)
+    }
+
+    /// Longest uniform window a graph of `stage` takes: a decode window (the last token
+    /// and up to 3 drafts), and for an MTP stage past the first, which also redoes the
+    /// positions drafted in the previous step (`k − 1` more rows at most), twice that
+    /// where such rows stay absorbed (chunks routed by their flag, or every row
+    /// absorbed); under `PrefillPath::Auto` they would take the expanded form, which
+    /// runs eagerly.
+    fn graph_max_q(&self, stage: Stage) -> usize {
+        match (stage, self.opts.prefill) {
+            (Stage::Mtp(_), PrefillPath::Flagged | PrefillPath::Absorbed) => 2 * ABSORBED_MAX_ROWS,
+            _ => ABSORBED_MAX_ROWS,
+        }
     }
 
     /// Widest block table a graph takes: the model's longest context.
