@@ -214,16 +214,24 @@ fn kept_drafts_equal_drafts_read_back_per_stage() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
-    let run = |opts: CudaOptions, k: usize| {
+    let run_on = |opts: CudaOptions, k: usize, work: Vec<Request>| {
         let b = CudaBackend::load_with(&dir, opts).expect("load");
         assert_eq!(b.keeps_drafts(), opts.keep_drafts, "one GPU keeps drafts when asked");
         let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
         let mut e = Engine::new(b, cfg).expect("engine");
-        let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+        let ids: Vec<_> = work.into_iter().map(|r| e.add_request(r).expect("admit")).collect();
         let out = common::run_to_completion(&mut e, &ids);
         let t = e.stats().totals;
         (out, t.draft_tokens, t.accepted_per_position, e.backend().graph_stats().launches)
     };
+    let run = |opts: CudaOptions, k: usize| run_on(opts, k, workload());
+    // A fresh engine's first passes over a prompt longer than a step's budget draft
+    // nothing (its chunks fall short of its end) and read nothing back.
+    let long = || vec![Request::new((0..600).map(|i| 2 + (i * 7) % 500).collect(), SamplingParams::default())];
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let (kept, back) = (run_on(opts, 3, long()), run_on(CudaOptions { keep_drafts: false, ..opts }, 3, long()));
+    assert!(!kept.0[0].is_empty() && kept.1 > 0, "the long prompt decodes, with drafts");
+    assert_eq!((&kept.0, kept.1, &kept.2), (&back.0, back.1, &back.2), "a long prompt first");
     for graphs in [true, false] {
         for k in [3, 4] {
             let opts = CudaOptions { graphs, ..CudaOptions::new(BLOCKS, 0).batch_invariant() };

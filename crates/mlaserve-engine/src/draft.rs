@@ -346,8 +346,9 @@ pub(crate) fn draft<B: Backend>(
     }
     debug_assert!(next_job.next().is_none(), "every job has a scheduled chunk, in running order");
     let m = sc.chain.len();
-    // Drafts stay on the device between the stages where the backend can keep them.
-    let keep = backend.keeps_drafts() && m * k <= MAX_DRAFT_SLOTS;
+    // Drafts stay on the device between the stages where the backend can keep them (a
+    // pass of prompt chunks short of their prompts' ends drafts nothing and reads none).
+    let keep = backend.keeps_drafts() && m > 0 && m * k <= MAX_DRAFT_SLOTS;
     let keep_at = |d: usize| keep.then_some((d, k));
     let t = Instant::now();
     let out = mtp_call(backend, 0, batch, target_hidden, identity(&mut sc.identity, rows), keep_at(0))?;

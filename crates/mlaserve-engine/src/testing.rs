@@ -329,7 +329,9 @@ impl Backend for SyntheticBackend {
     }
 
     fn read_drafts(&mut self, n: usize) -> mlaserve_core::Result<Vec<u32>> {
-        if !self.keep_drafts || n > self.slots.len() {
+        // A pass without drafts has none to read (the CUDA backend allocates its slots
+        // at the first store): the engine must not ask.
+        if !self.keep_drafts || n == 0 || n > self.slots.len() {
             return Err(mlaserve_core::Error::Batch(format!("{n} draft slots cannot be read")));
         }
         let ids = self.slots[..n].to_vec();

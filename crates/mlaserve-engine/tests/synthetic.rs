@@ -76,6 +76,14 @@ fn kept_drafts_equal_drafts_through_the_host() {
             assert!(kept.iter().map(|o| o.usage.preemptions).sum::<u64>() > 0, "the small pool must preempt");
         }
     }
+    // A pass without drafts (a prompt chunk short of its prompt's end, the first work of
+    // a fresh engine) reads none back.
+    let long =
+        [Arrival { at: 0, req: Request::new((0..200).map(|i| 2 + i % 60).collect(), SamplingParams::default()) }];
+    let host = run_all(&mut engine_with(3, 1024, 64, false), &long);
+    let mut e = engine_with(3, 1024, 64, false);
+    e.backend_mut().keep_drafts = true;
+    assert_eq!(run_all(&mut e, &long), host, "a long prompt first, in chunks");
 }
 
 #[test]

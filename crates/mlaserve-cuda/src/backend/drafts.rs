@@ -49,6 +49,9 @@ impl CudaBackend {
 
     /// The ids in slots `0..n`: the pass's one wait.
     pub(super) fn read_drafts_impl(&self, n: usize) -> Result<Vec<u32>> {
+        if n == 0 && self.keeps_drafts_here() {
+            return Ok(Vec::new());
+        }
         let slots = match &self.draft_slots {
             Some(d) if self.keeps_drafts_here() && n <= d.len() => d,
             _ => return Err(CudaError::shape("read_drafts", format!("{n} draft slots cannot be read here"))),
