@@ -25,8 +25,19 @@ pub(super) fn link_tokens(
         return Ok(());
     }
     let slots = slots.ok_or_else(|| CudaError::shape("draft links", "no draft stored yet".to_string()))?;
-    let pairs = s.clone_htod(&links.iter().flat_map(|&(r, t)| [r as i32, t as i32]).collect::<Vec<_>>())?;
-    ops.copy_ids(s, tokens, slots, &pairs, links)
+    copy_pairs(ops, s, tokens, slots, links)
+}
+
+/// `dst[d] = src[x]` for each `(d, x)` of `pairs`, uploaded for the launch.
+fn copy_pairs(
+    ops: &Ops,
+    s: &Arc<CudaStream>,
+    dst: &mut CudaSlice<i32>,
+    src: &CudaSlice<i32>,
+    pairs: &[(u32, u32)],
+) -> Result<()> {
+    let up = s.clone_htod(&pairs.iter().flat_map(|&(d, x)| [d as i32, x as i32]).collect::<Vec<_>>())?;
+    ops.copy_ids(s, dst, src, &up, pairs)
 }
 
 impl CudaBackend {
@@ -42,9 +53,8 @@ impl CudaBackend {
             self.draft_slots = Some(s.alloc_zeros::<i32>(MAX_DRAFT_SLOTS)?);
         }
         let pairs: Vec<(u32, u32)> = batch.argmax_slots.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
-        let up = s.clone_htod(&pairs.iter().flat_map(|&(t, i)| [t as i32, i as i32]).collect::<Vec<_>>())?;
         let slots = self.draft_slots.as_mut().expect("allocated above");
-        self.ops.copy_ids(&s, slots, ids, &up, &pairs)
+        copy_pairs(&self.ops, &s, slots, ids, &pairs)
     }
 
     /// The ids in slots `0..n`: the pass's one wait.

@@ -487,8 +487,7 @@ impl Ops {
         if n == 0 {
             return Ok(());
         }
-        let t = HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false };
-        self.heads_tc(s, HeadsOut::Fp8 { q, scale }, o_lat, wuv, &t, None)
+        self.heads_tc(s, HeadsOut::Fp8 { q, scale }, o_lat, wuv, &wuv_gemm(n, heads, lora, vdim), None)
     }
 
     /// `out[r][h*vdim + v] = W_UV[h][v] . o_lat[r][h]` (bf16 out), on tensor cores
@@ -513,7 +512,7 @@ impl Ops {
             return Ok(());
         }
         if heads_tc_takes(lora, vdim, lora, vdim) {
-            let t = HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false };
+            let t = wuv_gemm(n, heads, lora, vdim);
             return self.heads_tc(s, HeadsOut::Rows { y: None, yb: out }, o_lat, wuv, &t, None);
         }
         let (hi, li, vi) = (i32_of(K, heads)?, i32_of(K, lora)?, i32_of(K, vdim)?);
@@ -530,4 +529,10 @@ impl Ops {
         }?;
         Ok(())
     }
+}
+
+/// W_UV as a head-wise GEMM: per row and head, the `lora` latent values into `vdim`
+/// outputs by `W_UV[h]` (`[vdim][lora]`, k-major).
+fn wuv_gemm(n: usize, heads: usize, lora: usize, vdim: usize) -> HeadsTc {
+    HeadsTc { m: n, heads, k: lora, n: vdim, x_stride: lora, y_stride: vdim, w_kn: false }
 }
