@@ -191,33 +191,39 @@ fn tp2_decode_steps_through_graphs_equal_eager() {
     }
     let t = common::tiny_v3(true);
     let dir = t.path();
-    let (gid, eid) =
-        (mlaserve_cuda::TpInit::new_id().expect("NCCL id"), mlaserve_cuda::TpInit::new_id().expect("NCCL id"));
-    let results: Vec<(Vec<String>, u64, GraphStats)> = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..2)
-            .map(|rank| {
-                let (gid, eid) = (gid.clone(), eid.clone());
-                s.spawn(move || {
-                    let timeout = std::time::Duration::from_secs(60);
-                    let gi = mlaserve_cuda::TpInit { rank, world: 2, id: gid, timeout };
-                    let ei = mlaserve_cuda::TpInit { rank, world: 2, id: eid, timeout };
-                    let base = CudaOptions::new(BLOCKS, rank);
-                    let mut g = CudaBackend::load_tp(dir, base, Some(&gi)).expect("load graph rank");
-                    let mut e = CudaBackend::load_tp(dir, CudaOptions { graphs: false, ..base }, Some(&ei))
-                        .expect("load eager rank");
-                    let (f, calls) = run_rounds(&mut g, &mut e, &format!("TP2 rank {rank}"), rank != 0, false, false);
-                    (f, calls, g.graph_stats())
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|r| r.join().expect("rank thread")).collect()
-    });
     let mut fails = Vec::new();
-    for (rank, (f, calls, st)) in results.into_iter().enumerate() {
-        println!("TP2 rank {rank}: {calls} decode calls: {st:?}");
-        fails.extend(f);
-        if st.steps != calls || st.launches != calls || st.graphs == 0 || st.failed != 0 {
-            fails.push(format!("TP2 rank {rank}: {calls} decode calls, {st:?}"));
+    // Default options, then batch-invariant ones (ordered all-reduce; MTP windows of
+    // 5–8 rows as graphs too, their rows bit-identical to eager ones).
+    for invariant in [false, true] {
+        let (gid, eid) =
+            (mlaserve_cuda::TpInit::new_id().expect("NCCL id"), mlaserve_cuda::TpInit::new_id().expect("NCCL id"));
+        let results: Vec<(Vec<String>, u64, GraphStats)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (gid, eid) = (gid.clone(), eid.clone());
+                    s.spawn(move || {
+                        let timeout = std::time::Duration::from_secs(60);
+                        let gi = mlaserve_cuda::TpInit { rank, world: 2, id: gid, timeout };
+                        let ei = mlaserve_cuda::TpInit { rank, world: 2, id: eid, timeout };
+                        let base = CudaOptions::new(BLOCKS, rank);
+                        let base = if invariant { base.batch_invariant() } else { base };
+                        let mut g = CudaBackend::load_tp(dir, base, Some(&gi)).expect("load graph rank");
+                        let mut e = CudaBackend::load_tp(dir, CudaOptions { graphs: false, ..base }, Some(&ei))
+                            .expect("load eager rank");
+                        let name = format!("TP2 rank {rank}, batch-invariant {invariant}");
+                        let (f, calls) = run_rounds(&mut g, &mut e, &name, rank != 0, invariant, invariant);
+                        (f, calls, g.graph_stats())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().expect("rank thread")).collect()
+        });
+        for (rank, (f, calls, st)) in results.into_iter().enumerate() {
+            println!("TP2 rank {rank}, batch-invariant {invariant}: {calls} decode calls: {st:?}");
+            fails.extend(f);
+            if st.steps != calls || st.launches != calls || st.graphs == 0 || st.failed != 0 {
+                fails.push(format!("TP2 rank {rank}, batch-invariant {invariant}: {calls} decode calls, {st:?}"));
+            }
         }
     }
     assert!(fails.is_empty(), "{fails:#?}");

@@ -261,13 +261,10 @@ impl CudaBackend {
     /// positions drafted in the previous step (`k − 1` more rows at most), twice that
     /// where such rows stay absorbed (chunks routed by their flag, or every row
     /// absorbed); under `PrefillPath::Auto` they would take the expanded form, which
-    /// runs eagerly. One GPU only so far: on tensor-parallel ranks those graphs have not
-    /// yet run on two GPUs.
+    /// runs eagerly.
     fn graph_max_q(&self, stage: Stage) -> usize {
         match (stage, self.opts.prefill) {
-            (Stage::Mtp(_), PrefillPath::Flagged | PrefillPath::Absorbed) if self.comm.is_none() => {
-                2 * ABSORBED_MAX_ROWS
-            }
+            (Stage::Mtp(_), PrefillPath::Flagged | PrefillPath::Absorbed) => 2 * ABSORBED_MAX_ROWS,
             _ => ABSORBED_MAX_ROWS,
         }
     }
