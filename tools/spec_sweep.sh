@@ -18,7 +18,9 @@
 # cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
 # behind a router, as in a deployment, and the servers run one after another (groups
 # sharing GPUs would spin their NCCL kernels on the same SMs). SERVE_FLAGS: more flags
-# for every server (e.g. --drafts-to-host).
+# for every server (e.g. --drafts-to-host). ALT_FLAGS: a fourth server, adaptive with
+# these flags as well ("alt"), beside the others in the same rounds (an A/B of an
+# option of the adaptive policy).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,15 +38,17 @@ mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
 
 modes=(k0 k3 adaptive)
+[[ -n "${ALT_FLAGS:-}" ]] && modes+=(alt)
 declare -A port flags
 # Below Linux's ephemeral range (32768-60999), where a client socket of any process may
 # hold a port for a while.
 base="${PORT:-21450}"
-port[k0]=$base port[k3]=$((base + 10)) port[adaptive]=$((base + 20))
+port[k0]=$base port[k3]=$((base + 10)) port[adaptive]=$((base + 20)) port[alt]=$((base + 30))
 extra="${SERVE_FLAGS:-}"
 flags[k0]="--speculative-tokens 0 --speculation fixed $extra"
 flags[k3]="--speculative-tokens 3 --speculation fixed $extra"
 flags[adaptive]="--speculative-tokens 3 --speculation adaptive $extra"
+flags[alt]="--speculative-tokens 3 --speculation adaptive $extra ${ALT_FLAGS:-}"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
 trap cleanup EXIT
@@ -96,10 +100,10 @@ stop() {
     wait ${spids[$1]} 2>/dev/null
 }
 
-# The adaptive server's cumulative decisions per k, "k0 k1 k2 k3".
+# Server MODE's (default adaptive) cumulative decisions per k, "k0 k1 k2 k3".
 steps_per_k() {
     local v t
-    t=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics")
+    t=$(curl -s "http://127.0.0.1:$((port[${1:-adaptive}] + 1))/metrics")
     for k in 0 1 2 3; do
         v=$(grep "^mlaserve_speculation_steps_total{k=\"$k\"}" <<<"$t" | awk '{print $2}')
         printf '%s ' "${v:-0}"
@@ -118,7 +122,9 @@ counters() {
 }
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice runs before weighed phases wall at
+declare -A tps choice runs before weighed phases wall at alt_before alt_choice graphs
+# Server MODE's CUDA graphs captured so far (its rank 0's).
+graphs_now() { curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '/^mlaserve_graph_captures_total/ {print $2}'; }
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
     ((n < 8)) && n=8
@@ -140,11 +146,16 @@ phases_of() {  # phases_of MODE STREAMS: steps, run seconds, phase seconds since
     phases[$1,$2]=$(awk -v a="$a" -v b="${at[$1]}" -v w="${wall[$1,$2]}" 'BEGIN { split(a, x, " "); split(b, y, " ");
         printf "%s %s", y[1] - x[1], w; for (i = 2; i <= 5; i++) printf " %s", y[i] - x[i] }')
 }
-decided() {  # decided STREAMS: the adaptive server's decisions since `before`
+decided() {  # decided STREAMS: the adaptive servers' decisions since `before`
     local a b
     read -r -a a <<<"${before[$1]}"
     read -r -a b <<<"$(steps_per_k)"
     choice[$1]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+    if [[ -n "${ALT_FLAGS:-}" ]]; then
+        read -r -a a <<<"${alt_before[$1]}"
+        read -r -a b <<<"$(steps_per_k alt)"
+        alt_choice[$1]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+    fi
     # What the choices weighed by then: cycle µs per decode row per (rows, k), the rates.
     weighed[$1]=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics" |
         grep -E '^mlaserve_speculation_(cycle_us_per_row|acceptance_rate)' | sed 's/^mlaserve_speculation_/  /')
@@ -157,11 +168,13 @@ if ((tp > 1)); then
         ready "$m"
         for c in $conc; do
             [[ $m == adaptive ]] && before[$c]=$(steps_per_k)
+            [[ $m == alt ]] && alt_before[$c]=$(steps_per_k alt)
             snapshot "$m"
             for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
             phases_of "$m" "$c"
-            [[ $m == adaptive ]] && decided "$c"
+            [[ $m == adaptive || $m == alt ]] && decided "$c"
         done
+        graphs[$m]=$(graphs_now "$m")
         stop "$m"
     done
 else
@@ -169,14 +182,17 @@ else
     for m in "${modes[@]}"; do ready "$m"; done
     for c in $conc; do
         before[$c]=$(steps_per_k)
+        [[ -n "${ALT_FLAGS:-}" ]] && alt_before[$c]=$(steps_per_k alt)
         for m in "${modes[@]}"; do at[$m]=$(counters "$m"); done
+        nm=${#modes[@]}
         for ((r = 0; r < rounds; r++)); do
-            for ((i = 0; i < 3; i++)); do bench "${modes[$(((i + r) % 3))]}" "$c" "$r"; done
+            for ((i = 0; i < nm; i++)); do bench "${modes[$(((i + r) % nm))]}" "$c" "$r"; done
         done
         sleep 1.2
         for m in "${modes[@]}"; do phases_of "$m" "$c"; done
         decided "$c"
     done
+    for m in "${modes[@]}"; do graphs[$m]=$(graphs_now "$m"); done
 fi
 for c in $conc; do
     for m in "${modes[@]}"; do
@@ -196,6 +212,16 @@ for c in $conc; do
     awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[$c]}" \
         'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", c, z, t, a, a / b, a / z, ch }'
 done
+if [[ -n "${ALT_FLAGS:-}" ]]; then
+    echo
+    echo "alt: adaptive with $ALT_FLAGS, the same rounds"
+    echo "| streams | alt | alt / better fixed | alt / adaptive | decisions at k = 0/1/2/3 |"
+    echo "| ---: | ---: | ---: | ---: | :--- |"
+    for c in $conc; do
+        awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v x="${tps[alt,$c]}" \
+            -v ch="${alt_choice[$c]}" 'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.3f | %.3f | %s |\n", c, x, x / b, x / a, ch }'
+    done
+fi
 echo
 echo "engine steps per run second, and ms per step: the step's phases (schedule, forward,"
 echo "verify, draft) and the rest of the run's wall time (the server outside steps, idle)"
@@ -208,6 +234,9 @@ for c in $conc; do
                 1e3 * v[4] / n, 1e3 * v[5] / n, 1e3 * v[6] / n, 1e3 * (v[2] - v[3] - v[4] - v[5] - v[6]) / n }'
     done
 done
+echo
+printf 'CUDA graphs captured by the end:'
+for m in "${modes[@]}"; do printf ' %s %s' "$m" "${graphs[$m]:-?}"; done
 echo
 for c in $conc; do
     echo "the adaptive server's estimates after $c streams (per (rows bucket, k): cycle us per decode row):"

@@ -150,6 +150,7 @@ pub fn describe() {
     describe_gauge!("mlaserve_prefix_cache_blocks", "KV blocks indexed by the prefix cache (worker)");
     describe_gauge!("mlaserve_prefix_cache_hit_rate", "Hit tokens over queried tokens since start (worker)");
     describe_counter!("mlaserve_engine_steps_total", "Engine steps (worker)");
+    describe_counter!("mlaserve_graph_captures_total", "CUDA graphs the worker's backend captured (rank 0)");
     describe_counter!(
         "mlaserve_engine_step_seconds_total",
         "Wall time of engine steps by phase (worker); rate(seconds)/rate(steps) is the mean step time"
@@ -166,6 +167,7 @@ fn register_unlabelled() {
         "mlaserve_draft_tokens_total",
         "mlaserve_accepted_tokens_total",
         "mlaserve_engine_steps_total",
+        "mlaserve_graph_captures_total",
         "mlaserve_etcd_watch_restarts_total",
     ] {
         metrics::counter!(name).increment(0);

@@ -58,6 +58,7 @@ const UNLABELLED: &[&str] = &[
     "mlaserve_draft_tokens_total",
     "mlaserve_accepted_tokens_total",
     "mlaserve_engine_steps_total",
+    "mlaserve_graph_captures_total",
     "mlaserve_etcd_watch_restarts_total",
     "mlaserve_time_to_first_token_seconds_count",
     "mlaserve_inter_token_latency_seconds_count",

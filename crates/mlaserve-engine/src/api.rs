@@ -162,6 +162,8 @@ pub struct StepTimes {
     pub draft_us: u64,
     /// The part of `draft_us` spent inside the backend's MTP forwards.
     pub draft_forward_us: u64,
+    /// CUDA graphs the backend captured so far (`Backend::graph_captures`).
+    pub graph_captures: u64,
 }
 
 impl StepTimes {

@@ -720,7 +720,7 @@ impl<B: Backend> Engine<B> {
             prefix: self.blocks.prefix_stats(),
             totals,
             finished_requests: self.finished_requests,
-            times: self.times,
+            times: StepTimes { graph_captures: self.backend.graph_captures(), ..self.times },
             failed: self.failed.clone(),
         }
     }

@@ -230,6 +230,7 @@ async fn export_stats(engine: EngineHandle, health: tonic_health::server::Health
         }
         let t = s.times;
         metrics::counter!("mlaserve_engine_steps_total").absolute(t.steps);
+        metrics::counter!("mlaserve_graph_captures_total").absolute(t.graph_captures);
         // Cumulative seconds as a gauge (metrics counters are integers):
         // rate(step_seconds) / rate(steps) is the mean step time.
         for (phase, us) in
