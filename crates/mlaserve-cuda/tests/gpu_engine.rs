@@ -251,6 +251,50 @@ fn kept_drafts_equal_drafts_read_back_per_stage() {
     }
 }
 
+/// Adaptive k with every MTP layer run in steps of fewer drafts
+/// (`EngineConfig::fill_mtp_layers`), k forced through every transition on the bundled
+/// model with graphs: the stages past k draft nothing, read the kept drafts and skip
+/// the host wait; the same tokens, drafts and acceptance as with drafts read back per
+/// stage, and the same tokens as k = 0. Prints the acceptance without filling.
+#[test]
+fn filled_stages_equal_drafts_read_back_per_stage() {
+    if !require_gpu() {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let pattern = [3, 1, 2, 0, 1, 3, 2];
+    let run_on = |opts: CudaOptions, fill: bool| {
+        let b = CudaBackend::load_with(&dir, opts).expect("load");
+        let cfg = EngineConfig {
+            num_speculative_tokens: Some(3),
+            speculation: Speculation::Adaptive,
+            fill_mtp_layers: fill,
+            max_batch_tokens: 256,
+            ..Default::default()
+        };
+        let mut e = Engine::new(b, cfg).expect("engine");
+        e.force_k(&pattern);
+        let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+        let out = common::run_to_completion(&mut e, &ids);
+        let t = e.stats().totals;
+        (out, t.draft_tokens, t.accepted_per_position)
+    };
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let k0 = run(CudaBackend::load_with(&dir, opts).expect("load"), 0);
+    let kept = run_on(opts, true);
+    let back = run_on(CudaOptions { keep_drafts: false, ..opts }, true);
+    let holes = run_on(opts, false);
+    println!(
+        "k pattern {pattern:?}: {} drafts, accepted per position {:?} filled, {:?} with holes ({} drafts)",
+        kept.1, kept.2, holes.2, holes.1
+    );
+    assert!(kept.2.iter().sum::<u64>() > 0, "drafts accepted");
+    assert_eq!(kept.0, back.0, "tokens");
+    assert_eq!((kept.1, &kept.2), (back.1, &back.2), "drafts and acceptance");
+    assert_eq!(kept.0, k0, "tokens as with k = 0");
+    assert_eq!(holes.0, k0, "tokens as with k = 0, with holes");
+}
+
 fn tp_run(dir: &Path, opts: CudaOptions, world: usize, k: usize) -> Vec<Vec<u32>> {
     let t0 = Instant::now();
     let out = tp_group::with_tp_group(dir, opts, world, |leader| run(leader, k));

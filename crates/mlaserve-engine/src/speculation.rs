@@ -130,8 +130,8 @@ pub(crate) struct Policy {
     buckets: Vec<Bucket>,
     pending: Option<Pending>,
     stats: SpecStats,
-    /// Tests: when set, decision i takes `forced[i % len]` (capped at the maximum).
-    #[cfg(test)]
+    /// Tests ([`crate::Engine::force_k`]): when set, decision i takes `forced[i % len]`
+    /// (capped at the maximum).
     pub forced: Vec<usize>,
 }
 
@@ -165,7 +165,6 @@ impl Policy {
             buckets: Vec::new(),
             pending: None,
             stats: SpecStats { steps_per_k: vec![0; k_max + 1], ..Default::default() },
-            #[cfg(test)]
             forced: Vec::new(),
         }
     }
@@ -306,15 +305,12 @@ impl Policy {
             }
             n += 1;
         }
-        #[cfg(test)]
         let k = if self.forced.is_empty() {
             self.pick(n, &tokens, &at_mean, whole, measurable)
         } else {
             let i = self.stats.steps_per_k.iter().sum::<u64>() as usize;
             self.forced[i % self.forced.len()].min(self.k_max)
         };
-        #[cfg(not(test))]
-        let k = self.pick(n, &tokens, &at_mean, whole, measurable);
         self.stats.steps_per_k[k] += 1;
         self.stats.expected_accepted += at_mean[k] - n as f64;
         k
