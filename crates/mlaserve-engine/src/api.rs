@@ -242,11 +242,6 @@ pub struct EngineConfig {
     pub num_speculative_tokens: Option<usize>,
     /// Fixed k, or adaptive up to `num_speculative_tokens`.
     pub speculation: Speculation,
-    /// Adaptive k: a step of fewer drafts than the MTP layers in use still runs every
-    /// one of them over its rows (those past k draft nothing), so the requests' MTP
-    /// caches stay whole and their later, deeper drafts keep their acceptance. Off,
-    /// such a step runs only k layers and leaves holes in the others for good.
-    pub fill_mtp_layers: bool,
     /// Token budget per step (decode windows count `1 + k` each, plus prefill chunks).
     pub max_batch_tokens: usize,
     /// Most prompt tokens one step prefills while other requests decode in it, so a
@@ -274,7 +269,6 @@ impl Default for EngineConfig {
         EngineConfig {
             num_speculative_tokens: None,
             speculation: Speculation::Fixed,
-            fill_mtp_layers: false,
             max_batch_tokens: 2048,
             max_prefill_tokens: None,
             max_num_seqs: 256,

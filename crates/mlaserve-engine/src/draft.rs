@@ -261,10 +261,7 @@ pub(crate) fn chunk_at(seqs: &mut Vec<SeqChunk>, n: usize) -> &mut SeqChunk {
 /// an error they are still in `batch`. `jobs` are in running order, one per scheduled
 /// sequence that goes on. Sequences that finished in this step ride along in stage 0
 /// (their rows are padding) and get no drafts. Returns the microseconds spent inside
-/// the backend. `layers`: the MTP layers to run over full rows, at least `k`'s own
-/// (`min(k, n_mtp)`); the stages past the `k`-th only write their layers' cache
-/// entries (no drafts), so a step of fewer drafts leaves no holes there.
-#[allow(clippy::too_many_arguments)]
+/// the backend.
 pub(crate) fn draft<B: Backend>(
     backend: &mut B,
     running: &mut [Sequence],
@@ -273,14 +270,13 @@ pub(crate) fn draft<B: Backend>(
     target_hidden: &B::Hidden,
     k: usize,
     n_mtp: usize,
-    layers: usize,
     sc: &mut DraftScratch,
     mem: &mut MtpMemory<B::Hidden>,
 ) -> Result<u64, mlaserve_core::Error> {
     mem.step += 1;
     let step = mem.step;
     // Stages that run over full rows with their own MTP layer.
-    let n_full = n_mtp.min(k.max(layers));
+    let n_full = n_mtp.min(k);
     sc.chunks.clear();
     sc.chain.clear();
     sc.next_tokens.clear();
@@ -371,9 +367,6 @@ pub(crate) fn draft<B: Backend>(
         // lands after all of stage d − 1's rows in the joined hidden state.
         let prev_kept = mem.prev.get(d - 1);
         let n_a = rows as u32;
-        // Stages past the k-th only fill their layer's cache: no drafts come from them.
-        let drafting = d < k;
-        let m_d = if drafting { m } else { 0 };
         let DraftScratch { hidden_rows, kept, next_tokens, chunks, drafts, .. } = &mut *sc;
         // Written in place: at most one kept row per chunk, one logit row per draft.
         hidden_rows.clear();
@@ -381,7 +374,7 @@ pub(crate) fn draft<B: Backend>(
         kept.clear();
         kept.resize(chunks.len(), 0);
         batch.argmax_rows.clear();
-        batch.argmax_rows.resize(m_d, 0);
+        batch.argmax_rows.resize(m, 0);
         let (mut n_hidden, mut n_kept, mut n_logits) = (0usize, 0usize, 0usize);
         let (mut off_prev, mut row) = (0u32, 0u32);
         for (c, ch) in batch.seqs.iter_mut().zip(chunks.iter_mut()) {
@@ -404,9 +397,8 @@ pub(crate) fn draft<B: Backend>(
             n_hidden += prev_len;
             off_prev += prev_len as u32;
             c.start_pos = ch.start - ext;
-            // This step's drafts the stage reads (all of them past the k-th stage).
             let drafts: &[u32] = match ch.chain {
-                Some(ci) => &drafts[ci * k..ci * k + d.min(k)],
+                Some(ci) => &drafts[ci * k..ci * k + d],
                 None => &[],
             };
             // Row i reads sequence index start_pos + i + d + 1 of `tokens ++ drafts`,
@@ -418,11 +410,7 @@ pub(crate) fn draft<B: Backend>(
                 // positions (stage 0 included): stage d − 1's rows, except that
                 // `tokens ++ drafts` grew by this step's draft d, and one row more.
                 let n_next = ch.n_tok - ch.start - 1;
-                if drafts.len() < d {
-                    // `tokens ++ drafts` did not grow (no draft d): one row more, past
-                    // the verified tokens only where the chunk does not draft (a
-                    // drafting chunk ends at the last token).
-                    debug_assert!(drafts.is_empty() || d > k);
+                if drafts.is_empty() {
                     let i = n - 1;
                     c.tokens.push(if i < n_next { next_tokens[ch.tok_off + i] } else { last });
                 } else {
@@ -434,17 +422,13 @@ pub(crate) fn draft<B: Backend>(
                 fill_shifted(&mut c.tokens, ch, c.start_pos + d + 1, n, next_tokens, drafts, last);
             }
             debug_assert_eq!(c.tokens, shifted(&running[ch.idx].tokens, drafts, c.start_pos + d + 1, n), "stage {d}");
-            if let Some(off) = ch.draft_off.filter(|_| drafting) {
+            if let Some(off) = ch.draft_off {
                 batch.argmax_rows[n_logits] = row + (ext + off) as u32;
                 n_logits += 1;
             }
             row += n as u32;
         }
-        debug_assert_eq!(
-            (n_hidden, n_logits),
-            (row as usize, m_d),
-            "one hidden row per token, one logit row per draft"
-        );
+        debug_assert_eq!((n_hidden, n_logits), (row as usize, m), "one hidden row per token, one logit row per draft");
         hidden_rows.truncate(n_hidden);
         kept.truncate(n_kept);
         batch.argmax_rows.truncate(n_logits);
@@ -463,9 +447,7 @@ pub(crate) fn draft<B: Backend>(
         let t = Instant::now();
         let out = mtp_call(backend, d, batch, prev, &sc.hidden_rows, keep_at(d))?;
         backend_us += t.elapsed().as_micros() as u64;
-        if drafting {
-            store_drafts(&mut sc.drafts, &out.argmax, m, k, d, keep);
-        }
+        store_drafts(&mut sc.drafts, &out.argmax, m, k, d, keep);
         outs.push(out.hidden);
     }
     let last_out = outs.pop().ok_or_else(|| mlaserve_core::Error::Batch("no MTP stage ran".into()))?;

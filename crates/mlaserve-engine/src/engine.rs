@@ -37,9 +37,6 @@ pub struct Engine<B: Backend> {
     seed: u64,
     vocab: usize,
     n_mtp: usize,
-    /// MTP layers a drafting step of fewer drafts still runs: every one in use (its
-    /// caches stay whole, [`EngineConfig::fill_mtp_layers`]), else only its k's.
-    fill_mtp_layers: bool,
     eos: Vec<u32>,
     blocks: BlockManager,
     /// Requests holding cache, by arrival.
@@ -179,7 +176,6 @@ impl<B: Backend> Engine<B> {
             vocab: m.vocab_size,
             eos: m.eos_token_ids.clone(),
             n_mtp,
-            fill_mtp_layers: config.fill_mtp_layers,
             blocks: if config.enable_prefix_caching {
                 BlockManager::with_prefix_caching(backend.num_blocks(), n_mtp.min(k))
             } else {
@@ -377,14 +373,12 @@ impl<B: Backend> Engine<B> {
                 Counts { offered: &s.offered_at, accepted: &s.verified_at, whole }
             });
             let k = self.policy.choose(decoding, decode_only);
-            // The MTP layers the pass runs over full rows: k's own, or every one in use.
-            let layers = if k > 0 && self.fill_mtp_layers { self.n_mtp.min(self.lim.k) } else { self.n_mtp.min(k) };
-            self.mark_mtp_holes(&jobs, layers);
+            self.mark_mtp_holes(&jobs, k);
             if k > 0 {
                 let n_mtp = self.n_mtp;
                 let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
                 // Drafting gives the block tables back in its last pass, unless it fails.
-                match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, layers, sc, mem) {
+                match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc, mem) {
                     Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
                     Err(e) => draft_err = Some(e),
                 }
@@ -429,23 +423,22 @@ impl<B: Backend> Engine<B> {
         events
     }
 
-    /// Notes where the step leaves MTP entries that are not final, before its drafting
-    /// pass runs `layers` MTP layers over full rows: every position from the chunk on
-    /// when that is fewer than the engine uses, and the last positions drafted from in
-    /// the previous step when the drafter cannot redo them (the request was left out of
-    /// a step).
-    fn mark_mtp_holes(&mut self, jobs: &[DraftJob], layers: usize) {
+    /// Notes where the step leaves MTP entries that are not final, before it drafts
+    /// with `k` drafts: every position from the chunk on when it runs fewer MTP layers
+    /// than the engine uses, and the last positions drafted from in the previous step
+    /// when the drafter cannot redo them (the request was left out of a step).
+    fn mark_mtp_holes(&mut self, jobs: &[DraftJob], k: usize) {
         let used = self.n_mtp.min(self.lim.k);
         let step = self.mtp.step;
         for j in jobs {
             let s = &mut self.running[j.seq];
             let redone = s.mtp_tail.is_some_and(|t| t.step == step && t.next_start == j.start);
             let decode = matches!(s.sched, Some(Sched::Decode));
-            if layers < used || (decode && !redone) {
+            if k < used || (decode && !redone) {
                 s.holes_from = s.holes_from.min(j.start.saturating_sub(used));
             }
-            if layers < used {
-                s.whole_mtp = s.whole_mtp.min(layers);
+            if k < used {
+                s.whole_mtp = s.whole_mtp.min(k);
             }
         }
     }

@@ -68,15 +68,14 @@ fn k_changing_every_step_keeps_the_output() {
     let (base, _) = run(engine(1, 0, Speculation::Fixed));
     let patterns: [&[usize]; 4] =
         [&[0, 1, 2, 3, 4], &[4, 3, 2, 1, 0], &[3, 0, 4, 1, 4, 2, 0, 0, 3], &[2, 4, 2, 0, 1, 3, 1]];
-    for (n_mtp, fill) in [(1, false), (2, false), (3, false), (2, true), (3, true)] {
+    for n_mtp in 1..=3 {
         for p in patterns {
             let mut e = engine(n_mtp, 4, Speculation::Adaptive);
-            e.fill_mtp_layers = fill;
             e.policy.forced = p.to_vec();
             let (out, preemptions) = run(e);
             assert!(preemptions > 0, "the pool is small enough to preempt");
             for (i, (x, y)) in base.iter().zip(&out).enumerate() {
-                assert_eq!(x, y, "{n_mtp} MTP layers (filled: {fill}), k pattern {p:?}: request {i}");
+                assert_eq!(x, y, "{n_mtp} MTP layers, k pattern {p:?}: request {i}");
             }
         }
     }
@@ -107,14 +106,7 @@ fn tokens(seed: u64, n: u64) -> impl Iterator<Item = u32> {
 /// more tokens — at k = 3, and returns B's drafts verified per position and its
 /// cached prompt tokens.
 fn extend_after_holes(pattern: &[usize], prefix: bool) -> (Vec<u64>, u64) {
-    extend_after(pattern, prefix, false)
-}
-
-/// [`extend_after_holes`], with every MTP layer run in A's steps of fewer drafts when
-/// `fill`.
-fn extend_after(pattern: &[usize], prefix: bool, fill: bool) -> (Vec<u64>, u64) {
     let mut e = prefix_engine(prefix, 256, EngineConfig::default().max_batch_tokens, pattern);
-    e.fill_mtp_layers = fill;
     e.blocks.complete_only = true;
     let sp = SamplingParams { max_new_tokens: 200, ignore_eos: true, ..Default::default() };
     let mut history: Vec<u32> = tokens(0, 150).collect();
@@ -151,27 +143,6 @@ fn blocks_with_mtp_holes_are_not_shared() {
         let (on, cached) = extend_after_holes(pattern, true);
         assert_eq!(off, on, "k pattern {pattern:?}: drafts after a hit");
         assert!(cached >= 128, "k pattern {pattern:?}: the blocks before the first hole are reused ({cached})");
-    }
-}
-
-/// Steps of fewer drafts than the MTP layers that still run every layer leave no
-/// holes: a request extending the whole history reuses every block that is final, and
-/// drafts exactly as after steps of k = 3 and as without the cache (its drafts read the
-/// filled entries).
-#[test]
-fn steps_that_fill_every_mtp_layer_leave_no_holes() {
-    let (all3, cached3) = extend_after(&[3], true, true);
-    let (fresh, _) = extend_after(&[3], false, true);
-    assert_eq!(all3, fresh, "k = 3 throughout: drafts after a hit");
-    for pattern in [&[3, 3, 3, 1][..], &[3, 1, 2, 1, 3, 2], &[1, 2]] {
-        let (filled, cached) = extend_after(pattern, true, true);
-        assert_eq!(filled, all3, "k pattern {pattern:?}: drafts after a hit of filled steps");
-        assert_eq!(cached, cached3, "k pattern {pattern:?}: the same blocks are reused");
-        let (_, holes) = extend_after(pattern, true, false);
-        assert!(
-            holes < cached,
-            "k pattern {pattern:?}: without filling, fewer blocks are complete ({holes} vs {cached})"
-        );
     }
 }
 

@@ -5,9 +5,7 @@ mod common;
 
 use common::{random_arrivals, run_all, Arrival, TestRng};
 use mlaserve_engine::testing::SyntheticBackend;
-use mlaserve_engine::{
-    Engine, EngineConfig, EngineError, Event, FinishReason, Request, SamplingParams, Speculation, StopMatch,
-};
+use mlaserve_engine::{Engine, EngineConfig, EngineError, Event, FinishReason, Request, SamplingParams, StopMatch};
 
 const VOCAB: usize = 64;
 
@@ -86,39 +84,6 @@ fn kept_drafts_equal_drafts_through_the_host() {
     let mut e = engine_with(3, 1024, 64, false);
     e.backend_mut().keep_drafts = true;
     assert_eq!(run_all(&mut e, &long), host, "a long prompt first, in chunks");
-}
-
-/// Adaptive k with every MTP layer run in steps of fewer drafts
-/// (`EngineConfig::fill_mtp_layers`), k forced through every transition: the stages
-/// past k draft nothing and read the kept drafts; the same tokens, drafts and acceptance
-/// as through the host, and the same tokens as k = 0.
-#[test]
-fn filled_stages_read_kept_drafts_as_the_host_wrote_them() {
-    let a = arrivals(8, 48, &SamplingParams::default());
-    let base = run_all(&mut engine(0, 1024, 256), &a);
-    let mk = |keep: bool| {
-        let b = SyntheticBackend::new(VOCAB, 3, 1024, 4096);
-        let cfg = EngineConfig {
-            num_speculative_tokens: Some(4),
-            speculation: Speculation::Adaptive,
-            fill_mtp_layers: true,
-            max_batch_tokens: 256,
-            ..Default::default()
-        };
-        let mut e = Engine::new(b, cfg).expect("engine");
-        e.backend_mut().keep_drafts = keep;
-        e.force_k(&[3, 1, 2, 0, 4, 1, 3, 2]);
-        e
-    };
-    let host = run_all(&mut mk(false), &a);
-    let mut e = mk(true);
-    let kept = run_all(&mut e, &a);
-    assert!(e.backend().passes_kept > 0, "the passes kept their drafts");
-    assert!(e.stats().totals.accepted_tokens > 0, "drafts accepted");
-    for (i, ((x, y), z)) in host.iter().zip(&kept).zip(&base).enumerate() {
-        assert_eq!(x, y, "request {i}: tokens, drafts and acceptance");
-        assert_eq!(x.tokens, z.tokens, "request {i}: tokens as with k = 0");
-    }
 }
 
 #[test]

@@ -48,11 +48,6 @@ pub struct EngineArgs {
     /// always drafts --speculative-tokens.
     #[arg(long, value_enum, default_value_t = SpeculationMode::Adaptive)]
     pub speculation: SpeculationMode,
-    /// Adaptive k: a step of fewer drafts than the MTP layers still runs every MTP
-    /// layer over its rows (the extra ones draft nothing), so the requests' MTP caches
-    /// stay whole (experimental: off by default until measured).
-    #[arg(long)]
-    pub fill_mtp_layers: bool,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
@@ -85,7 +80,6 @@ impl Default for EngineArgs {
             max_model_len: None,
             speculative_tokens: None,
             speculation: SpeculationMode::Adaptive,
-            fill_mtp_layers: false,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             max_prefill_tokens: None,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
@@ -110,7 +104,6 @@ impl EngineArgs {
                 SpeculationMode::Adaptive => mlaserve_engine::Speculation::Adaptive,
                 SpeculationMode::Fixed => mlaserve_engine::Speculation::Fixed,
             },
-            fill_mtp_layers: self.fill_mtp_layers,
             max_batch_tokens: self.max_batch_tokens,
             max_prefill_tokens: self.max_prefill_tokens,
             max_num_seqs: self.max_num_seqs,

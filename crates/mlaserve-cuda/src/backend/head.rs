@@ -221,11 +221,8 @@ impl CudaBackend {
         let logprobs = self.head_logprobs(head, normed, batch, &argmax, &sampled)?;
         self.mark("head (logprobs)")?;
         self.settle(what)?;
-        // A stage of a pass whose drafts stay on the device (its argmax kept, or only
-        // its layer's cache filled, reading kept drafts): nothing came to the host, so
-        // the stream goes on unwaited.
-        let fills = !batch.draft_links.is_empty() && batch.argmax_rows.is_empty();
-        if !keep && !fills {
+        if !keep {
+            // Kept drafts: nothing came to the host, so the stream goes on unwaited.
             self.gpu.sync()?;
         }
         Ok(HeadOut { logits, argmax, kept_ids, sampled, logprobs })
