@@ -11,8 +11,8 @@
 # (prompt tokens, default 64), PROMPTS (a JSONL of prompts for `bench serve --prompts`
 # instead of random ids, e.g. the bundled model's eval_prompts.jsonl: acceptance on text
 # like the model's own), NEW (new tokens, default 128), REQS (requests per stream and
-# run, default 2; at least 8 a run), ROUNDS (runs per server and concurrency, default 3),
-# LOGS (default a temporary directory), TP (default 1), PORT (the first of the servers'
+# run, default 2; at least MIN_REQS a run, default 32), ROUNDS (runs per server and
+# concurrency, default 3), LOGS (default a temporary directory), TP (default 1), PORT (the first of the servers'
 # ports, default 21450; each takes ten from there). The three servers run side by
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
 # cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
@@ -32,6 +32,9 @@ prompts_arg=()
 [[ -n "${PROMPTS:-}" ]] && prompts_arg=(--prompts "$PROMPTS")
 new="${NEW:-128}"
 reqs="${REQS:-2}"
+# At least this many requests a run: at one stream a run of 8 lasted half a second on a
+# GPU, and its rounds spread by 10%.
+min_reqs="${MIN_REQS:-32}"
 rounds="${ROUNDS:-3}"
 logs="${LOGS:-$(mktemp -d)}"
 mkdir -p "$logs"
@@ -127,7 +130,7 @@ declare -A tps choice runs before weighed phases wall at alt_before alt_choice g
 graphs_now() { curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '/^mlaserve_graph_captures_total/ {print $2}'; }
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
-    ((n < 8)) && n=8
+    ((n < min_reqs)) && n=$min_reqs
     "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$c" --requests "$n" \
         --prompt-tokens "$prompt" "${prompts_arg[@]}" --max-new-tokens "$new" >"$log" 2>&1 ||
         { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
