@@ -200,7 +200,10 @@ fi
 for c in $conc; do
     for m in "${modes[@]}"; do
         tps[$m,$c]=$(tr ' ' '\n' <<<"${runs[$m,$c]}" | grep . | median)
-        echo "$m, $c streams: ${runs[$m,$c]}-> ${tps[$m,$c]} tokens/s"
+        # The rounds' spread: the fastest over the slowest (a ratio between servers
+        # says little where it is far above 1).
+        spread=$(tr ' ' '\n' <<<"${runs[$m,$c]}" | grep . | sort -g | awk 'NR == 1 {lo = $1} {hi = $1} END {printf "%.2f", hi / lo}')
+        echo "$m, $c streams: ${runs[$m,$c]}-> ${tps[$m,$c]} tokens/s (fastest / slowest round: $spread)"
     done
 done
 
