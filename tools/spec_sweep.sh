@@ -12,8 +12,8 @@
 # instead of random ids, e.g. the bundled model's eval_prompts.jsonl: acceptance on text
 # like the model's own), NEW (new tokens, default 128), REQS (requests per stream and
 # run, default 2; at least MIN_REQS a run, default 32), ROUNDS (runs per server and
-# concurrency, default 3), LOGS (default a temporary directory), TP (default 1), PORT (the first of the servers'
-# ports, default 21450; each takes ten from there). The three servers run side by
+# concurrency, default 3), LOGS (default a temporary directory), TP (default 1), PORT
+# (the first of the servers' ports, default 21450; each takes ten from there). The three servers run side by
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
 # cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
 # behind a router, as in a deployment, and the servers run one after another (groups
@@ -41,7 +41,9 @@ mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
 
 modes=(k0 k3 adaptive)
-[[ -n "${ALT_FLAGS:-}" ]] && modes+=(alt)
+# The servers whose k is chosen per step.
+adaptive_modes=(adaptive)
+[[ -n "${ALT_FLAGS:-}" ]] && modes+=(alt) && adaptive_modes+=(alt)
 declare -A port flags
 # Below Linux's ephemeral range (32768-60999), where a client socket of any process may
 # hold a port for a while.
@@ -103,10 +105,10 @@ stop() {
     wait ${spids[$1]} 2>/dev/null
 }
 
-# Server MODE's (default adaptive) cumulative decisions per k, "k0 k1 k2 k3".
+# Server MODE's cumulative decisions per k, "k0 k1 k2 k3".
 steps_per_k() {
     local v t
-    t=$(curl -s "http://127.0.0.1:$((port[${1:-adaptive}] + 1))/metrics")
+    t=$(curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics")
     for k in 0 1 2 3; do
         v=$(grep "^mlaserve_speculation_steps_total{k=\"$k\"}" <<<"$t" | awk '{print $2}')
         printf '%s ' "${v:-0}"
@@ -125,7 +127,7 @@ counters() {
 }
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice runs before weighed phases wall at alt_before alt_choice graphs
+declare -A tps choice runs before weighed phases wall at graphs
 # Server MODE's CUDA graphs captured so far (its rank 0's).
 graphs_now() { curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '/^mlaserve_graph_captures_total/ {print $2}'; }
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
@@ -149,18 +151,14 @@ phases_of() {  # phases_of MODE STREAMS: steps, run seconds, phase seconds since
     phases[$1,$2]=$(awk -v a="$a" -v b="${at[$1]}" -v w="${wall[$1,$2]}" 'BEGIN { split(a, x, " "); split(b, y, " ");
         printf "%s %s", y[1] - x[1], w; for (i = 2; i <= 5; i++) printf " %s", y[i] - x[i] }')
 }
-decided() {  # decided STREAMS: the adaptive servers' decisions since `before`
+decided() {  # decided MODE STREAMS: server MODE's decisions since `before[MODE,STREAMS]`
     local a b
-    read -r -a a <<<"${before[$1]}"
-    read -r -a b <<<"$(steps_per_k)"
-    choice[$1]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
-    if [[ -n "${ALT_FLAGS:-}" ]]; then
-        read -r -a a <<<"${alt_before[$1]}"
-        read -r -a b <<<"$(steps_per_k alt)"
-        alt_choice[$1]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
-    fi
-    # What the choices weighed by then: cycle µs per decode row per (rows, k), the rates.
-    weighed[$1]=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics" |
+    read -r -a a <<<"${before[$1,$2]}"
+    read -r -a b <<<"$(steps_per_k "$1")"
+    choice[$1,$2]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+    # What the adaptive server's choices weighed by then: cycle µs per decode row per
+    # (rows, k), the rates.
+    [[ $1 == adaptive ]] && weighed[$2]=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics" |
         grep -E '^mlaserve_speculation_(cycle_us_per_row|acceptance_rate)' | sed 's/^mlaserve_speculation_/  /')
 }
 if ((tp > 1)); then
@@ -170,12 +168,11 @@ if ((tp > 1)); then
         start "$m"
         ready "$m"
         for c in $conc; do
-            [[ $m == adaptive ]] && before[$c]=$(steps_per_k)
-            [[ $m == alt ]] && alt_before[$c]=$(steps_per_k alt)
+            [[ $m == adaptive || $m == alt ]] && before[$m,$c]=$(steps_per_k "$m")
             snapshot "$m"
             for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
             phases_of "$m" "$c"
-            [[ $m == adaptive || $m == alt ]] && decided "$c"
+            [[ $m == adaptive || $m == alt ]] && decided "$m" "$c"
         done
         graphs[$m]=$(graphs_now "$m")
         stop "$m"
@@ -184,8 +181,7 @@ else
     for m in "${modes[@]}"; do start "$m"; done
     for m in "${modes[@]}"; do ready "$m"; done
     for c in $conc; do
-        before[$c]=$(steps_per_k)
-        [[ -n "${ALT_FLAGS:-}" ]] && alt_before[$c]=$(steps_per_k alt)
+        for m in "${adaptive_modes[@]}"; do before[$m,$c]=$(steps_per_k "$m"); done
         for m in "${modes[@]}"; do at[$m]=$(counters "$m"); done
         nm=${#modes[@]}
         for ((r = 0; r < rounds; r++)); do
@@ -193,7 +189,7 @@ else
         done
         sleep 1.2
         for m in "${modes[@]}"; do phases_of "$m" "$c"; done
-        decided "$c"
+        for m in "${adaptive_modes[@]}"; do decided "$m" "$c"; done
     done
     for m in "${modes[@]}"; do graphs[$m]=$(graphs_now "$m"); done
 fi
@@ -215,7 +211,7 @@ echo "generated tokens/s (logs: $logs)"
 echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
 for c in $conc; do
-    awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[$c]}" \
+    awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[adaptive,$c]}" \
         'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", c, z, t, a, a / b, a / z, ch }'
 done
 if [[ -n "${ALT_FLAGS:-}" ]]; then
@@ -225,7 +221,7 @@ if [[ -n "${ALT_FLAGS:-}" ]]; then
     echo "| ---: | ---: | ---: | ---: | :--- |"
     for c in $conc; do
         awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v x="${tps[alt,$c]}" \
-            -v ch="${alt_choice[$c]}" 'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.3f | %.3f | %s |\n", c, x, x / b, x / a, ch }'
+            -v ch="${choice[alt,$c]}" 'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.3f | %.3f | %s |\n", c, x, x / b, x / a, ch }'
     done
 fi
 echo

@@ -203,6 +203,26 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
     assert_eq!(adaptive, k0, "greedy output with adaptive k differs from k = 0 (batch-invariant options)");
 }
 
+/// `work` through an engine of `cfg` on the bundled model with `opts`, k forced to
+/// `pattern` where it is not empty: each request's tokens, the drafts made, the accepted
+/// drafts per position, and the graph launches.
+fn bundled_run(
+    opts: CudaOptions,
+    cfg: EngineConfig,
+    work: Vec<Request>,
+    pattern: &[usize],
+) -> (Vec<Vec<u32>>, u64, Vec<u64>, u64) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let b = CudaBackend::load_with(&dir, opts).expect("load");
+    assert_eq!(b.keeps_drafts(), opts.keep_drafts, "one GPU keeps drafts when asked");
+    let mut e = Engine::new(b, cfg).expect("engine");
+    e.force_k(pattern);
+    let ids: Vec<_> = work.into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+    let out = common::run_to_completion(&mut e, &ids);
+    let t = e.stats().totals;
+    (out, t.draft_tokens, t.accepted_per_position, e.backend().graph_stats().launches)
+}
+
 /// Drafts kept on the device between a pass's MTP stages (`CudaOptions::keep_drafts`,
 /// the default on one GPU) are the drafts read back stage by stage: on the bundled
 /// trained model (real acceptance), with CUDA graphs and eagerly, at k = 3 (three
@@ -213,16 +233,9 @@ fn kept_drafts_equal_drafts_read_back_per_stage() {
     if !require_gpu() {
         return;
     }
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
     let run_on = |opts: CudaOptions, k: usize, work: Vec<Request>| {
-        let b = CudaBackend::load_with(&dir, opts).expect("load");
-        assert_eq!(b.keeps_drafts(), opts.keep_drafts, "one GPU keeps drafts when asked");
         let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
-        let mut e = Engine::new(b, cfg).expect("engine");
-        let ids: Vec<_> = work.into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-        let out = common::run_to_completion(&mut e, &ids);
-        let t = e.stats().totals;
-        (out, t.draft_tokens, t.accepted_per_position, e.backend().graph_stats().launches)
+        bundled_run(opts, cfg, work, &[])
     };
     let run = |opts: CudaOptions, k: usize| run_on(opts, k, workload());
     // A fresh engine's first passes over a prompt longer than a step's budget draft
@@ -261,24 +274,18 @@ fn forced_k_transitions_equal_drafts_read_back_per_stage() {
     if !require_gpu() {
         return;
     }
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
     let pattern = [3, 1, 2, 0, 1, 3, 2];
     let run_on = |opts: CudaOptions| {
-        let b = CudaBackend::load_with(&dir, opts).expect("load");
         let cfg = EngineConfig {
             num_speculative_tokens: Some(3),
             speculation: Speculation::Adaptive,
             max_batch_tokens: 256,
             ..Default::default()
         };
-        let mut e = Engine::new(b, cfg).expect("engine");
-        e.force_k(&pattern);
-        let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-        let out = common::run_to_completion(&mut e, &ids);
-        let t = e.stats().totals;
-        (out, t.draft_tokens, t.accepted_per_position)
+        bundled_run(opts, cfg, workload(), &pattern)
     };
     let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
     let k0 = run(CudaBackend::load_with(&dir, opts).expect("load"), 0);
     let kept = run_on(opts);
     let back = run_on(CudaOptions { keep_drafts: false, ..opts });
