@@ -12,6 +12,9 @@
 //! algorithm NCCL picks for the message size, so a token's sum can depend on how many
 //! rows share the step once there are more than two ranks), and the deterministic one
 //! used in batch-invariant mode: an all-gather, then a sum in rank order on the device.
+//! Where the GPUs reach each other directly, [`DeviceComm::enable_peer_reduce`] routes
+//! messages up to a size through the one-shot kernel of [`crate::peer`] instead, for
+//! either flavour: it sums in rank order too, so its bits equal the ordered one's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +24,9 @@ use cudarc::nccl::safe::ReduceOp;
 use mlaserve_tp::nccl::{nccl_err, NcclComm};
 
 use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
 use crate::ops::Ops;
+use crate::peer::PeerReduce;
 
 /// Bytes of an NCCL unique id.
 pub const NCCL_ID_BYTES: usize = mlaserve_tp::nccl::ID_BYTES;
@@ -56,6 +61,9 @@ fn collective(e: mlaserve_core::Error) -> CudaError {
 #[derive(Debug)]
 pub struct DeviceComm {
     comm: NcclComm,
+    /// The one-shot all-reduce over peer memory, once enabled.
+    peer: Option<PeerReduce>,
+    timeout: Duration,
     pub rank: usize,
     pub world: usize,
 }
@@ -64,11 +72,49 @@ impl DeviceComm {
     /// Joins the communicator of `init` on `stream`; returns once every rank has joined.
     pub fn new(stream: &Arc<CudaStream>, init: &TpInit) -> Result<Self> {
         let comm = NcclComm::join(stream, init.rank, init.world, &init.id, init.timeout).map_err(collective)?;
-        Ok(DeviceComm { comm, rank: init.rank, world: init.world })
+        Ok(DeviceComm { comm, peer: None, timeout: init.timeout, rank: init.rank, world: init.world })
     }
 
-    /// Enqueues NCCL's in-place sum of `buf` across the ranks.
+    /// Sends messages of at most `max_bytes` through the one-shot all-reduce over peer
+    /// memory ([`PeerReduce`]); every rank must call this together. Returns whether the
+    /// group took it (false where some rank cannot reach another directly: the group
+    /// stays on NCCL).
+    pub fn enable_peer_reduce(&mut self, gpu: &Gpu, max_bytes: usize) -> Result<bool> {
+        let gather = |w: &[u32]| self.gather_words(w);
+        let peer = PeerReduce::join(gpu, self.rank, self.world, max_bytes, self.timeout, &gather)?;
+        self.peer = peer;
+        Ok(self.peer.is_some())
+    }
+
+    /// The largest message (floats) the one-shot all-reduce takes; None when it is off.
+    pub fn peer_reduce_cap(&self) -> Option<usize> {
+        self.peer.as_ref().map(PeerReduce::cap)
+    }
+
+    /// The one-shot kernel, once the group is known alive (an aborted communicator fails
+    /// every later call, this path's too).
+    fn peer_all_reduce(&self, p: &PeerReduce, buf: &mut CudaSlice<f32>) -> Result<()> {
+        self.comm.with("peer all-reduce", |_| Ok(())).map_err(collective)?;
+        p.all_reduce(self.comm.stream(), buf)
+    }
+
+    /// Every rank's `words` (rank-major), through an NCCL all-gather, waited for.
+    fn gather_words(&self, words: &[u32]) -> Result<Vec<u32>> {
+        let s = self.comm.stream();
+        let bits: Vec<f32> = words.iter().map(|&w| f32::from_bits(w)).collect();
+        let local = s.clone_htod(&bits)?;
+        let mut all = s.alloc_zeros::<f32>(bits.len() * self.world)?;
+        self.all_gather(&local, &mut all)?;
+        self.wait("peer all-reduce setup")?;
+        Ok(s.clone_dtoh(&all)?.into_iter().map(f32::to_bits).collect())
+    }
+
+    /// Enqueues the in-place sum of `buf` across the ranks: NCCL's, or the one-shot
+    /// kernel's (rank order) where it is enabled and the message fits.
     pub fn all_reduce(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
+        if let Some(p) = self.peer.as_ref().filter(|p| buf.len() <= p.cap()) {
+            return self.peer_all_reduce(p, buf);
+        }
         const W: &str = "ncclAllReduce";
         self.comm
             .with(W, |c| c.all_reduce_in_place(buf, &ReduceOp::Sum).map(|_| ()).map_err(nccl_err(W)))
@@ -78,6 +124,9 @@ impl DeviceComm {
     /// Enqueues the deterministic sum of `buf` across the ranks: an all-gather into a
     /// scratch buffer, then a rank-ordered sum back into `buf`.
     pub fn all_reduce_ordered(&self, ops: &Ops, buf: &mut CudaSlice<f32>) -> Result<()> {
+        if let Some(p) = self.peer.as_ref().filter(|p| buf.len() <= p.cap()) {
+            return self.peer_all_reduce(p, buf);
+        }
         let s = self.comm.stream();
         let mut parts = s.alloc_zeros::<f32>(buf.len() * self.world)?;
         self.all_gather(buf, &mut parts)?;
@@ -97,7 +146,13 @@ impl DeviceComm {
 
     /// Waits until everything enqueued on the stream so far is done, at most the timeout;
     /// on a timeout or a CUDA error the communicator is aborted.
+    /// A one-shot all-reduce that gave up on a peer fails the wait the same way.
     pub fn wait(&self, what: &str) -> Result<()> {
-        self.comm.wait(what).map_err(collective)
+        self.comm.wait(what).map_err(collective)?;
+        if self.peer.as_ref().is_some_and(PeerReduce::failed) {
+            let why = "the peer all-reduce had no word from a peer within the timeout: a peer rank died or stalls";
+            return self.comm.with(what, |_| Err(mlaserve_core::Error::Collective(why.into()))).map_err(collective);
+        }
+        Ok(())
     }
 }

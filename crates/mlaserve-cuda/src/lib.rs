@@ -20,7 +20,8 @@
 //!   kernels, by family), [`MlaDecode`] (the FlashMLA-style padded decode attention,
 //!   docs/cuda.md), [`prefill::MlaPrefill`] (the expanded-form prefill attention),
 //!   [`elementwise`] (RMSNorm, SiLU-mul, argmax), [`sample`] (the sampling rule);
-//! - [`comm`] (the tensor-parallel collectives on the device) and [`CudaBackend`], the
+//! - `peer` (the one-shot all-reduce over peer memory), [`comm`] (the tensor-parallel
+//!   collectives on the device) and [`CudaBackend`], the
 //!   `mlaserve_core::Backend` on one GPU.
 //!
 //! [`profile`] is the memory planner's profiling step (host arithmetic).
@@ -64,6 +65,8 @@ mod mla_decode;
 #[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(feature = "cuda")]
+mod peer;
+#[cfg(feature = "cuda")]
 pub mod router;
 #[cfg(feature = "cuda")]
 pub mod sample;
@@ -75,7 +78,7 @@ mod tensor_map;
 #[cfg(feature = "cuda")]
 pub use backend::{
     CaptureMode, CudaBackend, CudaHidden, CudaOptions, GraphStats, PrefillPath, WeightBytes, WeightFill,
-    ABSORBED_MAX_ROWS, INVARIANT_SPLIT_BLOCKS,
+    ABSORBED_MAX_ROWS, INVARIANT_SPLIT_BLOCKS, PEER_ALL_REDUCE_BYTES,
 };
 #[cfg(feature = "cuda")]
 pub use comm::{DeviceComm, TpInit};

@@ -13,7 +13,7 @@ use mlaserve_model::{names, Weights};
 
 use super::weights::{Block, Embed, Loader, Mtp};
 use super::{proj, CudaBackend, CudaOptions};
-use crate::comm::{DeviceComm, TpInit};
+use crate::comm::TpInit;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 
@@ -38,7 +38,7 @@ impl CudaBackend {
         let open_s = open_t0.elapsed().as_secs_f64();
         let gpu = Gpu::new(opts.ordinal)?;
         let (free_at_start, _) = gpu.free_memory()?;
-        let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
+        let comm = super::join_comm(&gpu, tp, &opts)?;
         let dq = crate::fp8_dequant::Fp8Dequant::new(&gpu)?;
         let stage = std::cell::RefCell::new(crate::stage::Stager::new(&gpu)?);
         let setup_s = open_t0.elapsed().as_secs_f64() - open_s;

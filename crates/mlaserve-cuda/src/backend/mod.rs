@@ -62,7 +62,7 @@ use crate::{MlaDecode, MlaKernel};
 use weights::{Block, Embed, Mtp};
 
 pub use graphs::GraphStats;
-pub use options::{CaptureMode, CudaOptions, INVARIANT_SPLIT_BLOCKS};
+pub use options::{CaptureMode, CudaOptions, INVARIANT_SPLIT_BLOCKS, PEER_ALL_REDUCE_BYTES};
 pub use route::{PrefillPath, ABSORBED_MAX_ROWS};
 pub use synthetic::WeightFill;
 
@@ -155,6 +155,19 @@ impl Drop for CudaBackend {
         }
         self.comm = None;
     }
+}
+
+/// Joins the group's communicator (TP only), with the one-shot all-reduce over peer
+/// memory where [`CudaOptions::peer_all_reduce`] asks for it and the GPUs allow it.
+fn join_comm(gpu: &Gpu, tp: Option<&TpInit>, opts: &CudaOptions) -> Result<Option<DeviceComm>> {
+    let Some(t) = tp else { return Ok(None) };
+    let mut comm = DeviceComm::new(&gpu.stream, t)?;
+    if let Some(max_bytes) = opts.peer_all_reduce {
+        if !comm.enable_peer_reduce(gpu, max_bytes)? {
+            tracing::warn!(rank = t.rank, "peer all-reduce asked for, but not every GPU reaches the others: NCCL only");
+        }
+    }
+    Ok(Some(comm))
 }
 
 /// What a constructor starts before the weights, for [`CudaBackend::assemble`]: the
@@ -271,7 +284,7 @@ impl CudaBackend {
         let rope = crate::rope::PendingRope::start(&cfg);
         let gpu = Gpu::new(opts.ordinal)?;
         let (free_at_start, _) = gpu.free_memory()?;
-        let comm = tp.map(|t| DeviceComm::new(&gpu.stream, t)).transpose()?;
+        let comm = join_comm(&gpu, tp, &opts)?;
         let fp8 = if opts.synthetic_fp8 { proj::Fp8Kernels::new(&gpu, &opts) } else { None };
         if opts.synthetic_fp8 && fp8.is_none() {
             return Err(CudaError::shape("synthetic", "fp8 weights asked for, but the fp8 kernels do not load here"));

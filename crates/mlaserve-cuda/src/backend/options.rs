@@ -66,7 +66,18 @@ pub struct CudaOptions {
     /// per pass; off, every stage's ids come back to the host. A single rank only (a
     /// tensor-parallel rank's argmax is a host reduction of the ranks' maxima).
     pub keep_drafts: bool,
+    /// Tensor parallelism's all-reduces of at most this many bytes take the one-shot
+    /// kernel over peer memory (`peer.rs`: one launch, a flag barrier, a sum in rank order
+    /// that equals the ordered all-reduce bit for bit) instead of NCCL, where every GPU
+    /// of the group reaches the others directly ([`PEER_ALL_REDUCE_BYTES`] by default).
+    /// None: NCCL only.
+    pub peer_all_reduce: Option<usize>,
 }
+
+/// The largest all-reduce of the one-shot kernel by default: a decode step's hidden
+/// states up to 64 rows at V3's width (64 × 7168 × 4 bytes is 1.75 MiB). Each rank holds
+/// twice `world` slots of it (8 MiB at TP 2, 32 MiB at TP 8).
+pub const PEER_ALL_REDUCE_BYTES: usize = 2 << 20;
 
 /// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
 /// for a batch of long requests, few partials to merge.
@@ -102,6 +113,7 @@ impl CudaOptions {
             synthetic_fp8: false,
             kv_cache_dtype: KvCacheDtype::Auto,
             keep_drafts: true,
+            peer_all_reduce: Some(PEER_ALL_REDUCE_BYTES),
         }
     }
     /// Every token's result independent of its batch, on the fast kernels: the

@@ -140,6 +140,12 @@ pub struct CudaFlags {
     /// stage instead of keeping a drafting pass's drafts on the device (for comparisons).
     #[arg(long)]
     pub drafts_to_host: bool,
+    /// CUDA backend, tensor parallelism: all-reduces of at most this many bytes take the
+    /// one-shot kernel over peer memory (NVLink) instead of NCCL, where every GPU of the
+    /// group reaches the others directly (bit for bit the ordered all-reduce). Default
+    /// 2 MiB; 0: NCCL for every all-reduce.
+    #[arg(long, value_name = "BYTES")]
+    pub peer_all_reduce_bytes: Option<usize>,
 }
 
 impl CudaFlags {
@@ -161,6 +167,11 @@ impl CudaFlags {
             },
             fp8_kernels: !self.dequantize_fp8,
             keep_drafts: !self.drafts_to_host,
+            peer_all_reduce: match self.peer_all_reduce_bytes {
+                None => o.peer_all_reduce,
+                Some(0) => None,
+                b => b,
+            },
             graph_capture: match self.graph_capture {
                 GraphCapture::ThreadLocal => mlaserve_cuda::CaptureMode::ThreadLocal,
                 GraphCapture::Relaxed => mlaserve_cuda::CaptureMode::Relaxed,
@@ -188,6 +199,9 @@ impl CudaFlags {
         }
         if self.drafts_to_host {
             a.push("--drafts-to-host".to_string());
+        }
+        if let Some(b) = self.peer_all_reduce_bytes {
+            a.push(format!("--peer-all-reduce-bytes={b}"));
         }
         a
     }
@@ -371,6 +385,7 @@ mod tests {
         let d = parse(&[]).expect("defaults");
         assert_eq!((d.linear_tc, d.prefill_kernel), (LinearTc::Auto, PrefillKernelArg::Tma));
         assert_eq!((d.graph_capture, d.dequantize_fp8, d.drafts_to_host), (GraphCapture::ThreadLocal, false, false));
+        assert_eq!(d.peer_all_reduce_bytes, None);
         let args = [
             "--linear-tc",
             "mma.sync",
@@ -380,8 +395,11 @@ mod tests {
             "relaxed",
             "--dequantize-fp8",
             "--drafts-to-host",
+            "--peer-all-reduce-bytes",
+            "65536",
         ];
         let f = parse(&args).expect("flags");
+        assert_eq!(f.peer_all_reduce_bytes, Some(65536));
         assert_eq!((f.linear_tc, f.prefill_kernel), (LinearTc::MmaSync, PrefillKernelArg::Wgmma));
         assert!(f.dequantize_fp8 && f.to_args().contains(&"--dequantize-fp8".to_string()));
         assert!(f.drafts_to_host && f.to_args().contains(&"--drafts-to-host".to_string()));

@@ -1,0 +1,132 @@
+// The one-shot all-reduce of tensor parallelism over peer memory (NVLink), for the small
+// messages of a decode step, where NCCL's latency (tens of microseconds a call) and not
+// the link sets the pace. One kernel, capturable in a CUDA graph:
+//
+//   1. each block pushes its slice of the input into slot `rank` of every rank's buffer
+//      (its own included), in the half of the buffer that this call's parity picks;
+//   2. it raises its flag in every peer's buffer (release, system scope) and waits until
+//      every peer's flag for this call is up in its own (acquire);
+//   3. it sums its slice over the slots in rank order 0, 1, …, world-1 — exactly
+//      `sum_ranks_f32`'s order, so every rank gets the same bits and the result of an
+//      element depends only on the ranks' values (batch-invariant by construction).
+//
+// Each block counts its own calls (`counters`, on this rank only); every call launches
+// the same PR_BLOCKS blocks with the same slicing on every rank, so block b's count is
+// the group's call number and its flag value. Two halves make a third barrier needless:
+// a rank writes half p again only two calls later, and it cannot start that call before
+// every peer has raised its flags for the call in between, which they do only after
+// reading half p. A peer that never arrives ends the wait after `timeout_ns`: the rank
+// marks itself failed (a word in its buffer, which every later call checks first and
+// then returns at once) and raises `status` in mapped host memory, which the host reads
+// after each wait, so the step fails with an error instead of spinning forever (the
+// host's wait has the same deadline).
+//
+// Layout of a rank's buffer (bytes from its base; the Rust side, `peer.rs`, agrees):
+//   [0, 4·PR_BLOCKS·PR_MAX_WORLD)   flags[block][peer], written by the peers
+//   then 4·PR_BLOCKS bytes          counters[block], this rank's own
+//   then 4 bytes                    failed: set once a wait timed out
+//   [PR_DATA_OFFSET, …)            data[parity 2][rank world][cap floats]
+
+#include <cstddef>
+#include <cstdint>
+
+constexpr int PR_MAX_WORLD = 8;
+constexpr int PR_BLOCKS = 32;
+constexpr int PR_THREADS = 512;
+constexpr size_t PR_DATA_OFFSET = 4096;
+
+struct PeerBases {
+    unsigned long long p[PR_MAX_WORLD];
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// `out` may be `in` (the in-place all-reduce): a block reads only its own slice of `in`,
+// before the barrier, and writes only that slice of `out`, after it.
+extern "C" __global__ void __launch_bounds__(PR_THREADS)
+    peer_all_reduce_f32(float* out, const float* in, size_t n, PeerBases bases, int rank, int world, size_t cap,
+                        unsigned long long timeout_ns, unsigned int* status) {
+    char* mine = reinterpret_cast<char*>(bases.p[rank]);
+    uint32_t* flags = reinterpret_cast<uint32_t*>(mine);
+    uint32_t* counters = flags + PR_BLOCKS * PR_MAX_WORLD;
+    volatile uint32_t* failed = counters + PR_BLOCKS;
+    if (*failed) return;  // the group failed earlier: no more waits
+    const int b = blockIdx.x;
+    const uint32_t call = counters[b] + 1;
+    const size_t half = static_cast<size_t>(call & 1) * world * cap;
+
+    // This block's slice: whole float4s except at the very end of the message.
+    const size_t per = (((n + PR_BLOCKS - 1) / PR_BLOCKS) + 3) & ~static_cast<size_t>(3);
+    const size_t lo = min(n, b * per), hi = min(n, lo + per);
+
+    for (int p = 0; p < world; ++p) {
+        float* dst = reinterpret_cast<float*>(reinterpret_cast<char*>(bases.p[p]) + PR_DATA_OFFSET) + half +
+                     static_cast<size_t>(rank) * cap;
+        for (size_t i = lo + 4 * threadIdx.x; i < hi; i += 4 * PR_THREADS) {
+            if (i + 4 <= hi) {
+                *reinterpret_cast<float4*>(dst + i) = *reinterpret_cast<const float4*>(in + i);
+            } else {
+                for (size_t j = i; j < hi; ++j) dst[j] = in[j];
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < world && static_cast<int>(threadIdx.x) != rank) {
+        const int peer = threadIdx.x;
+        __threadfence_system();
+        st_release_sys(reinterpret_cast<uint32_t*>(bases.p[peer]) + b * PR_MAX_WORLD + rank, call);
+        const uint32_t* f = flags + b * PR_MAX_WORLD + peer;
+        uint64_t start = 0;
+        for (uint32_t spins = 0; static_cast<int32_t>(ld_acquire_sys(f) - call) < 0; ++spins) {
+            if ((spins & 1023) == 1023) {
+                const uint64_t t = global_ns();
+                if (start == 0) {
+                    start = t;
+                } else if (t - start > timeout_ns) {
+                    // A peer died or stalls: fail this rank's calls from now on.
+                    *failed = 1;
+                    *reinterpret_cast<volatile unsigned int*>(status) = 1;
+                    __threadfence_system();
+                    break;
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    const float* src = reinterpret_cast<const float*>(mine + PR_DATA_OFFSET) + half;
+    for (size_t i = lo + 4 * threadIdx.x; i < hi; i += 4 * PR_THREADS) {
+        if (i + 4 <= hi) {
+            float4 t = __ldcg(reinterpret_cast<const float4*>(src + i));
+            for (int r = 1; r < world; ++r) {
+                const float4 u = __ldcg(reinterpret_cast<const float4*>(src + static_cast<size_t>(r) * cap + i));
+                t.x += u.x;
+                t.y += u.y;
+                t.z += u.z;
+                t.w += u.w;
+            }
+            *reinterpret_cast<float4*>(out + i) = t;
+        } else {
+            for (size_t j = i; j < hi; ++j) {
+                float t = __ldcg(src + j);
+                for (int r = 1; r < world; ++r) t += __ldcg(src + static_cast<size_t>(r) * cap + j);
+                out[j] = t;
+            }
+        }
+    }
+    if (threadIdx.x == 0) counters[b] = call;
+}
