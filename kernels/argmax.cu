@@ -72,7 +72,8 @@ extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_bf16(const bf
 
 // The vocabulary-parallel form: out[2r] = the row's largest logit, out[2r + 1] = its index
 // + offset (this rank's first vocabulary id), as floats (exact below 2^24); an all-NaN row
-// gives (NaN, offset). The host picks across ranks with the same rule. grid = rows.
+// gives (NaN, offset). The ranks' pairs, all-gathered, give the group's id by the same
+// rule (`argmax_pairs_best` below, or the host). grid = rows.
 extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_pair_f32(const float* logits, float* out, int vocab,
                                                                            int offset) {
     float bv;
@@ -82,4 +83,28 @@ extern "C" __global__ void __launch_bounds__(amax::THREADS) argmax_pair_f32(cons
         out[2 * blockIdx.x] = bi == 0x7fffffff ? __int_as_float(0x7fc00000) : bv;
         out[2 * blockIdx.x + 1] = static_cast<float>((bi == 0x7fffffff ? 0 : bi) + offset);
     }
+}
+
+// The vocabulary-parallel choice across ranks, on the device: `pairs` holds every rank's
+// argmax_pair_f32 output, rank-major ([world][rows][2]); ids[r] = the id of the largest
+// value over the ranks in rank order (a later rank only on a strictly larger value, NaN
+// skipped, 0 when every value is NaN) — the host's rule (`vocab::best_of_ranks`), so every
+// rank of a group gets the same id and can keep it for the next drafting stage. One
+// thread per row.
+extern "C" __global__ void argmax_pairs_best(const float* pairs, int* ids, int rows, int world) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    bool any = false;
+    float bv = 0.f;
+    int bi = 0;
+    for (int rk = 0; rk < world; ++rk) {
+        const size_t at = (static_cast<size_t>(rk) * rows + r) * 2;
+        const float v = pairs[at];
+        if (!isnan(v) && (!any || v > bv)) {
+            any = true;
+            bv = v;
+            bi = static_cast<int>(pairs[at + 1]);
+        }
+    }
+    ids[r] = bi;
 }

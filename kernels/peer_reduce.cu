@@ -8,7 +8,8 @@
 //      every peer's flag for this call is up in its own (acquire);
 //   3. it sums its slice over the slots in rank order 0, 1, …, world-1 — exactly
 //      `sum_ranks_f32`'s order, so every rank gets the same bits and the result of an
-//      element depends only on the ranks' values (batch-invariant by construction).
+//      element depends only on the ranks' values (batch-invariant by construction);
+//      or, as an all-gather (`gather`), copies the slots out rank-major.
 //
 // Each block counts its own calls (`counters`, on this rank only); every call launches
 // the same PR_BLOCKS blocks with the same slicing on every rank, so block b's count is
@@ -56,10 +57,11 @@ __device__ __forceinline__ uint64_t global_ns() {
 }
 
 // `out` may be `in` (the in-place all-reduce): a block reads only its own slice of `in`,
-// before the barrier, and writes only that slice of `out`, after it.
+// before the barrier, and writes only that slice of `out`, after it. With `gather`, `out`
+// holds `world` × n floats (rank-major) and must not overlap `in`.
 extern "C" __global__ void __launch_bounds__(PR_THREADS)
     peer_all_reduce_f32(float* out, const float* in, size_t n, PeerBases bases, int rank, int world, size_t cap,
-                        unsigned long long timeout_ns, unsigned int* status) {
+                        unsigned long long timeout_ns, unsigned int* status, int gather) {
     char* mine = reinterpret_cast<char*>(bases.p[rank]);
     uint32_t* flags = reinterpret_cast<uint32_t*>(mine);
     uint32_t* counters = flags + PR_BLOCKS * PR_MAX_WORLD;
@@ -109,6 +111,15 @@ extern "C" __global__ void __launch_bounds__(PR_THREADS)
     __syncthreads();
 
     const float* src = reinterpret_cast<const float*>(mine + PR_DATA_OFFSET) + half;
+    if (gather) {
+        for (int r = 0; r < world; ++r) {
+            const float* from = src + static_cast<size_t>(r) * cap;
+            float* to = out + static_cast<size_t>(r) * n;
+            for (size_t i = lo + threadIdx.x; i < hi; i += PR_THREADS) to[i] = __ldcg(from + i);
+        }
+        if (threadIdx.x == 0) counters[b] = call;
+        return;
+    }
     for (size_t i = lo + 4 * threadIdx.x; i < hi; i += 4 * PR_THREADS) {
         if (i + 4 <= hi) {
             float4 t = __ldcg(reinterpret_cast<const float4*>(src + i));

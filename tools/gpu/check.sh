@@ -145,6 +145,7 @@ if [[ "$mode" == tp ]]; then
         gpu_engine:fp8_greedy_k3_equals_k0_batch_invariant_tp1_tp2 gpu_prefix:cache_hits_keep_every_output_tp2 \
         gpu_sampling_surface:engine_k3_equals_k0_with_the_whole_surface_one_gpu_and_tp2 \
         gpu_graphs:tp2_decode_steps_through_graphs_equal_eager \
+        gpu_engine:tp2_kept_drafts_equal_drafts_read_back_per_stage \
         gpu_comm:peer_all_reduce_equals_the_rank_order_sum_threads \
         gpu_comm:peer_all_reduce_equals_the_rank_order_sum_processes \
         gpu_comm:a_stalled_peer_fails_the_peer_all_reduce_within_the_timeout; do

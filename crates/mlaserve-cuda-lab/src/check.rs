@@ -543,6 +543,43 @@ pub fn run_op_checks(gpu: &Gpu, seed: u64) -> Result<Vec<OpReport>> {
     }
 
     let amax = Argmax::new(gpu)?;
+    // The vocabulary-parallel head: each rank's (value, id) pair over its slice, then the
+    // group's ids from the pairs in rank order, against the argmax of the whole rows.
+    for (rows, vocab, world) in [(8, 129280, 2), (64, 1000, 8), (3, 40, 4)] {
+        let part = vocab / world;
+        let mut logits: Vec<f32> = (0..rows * vocab).map(|_| rng.uniform(-10.0, 10.0)).collect();
+        for r in 0..rows {
+            let row = &mut logits[r * vocab..][..vocab];
+            // A tie at the maximum across two slices, a NaN; the last row all NaN.
+            let (a, b) = (rng.below(part), part + rng.below(vocab - part));
+            row[a] = 20.0;
+            row[b] = 20.0;
+            row[rng.below(vocab)] = f32::NAN;
+            if r == rows - 1 {
+                row.fill(f32::NAN);
+            }
+        }
+        let mut pairs = Vec::with_capacity(2 * rows * world);
+        for rk in 0..world {
+            let slice: Vec<f32> = (0..rows).flat_map(|r| logits[r * vocab + rk * part..][..part].to_vec()).collect();
+            let mut pd = s.alloc_zeros::<f32>(2 * rows)?;
+            amax.argmax_pair_f32(s, &s.clone_htod(&slice)?, &mut pd, part, rk * part)?;
+            pairs.extend(s.clone_dtoh(&pd)?);
+        }
+        let mut od = s.clone_htod(&vec![-1i32; rows])?;
+        amax.best_of_pairs(s, &s.clone_htod(&pairs)?, &mut od, world)?;
+        gpu.sync()?;
+        let got = s.clone_dtoh(&od)?;
+        let host = mlaserve_cuda::vocab::best_of_ranks(&pairs, rows, world);
+        let want = reference::argmax(&logits, vocab);
+        let mismatches = (0..rows).filter(|&r| got[r] as i64 != want[r] as i64 || host[r] != want[r]).count();
+        out.push(OpReport {
+            name: format!("argmax_pairs_best rows={rows} vocab={vocab} world={world} (ties, NaN)"),
+            metric: mismatches as f64,
+            tol: 0.0,
+            all_finite: true,
+        });
+    }
     for (rows, vocab, as_bf16) in
         [(1, 129280, false), (8, 129280, false), (64, 1000, false), (3, 37, false), (8, 129280, true)]
     {

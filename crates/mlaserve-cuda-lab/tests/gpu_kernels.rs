@@ -48,7 +48,8 @@ fn mla_decode_is_deterministic() {
     assert_eq!(a.lse_max_abs.to_bits(), b.lse_max_abs.to_bits());
 }
 
-/// RMSNorm (plain, fused add), SiLU-mul and argmax against the CPU reference.
+/// RMSNorm (plain, fused add), SiLU-mul, argmax and its vocabulary-parallel form against the
+/// CPU reference.
 #[test]
 fn small_kernels_match_reference() {
     let Some(gpu) = common::gpu() else { return };

@@ -86,7 +86,8 @@ impl DeviceComm {
         Ok(self.peer.is_some())
     }
 
-    /// The largest message (floats) the one-shot all-reduce takes; None when it is off.
+    /// The largest message (floats) the one-shot all-reduce takes (per rank for an
+    /// all-gather); None when it is off.
     pub fn peer_reduce_cap(&self) -> Option<usize> {
         self.peer.as_ref().map(PeerReduce::cap)
     }
@@ -140,6 +141,10 @@ impl DeviceComm {
         if out.len() != local.len() * self.world {
             let why = format!("output has {} elements for {} × {}", out.len(), self.world, local.len());
             return Err(collective(self.comm.error(W, &why)));
+        }
+        if let Some(p) = self.peer.as_ref().filter(|p| local.len() <= p.cap()) {
+            self.comm.with("peer all-gather", |_| Ok(())).map_err(collective)?;
+            return p.all_gather(self.comm.stream(), local, out);
         }
         self.comm.with(W, |c| c.all_gather(local, out).map(|_| ()).map_err(nccl_err(W))).map_err(collective)
     }

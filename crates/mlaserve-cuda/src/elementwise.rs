@@ -153,6 +153,7 @@ pub struct Argmax {
     f32_: CudaFunction,
     bf16_: CudaFunction,
     pair: CudaFunction,
+    best: CudaFunction,
 }
 
 impl Argmax {
@@ -164,6 +165,7 @@ impl Argmax {
             f32_: m.load_function("argmax_f32")?,
             bf16_: m.load_function("argmax_bf16")?,
             pair: m.load_function("argmax_pair_f32")?,
+            best: m.load_function("argmax_pairs_best")?,
         })
     }
 
@@ -204,6 +206,33 @@ impl Argmax {
         // SAFETY: block r reads logits[r*vocab..][..vocab] (rows*vocab = logits.len()) and
         // writes out[2r], out[2r+1] (out.len() = 2*rows, checked).
         unsafe { stream.launch_builder(&self.pair).arg(logits).arg(out).arg(&v).arg(&o).launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The group's id per row from every rank's [`Self::argmax_pair_f32`] output,
+    /// all-gathered rank-major (`pairs`: `[world][rows][2]`, rows = `ids.len()`):
+    /// [`crate::vocab::best_of_ranks`] on the device, so every rank holds the same ids.
+    pub fn best_of_pairs(
+        &self,
+        stream: &Arc<CudaStream>,
+        pairs: &CudaSlice<f32>,
+        ids: &mut CudaSlice<i32>,
+        world: usize,
+    ) -> Result<()> {
+        const K: &str = "argmax_pairs_best";
+        let rows = ids.len();
+        if pairs.len() != 2 * rows * world {
+            return Err(CudaError::shape(K, format!("{} pair floats for {world} ranks × {rows} rows", pairs.len())));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r, w) = (i32_of(K, rows)?, i32_of(K, world)?);
+        let cfg =
+            LaunchConfig { grid_dim: (rows.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: thread r < rows reads pairs[(rk·rows + r)·2 ..][..2] for rk < world
+        // (pairs.len() = 2·rows·world, checked) and writes ids[r] (ids.len() = rows).
+        unsafe { stream.launch_builder(&self.best).arg(pairs).arg(ids).arg(&r).arg(&w).launch(cfg) }?;
         Ok(())
     }
 

@@ -35,6 +35,7 @@ pub mod plan;
 pub mod prefill;
 pub mod profile;
 pub mod rope;
+pub mod vocab;
 
 #[cfg(feature = "cuda")]
 mod backend;

@@ -10,13 +10,16 @@
 //! A message of at most `cap` floats then takes one kernel, a push of each rank's values
 //! into every rank's slot, a flag barrier and a sum in rank order: the same order and
 //! the same bits as the ordered all-reduce (an all-gather, then `sum_ranks_f32`), so it
-//! serves the batch-invariant mode as well as the default. Larger messages stay on NCCL.
+//! serves the batch-invariant mode as well as the default. The same kernel all-gathers
+//! (the slots copied out rank-major). Larger messages stay on NCCL.
 //! Where the ranks cannot all reach each other, every rank agrees to go without it.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUresult};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+};
 use cudarc::driver::{DriverError, PushKernelArg};
 
 use crate::error::{CudaError, Result};
@@ -263,26 +266,42 @@ impl PeerReduce {
     /// Enqueues the in-place sum of `buf` over the ranks on `s` (every rank must call it
     /// with the same length, in the same order as its other collectives).
     pub fn all_reduce(&self, s: &Arc<CudaStream>, buf: &mut CudaSlice<f32>) -> Result<()> {
-        if buf.len() > self.cap {
-            return Err(CudaError::shape(
-                "peer_all_reduce_f32",
-                format!("{} floats over a slot of {}", buf.len(), self.cap),
-            ));
-        }
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(s);
-        if p % 16 != 0 {
-            return Err(CudaError::shape("peer_all_reduce_f32", format!("buffer at {p:#x} is not 16-byte aligned")));
+        self.launch(s, p, p, n, false)
+    }
+
+    /// Enqueues the all-gather of every rank's `local` into `out` (`world × local.len()`,
+    /// rank-major), as [`Self::all_reduce`] but copying the slots out instead of summing.
+    pub fn all_gather(&self, s: &Arc<CudaStream>, local: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+        let n = local.len();
+        if out.len() != n * self.world {
+            let why = format!("output has {} floats for {} × {n}", out.len(), self.world);
+            return Err(CudaError::shape("peer_all_reduce_f32", why));
         }
-        let (rank, world) = (self.rank as i32, self.world as i32);
+        let (i, _gi) = local.device_ptr(s);
+        let (o, _go) = out.device_ptr_mut(s);
+        self.launch(s, i, o, n, true)
+    }
+
+    /// One call of the kernel over `n` floats at `input`, into `out`.
+    fn launch(&self, s: &Arc<CudaStream>, input: u64, out: u64, n: usize, gather: bool) -> Result<()> {
+        if n > self.cap {
+            return Err(CudaError::shape("peer_all_reduce_f32", format!("{n} floats over a slot of {}", self.cap)));
+        }
+        if !input.is_multiple_of(16) {
+            return Err(CudaError::shape("peer_all_reduce_f32", format!("input at {input:#x} is not 16-byte aligned")));
+        }
+        let (rank, world, gather) = (self.rank as i32, self.world as i32, i32::from(gather));
         let cfg = LaunchConfig { grid_dim: (BLOCKS, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: `p` holds `n` floats (read, then written in place: each block touches only
-        // its own slice, before and after the barrier); every base holds the layout of
+        // SAFETY: `input` holds `n` floats and `out` `n` (in place allowed: each block
+        // touches only its own slice, before and after the barrier) or, gathering, `world`
+        // × n of another buffer (the callers' borrows); every base holds the layout of
         // `join` with `cap >= n`; the arguments match `peer_all_reduce_f32`'s signature.
         unsafe {
             s.launch_builder(&self.func)
-                .arg(&p)
-                .arg(&p)
+                .arg(&out)
+                .arg(&input)
                 .arg(&n)
                 .arg(&self.bases)
                 .arg(&rank)
@@ -290,6 +309,7 @@ impl PeerReduce {
                 .arg(&self.cap)
                 .arg(&self.timeout_ns)
                 .arg(&self.status_dev)
+                .arg(&gather)
                 .launch(cfg)
         }?;
         Ok(())

@@ -441,3 +441,45 @@ fn a_stalled_rank_fails_the_step_within_the_timeout() {
         staller.join().expect("staller");
     });
 }
+
+/// Drafts kept on the ranks of a TP-2 group (each rank picks the ids from the
+/// all-gathered maxima on the device; the one-shot collectives over peer memory) are the
+/// drafts read back per stage: on the bundled model with graphs, fixed k = 3 and adaptive
+/// k forced through every transition, the same tokens, drafts and accepted drafts per
+/// position, and the tokens of k = 0.
+#[test]
+fn tp2_kept_drafts_equal_drafts_read_back_per_stage() {
+    if !require_gpus(2) {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mla-tiny-code");
+    let run_on = |opts: CudaOptions, k: usize, pattern: &[usize]| {
+        let cfg = EngineConfig {
+            num_speculative_tokens: Some(k),
+            speculation: if pattern.is_empty() { Speculation::Fixed } else { Speculation::Adaptive },
+            max_batch_tokens: 256,
+            ..Default::default()
+        };
+        tp_group::with_tp_group(&dir, opts, 2, |leader| {
+            let keeps = leader.keeps_drafts();
+            let mut e = Engine::new(leader, cfg).expect("engine");
+            e.force_k(pattern);
+            let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+            let out = common::run_to_completion(&mut e, &ids);
+            let t = e.stats().totals;
+            (out, t.draft_tokens, t.accepted_per_position, keeps)
+        })
+    };
+    let opts = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let k0 = run_on(opts, 0, &[]).0;
+    for pattern in [&[][..], &[3, 1, 2, 0, 1, 3, 2][..]] {
+        let kept = run_on(opts, 3, pattern);
+        let back = run_on(CudaOptions { keep_drafts: false, ..opts }, 3, pattern);
+        println!("TP 2, k pattern {pattern:?}: {} drafts, accepted per position {:?}", kept.1, kept.2);
+        assert!(kept.3 && !back.3, "the group keeps drafts when asked");
+        assert!(kept.2.iter().sum::<u64>() > 0, "drafts accepted");
+        assert_eq!(kept.0, back.0, "{pattern:?}: tokens");
+        assert_eq!((kept.1, &kept.2), (back.1, &back.2), "{pattern:?}: drafts and acceptance");
+        assert_eq!(kept.0, k0, "{pattern:?}: tokens as with k = 0");
+    }
+}

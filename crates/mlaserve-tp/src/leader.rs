@@ -128,6 +128,16 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         self.inner.graph_captures()
     }
 
+    /// As rank 0's shard: every rank computes the same ids and keeps them in its own
+    /// slots (the plans carry the links and slots), and only the leader's are read.
+    fn keeps_drafts(&self) -> bool {
+        self.inner.keeps_drafts()
+    }
+
+    fn read_drafts(&mut self, n: usize) -> Result<Vec<u32>> {
+        self.inner.read_drafts(n)
+    }
+
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);

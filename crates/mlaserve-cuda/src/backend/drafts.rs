@@ -41,9 +41,11 @@ fn copy_pairs(
 }
 
 impl CudaBackend {
-    /// Whether MTP calls keep their drafts here (a single rank with the option on).
+    /// Whether MTP calls keep their drafts here: the option on, and a single rank or a
+    /// group on the one-shot collectives over peer memory (whose kernels end their own
+    /// waits, so the stages may follow each other without a bounded wait between them).
     pub(super) fn keeps_drafts_here(&self) -> bool {
-        self.opts.keep_drafts && self.comm.is_none()
+        self.opts.keep_drafts && self.comm.as_ref().is_none_or(|c| c.peer_reduce_cap().is_some())
     }
 
     /// Stores `ids` (one per `batch.argmax_rows`, on the device) in their slots.
@@ -67,6 +69,7 @@ impl CudaBackend {
             _ => return Err(CudaError::shape("read_drafts", format!("{n} draft slots cannot be read here"))),
         };
         let s = &self.gpu.stream;
+        self.settle("read drafts")?;
         let v = s.clone_dtoh(&slots.slice(..n))?;
         self.gpu.sync()?;
         Ok(v.into_iter().map(|i| i as u32).collect())

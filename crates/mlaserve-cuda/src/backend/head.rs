@@ -6,7 +6,7 @@ use cudarc::driver::CudaSlice;
 use mlaserve_core::{Batch, RowLogprobs, SampleRow, MAX_TOP_LOGPROBS};
 
 use super::{CudaBackend, HeadRows};
-use crate::error::{CudaError, Result};
+use crate::error::Result;
 use crate::linear::Linear;
 use crate::logit_ops::DeviceEdits;
 use crate::sample::Sampler;
@@ -141,8 +141,8 @@ impl CudaBackend {
     /// on the device; one id per row comes to the host (with TP: each rank's best value
     /// and id, all-gathered, the best taken in rank order — lowest id on a tie, as
     /// `mlaserve_core::argmax`).
-    /// With `keep` (a batch with [`Batch::argmax_slots`], on a single rank) the ids stay
-    /// on the device.
+    /// With `keep` (a batch with [`Batch::argmax_slots`]) the ids stay on the device (with
+    /// TP: every rank picks from the all-gathered pairs there, by the host's rule).
     fn head_argmax(
         &self,
         head: &Linear,
@@ -171,35 +171,25 @@ impl CudaBackend {
             self.gpu.sync()?;
             return Ok(HeadIds::Host(out.into_iter().map(|i| i as u32).collect()));
         };
-        if keep {
-            return Err(CudaError::shape("head argmax", "a rank of a group keeps no drafts".to_string()));
-        }
         let mut pair = s.alloc_zeros::<f32>(2 * n)?;
         self.argmax.argmax_pair_f32(s, &logits, &mut pair, head.out, comm.rank * head.out)?;
         let mut all = s.alloc_zeros::<f32>(2 * n * comm.world)?;
         comm.all_gather(&pair, &mut all)?;
+        if keep {
+            let mut ids = s.alloc_zeros::<i32>(n)?;
+            self.argmax.best_of_pairs(s, &all, &mut ids, comm.world)?;
+            return Ok(HeadIds::Device(ids));
+        }
         self.settle("head argmax all-gather")?;
         let g = s.clone_dtoh(&all)?;
         self.gpu.sync()?;
-        Ok(HeadIds::Host(
-            (0..n)
-                .map(|r| {
-                    let mut best: Option<(f32, u32)> = None;
-                    for rk in 0..comm.world {
-                        let (v, i) = (g[(rk * n + r) * 2], g[(rk * n + r) * 2 + 1] as u32);
-                        if !v.is_nan() && best.is_none_or(|(bv, _)| v > bv) {
-                            best = Some((v, i));
-                        }
-                    }
-                    best.map_or(0, |b| b.1)
-                })
-                .collect(),
-        ))
+        Ok(HeadIds::Host(crate::vocab::best_of_ranks(&g, n, comm.world)))
     }
 
     /// Everything a call returns from `head` over `normed`: the logits of `logit_rows`
     /// on the host, the argmax and the sampled ids of their rows; then waits for the
-    /// stream (bounded under TP, `what` names the call).
+    /// stream (bounded under TP, `what` names the call), except after kept drafts where
+    /// `unwaited` allows it.
     pub(super) fn head_outputs(
         &self,
         head: &Linear,
@@ -207,6 +197,7 @@ impl CudaBackend {
         rows: &HeadRows,
         batch: &Batch,
         what: &str,
+        unwaited: bool,
     ) -> Result<HeadOut> {
         let logits = self.head_logits(head, normed, rows, &batch.logit_rows)?;
         self.mark("head (logits to host)")?;
@@ -220,9 +211,15 @@ impl CudaBackend {
         self.mark("head (sample)")?;
         let logprobs = self.head_logprobs(head, normed, batch, &argmax, &sampled)?;
         self.mark("head (logprobs)")?;
-        self.settle(what)?;
+        // Kept drafts: nothing came to the host, so the stream goes on unwaited — in a
+        // group only where every collective of the call took the one-shot kernels
+        // (`unwaited`), which end their own waits after the timeout: the next call's
+        // uploads from pageable memory wait for the stream, and must not wait forever on
+        // a stalled peer (the pass's read of the drafts waits with the deadline).
+        if !(keep && unwaited) {
+            self.settle(what)?;
+        }
         if !keep {
-            // Kept drafts: nothing came to the host, so the stream goes on unwaited.
             self.gpu.sync()?;
         }
         Ok(HeadOut { logits, argmax, kept_ids, sampled, logprobs })

@@ -456,6 +456,13 @@ impl CudaBackend {
         }
     }
 
+    /// Whether every collective of a call over `rows` rows takes the one-shot kernels
+    /// over peer memory (true without a group): its messages, `rows` padded to a graph
+    /// bucket (less than twice `rows`) times the hidden width, fit their slots.
+    fn bounded_collectives(&self, rows: usize) -> bool {
+        self.comm.as_ref().is_none_or(|c| c.peer_reduce_cap().is_some_and(|cap| 2 * rows * self.cfg.hidden_size <= cap))
+    }
+
     /// Waits for the stream: bounded by the collective timeout in a group (a dead peer
     /// fails the wait), a plain synchronize for a single rank. Call before every copy
     /// to the host.
@@ -507,7 +514,7 @@ impl CudaBackend {
                 normed
             }
         };
-        let o = self.head_outputs(&self.lm_head, &normed, &rows, batch, "forward")?;
+        let o = self.head_outputs(&self.lm_head, &normed, &rows, batch, "forward", false)?;
         let hidden = CudaHidden { rows: n, data: normed };
         Ok(ForwardOutput { hidden, logits: o.logits, argmax: o.argmax, sampled: o.sampled, logprobs: o.logprobs })
     }
@@ -583,7 +590,7 @@ impl CudaBackend {
             }
         };
         let head = self.mtp[layer].head.as_ref().unwrap_or(&self.lm_head);
-        let o = self.head_outputs(head, &normed, &rows, batch, "MTP forward")?;
+        let o = self.head_outputs(head, &normed, &rows, batch, "MTP forward", self.bounded_collectives(n))?;
         if let Some(ids) = &o.kept_ids {
             self.store_drafts(ids, batch)?;
         }

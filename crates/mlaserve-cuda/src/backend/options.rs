@@ -63,8 +63,9 @@ pub struct CudaOptions {
     pub kv_cache_dtype: KvCacheDtype,
     /// A drafting pass's drafts stay on the device between its MTP stages
     /// (`Backend::keeps_drafts`), so the stages run back to back and the host waits once
-    /// per pass; off, every stage's ids come back to the host. A single rank only (a
-    /// tensor-parallel rank's argmax is a host reduction of the ranks' maxima).
+    /// per pass; off, every stage's ids come back to the host. Tensor-parallel ranks
+    /// keep them where the group runs on the one-shot collectives (`peer_all_reduce`):
+    /// each rank picks the ids from the all-gathered maxima on the device.
     pub keep_drafts: bool,
     /// Tensor parallelism's all-reduces of at most this many bytes take the one-shot
     /// kernel over peer memory (`peer.rs`: one launch, a flag barrier, a sum in rank order
