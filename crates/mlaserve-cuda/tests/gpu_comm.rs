@@ -3,7 +3,8 @@
 //! lengths around the kernel's float4 slicing and its 32 blocks up to its cap, each
 //! length three times (both halves of its buffer, the flags counting on), eagerly and
 //! replayed from a CUDA graph with fresh inputs between replays, and one float over the
-//! cap (NCCL's ordered all-reduce then, the same bits). Twice: ranks as threads of one
+//! cap (NCCL's ordered all-reduce then, the same bits); all-gathers through the same
+//! kernel, exactly the ranks' inputs. Twice: ranks as threads of one
 //! process (peer access by address) and as two processes (CUDA IPC handles), the second
 //! rank this test binary started again.
 #![cfg(feature = "cuda")]
@@ -86,6 +87,18 @@ fn rank_body(rank: usize, id: Vec<u8>) {
             assert_eq!(first_diff(&got, &w), None, "rank {rank}: {n} floats, call {call}: not the rank-order sum");
             call += 1;
         }
+    }
+    // All-gathers through the same kernel (its slots copied out rank-major): exactly the
+    // ranks' inputs, and one float over the cap through NCCL.
+    for n in [1, 5, 129, 4097, cap, cap + 1] {
+        let local = s.clone_htod(&input(rank, call, n)).expect("upload");
+        let mut all = s.alloc_zeros::<f32>(WORLD * n).expect("alloc");
+        comm.all_gather(&local, &mut all).expect("all_gather");
+        comm.wait("test").expect("wait");
+        let want: Vec<u32> = (0..WORLD).flat_map(|r| bits(&input(r, call, n))).collect();
+        let got = bits(&s.clone_dtoh(&all).expect("download"));
+        assert_eq!(first_diff(&got, &want), None, "rank {rank}: all-gather of {n} floats, call {call}");
+        call += 1;
     }
     // One float over the cap: NCCL's all-gather and the ordered sum, the same bits.
     let n = cap + 1;
