@@ -97,6 +97,13 @@ fn pci_words(dev: sys::CUdevice) -> Result<[u32; 4]> {
     Ok(std::array::from_fn(|i| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])))
 }
 
+/// A random number drawn once per process (std's hash keys are seeded from the OS).
+fn process_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(|| std::collections::hash_map::RandomState::new().build_hasher().finish())
+}
+
 /// The device of a peer's PCI bus id in this process, if this process sees it.
 fn device_of(pci: &[u32]) -> Option<sys::CUdevice> {
     let mut s: Vec<u8> = pci.iter().flat_map(|w| w.to_le_bytes()).collect();
@@ -116,9 +123,11 @@ fn can_access(from: sys::CUdevice, to: sys::CUdevice) -> bool {
 }
 
 /// A rank's record: magic, process id, the buffer's address, its PCI bus id, its IPC
-/// handle, the slot size.
+/// handle, and a token drawn once per process (two containers' processes can have the
+/// same id; only an equal id and token mean the same process, where an address is usable).
 struct Record {
     pid: u32,
+    token: u64,
     base: u64,
     pci: [u32; 4],
     handle: sys::CUipcMemHandle,
@@ -135,6 +144,8 @@ impl Record {
         for (i, c) in self.handle.reserved.chunks(4).enumerate() {
             w[8 + i] = u32::from_le_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8]);
         }
+        w[24] = self.token as u32;
+        w[25] = (self.token >> 32) as u32;
         w
     }
 
@@ -150,6 +161,7 @@ impl Record {
         }
         Some(Record {
             pid: w[1],
+            token: u64::from(w[24]) | (u64::from(w[25]) << 32),
             base: u64::from(w[2]) | (u64::from(w[3]) << 32),
             pci: [w[4], w[5], w[6], w[7]],
             handle,
@@ -212,7 +224,8 @@ impl PeerReduce {
         // SAFETY: `local` came from cuMemAlloc (IPC-exportable).
         check(unsafe { sys::cuIpcGetMemHandle(&mut handle, local) }, "cuIpcGetMemHandle")?;
         let dev = gpu.ctx.cu_device();
-        let mine = Record { pid: std::process::id(), base: local, pci: pci_words(dev)?, handle };
+        let mine =
+            Record { pid: std::process::id(), token: process_token(), base: local, pci: pci_words(dev)?, handle };
         let all = gather(&mine.words())?;
         let recs: Vec<Option<Record>> = all.chunks(WORDS).map(Record::from_words).collect();
         // Can this rank reach every peer?
@@ -229,7 +242,7 @@ impl PeerReduce {
             let rec = rec.as_ref().expect("every record parsed (agreed above)");
             if r == rank {
                 me.bases.p[r] = local;
-            } else if rec.pid == mine.pid {
+            } else if (rec.pid, rec.token) == (mine.pid, mine.token) {
                 opened &= enable_peer(&rec.pci).is_ok();
                 me.bases.p[r] = rec.base;
                 me.maps.push(Mapping::Direct);
