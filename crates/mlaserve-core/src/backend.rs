@@ -319,6 +319,19 @@ pub trait Backend {
         Err(Error::Batch("this backend keeps no drafts".into()))
     }
 
+    /// The longest the backend may go without a call while the engine is idle before
+    /// [`Backend::keep_alive`] is due: a tensor-parallel leader's followers wait for its
+    /// next plan no longer than their collective timeout. None (the default): never.
+    fn idle_interval(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// Called by an idle engine every [`Backend::idle_interval`]: a tensor-parallel
+    /// leader tells its followers the group is alive. An error is the group's failure.
+    fn keep_alive(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// CUDA graphs captured so far. A call that captured one took several times a
     /// replay's time, so the engine keeps such steps out of the costs adaptive
     /// speculation measures. 0 for backends without graphs.
@@ -354,6 +367,12 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
         (**self).hidden_to_host(h)
+    }
+    fn idle_interval(&self) -> Option<std::time::Duration> {
+        (**self).idle_interval()
+    }
+    fn keep_alive(&mut self) -> Result<()> {
+        (**self).keep_alive()
     }
     fn keeps_drafts(&self) -> bool {
         (**self).keeps_drafts()

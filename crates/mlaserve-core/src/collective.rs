@@ -15,6 +15,11 @@ pub trait Collective {
     fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>>;
     /// Copies `root`'s `buf` to every rank.
     fn broadcast_u32(&self, buf: &mut [u32], root: usize) -> Result<()>;
+    /// How long a collective waits for the other ranks before it fails (None: no
+    /// deadline).
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// The trivial collective of a single rank.

@@ -235,6 +235,19 @@ impl<B: Backend> Engine<B> {
         self.policy.forced = pattern.to_vec();
     }
 
+    /// For an idle engine, every [`Backend::idle_interval`]: tells the backend the engine
+    /// is alive ([`Backend::keep_alive`]: a TP leader's followers would otherwise give up
+    /// waiting for its next plan). A collective failure fails the group as a step's does.
+    pub fn keep_alive(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        if let Err(e) = self.backend.keep_alive() {
+            tracing::error!(error = %e, "keep-alive failed");
+            self.note_backend_error(&e, &mut Vec::new());
+        }
+    }
+
     /// Whether a step would do anything (requests live or events pending).
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty() || !self.pending.is_empty()

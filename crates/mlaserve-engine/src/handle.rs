@@ -13,6 +13,7 @@ use crate::error::{EngineError, Result};
 use mlaserve_core::Backend;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 /// Capacity of the command channel: submits beyond it wait (backpressure).
@@ -125,16 +126,56 @@ impl EngineHandle {
     }
 }
 
-/// The engine thread's loop: take commands (blocking only when idle), drop requests
-/// whose reader went away, step, deliver events, publish the load.
+/// What an idle engine thread waited for.
+enum Idle {
+    Command(Command),
+    /// The backend's idle interval passed: time for a keep-alive.
+    Due,
+    /// Every handle is gone.
+    Closed,
+}
+
+/// Waits for the next command, at most `interval` when there is one (on `rt`, a
+/// runtime of this thread's own, since a blocking receive has no deadline).
+fn wait_idle(
+    rt: Option<&tokio::runtime::Runtime>,
+    rx: &mut mpsc::Receiver<Command>,
+    interval: Option<Duration>,
+) -> Idle {
+    let got = match (rt, interval) {
+        (Some(rt), Some(d)) => match rt.block_on(async { tokio::time::timeout(d, rx.recv()).await }) {
+            Ok(got) => got,
+            Err(_) => return Idle::Due,
+        },
+        _ => rx.blocking_recv(),
+    };
+    got.map_or(Idle::Closed, Idle::Command)
+}
+
+/// The engine thread's loop: take commands (blocking only when idle, and then no longer
+/// than the backend's idle interval, after which it calls [`Engine::keep_alive`]), drop
+/// requests whose reader went away, step, deliver events, publish the load.
 fn run_loop<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Command>, load: &Mutex<Load>) {
     let mut streams: HashMap<RequestId, mpsc::Sender<Event>> = HashMap::new();
     let mut shutdown: Option<oneshot::Sender<()>> = None;
+    let interval = engine.backend().idle_interval();
+    let rt = interval.and_then(|_| match tokio::runtime::Builder::new_current_thread().enable_time().build() {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            tracing::error!(error = %e, "no runtime for the idle keep-alives");
+            None
+        }
+    });
     loop {
         if !engine.has_work() {
-            match rx.blocking_recv() {
-                Some(cmd) => handle_command(&mut engine, &mut streams, cmd, &mut shutdown),
-                None => break,
+            match wait_idle(rt.as_ref(), &mut rx, interval) {
+                Idle::Command(cmd) => handle_command(&mut engine, &mut streams, cmd, &mut shutdown),
+                Idle::Due => {
+                    engine.keep_alive();
+                    publish(load, engine.load());
+                    continue;
+                }
+                Idle::Closed => break,
             }
         }
         while shutdown.is_none() {
@@ -158,11 +199,14 @@ fn run_loop<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Command>, 
         }
         let mut events = engine.step();
         deliver(&mut events, &mut streams);
-        let l = engine.load();
-        match load.lock() {
-            Ok(mut g) => *g = l,
-            Err(poisoned) => *poisoned.into_inner() = l,
-        }
+        publish(load, engine.load());
+    }
+}
+
+fn publish(load: &Mutex<Load>, l: Load) {
+    match load.lock() {
+        Ok(mut g) => *g = l,
+        Err(poisoned) => *poisoned.into_inner() = l,
     }
 }
 

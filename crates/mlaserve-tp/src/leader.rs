@@ -13,6 +13,11 @@
 //!
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
 //! the number in an MTP plan; followers keep their own under the same numbers.
+//!
+//! A follower waits for each plan no longer than the plan channel's collective timeout
+//! (so it notices a leader that died), and an idle engine calls
+//! [`Backend::keep_alive`] every [`Backend::idle_interval`]: the leader then sends a plan
+//! with nothing to run, so a group left without requests outlives that timeout.
 
 use mlaserve_core::backend::{Backend, Batch, ForwardOutput, SeqChunk};
 use mlaserve_core::Collective;
@@ -25,6 +30,8 @@ const OP_FORWARD: u32 = 1;
 const OP_MTP: u32 = 2;
 const OP_SHUTDOWN: u32 = 3;
 const OP_CONCAT: u32 = 4;
+/// Nothing to run: the leader is idle and the group alive ([`Backend::keep_alive`]).
+const OP_KEEP_ALIVE: u32 = 5;
 /// Hidden states a follower keeps (the engine only refers back to recent ones).
 const KEEP_HIDDEN: usize = 64;
 
@@ -128,6 +135,16 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         self.inner.graph_captures()
     }
 
+    /// A quarter of the plan channel's collective timeout: a follower waits for the next
+    /// plan no longer than that timeout, so an idle leader must send one sooner.
+    fn idle_interval(&self) -> Option<std::time::Duration> {
+        self.comm.timeout().map(|t| t / 4)
+    }
+
+    fn keep_alive(&mut self) -> Result<()> {
+        self.send(&[OP_KEEP_ALIVE])
+    }
+
     /// As rank 0's shard: every rank computes the same ids and keeps them in its own
     /// slots (the plans carry the links and slots), and only the leader's are read.
     fn keeps_drafts(&self) -> bool {
@@ -162,6 +179,7 @@ pub fn run_follower<B: Backend, C: Collective>(backend: &mut B, comm: &C) -> Res
         let mut r = Reader { w: &w, i: 0 };
         match r.next()? {
             OP_SHUTDOWN => return Ok(()),
+            OP_KEEP_ALIVE => {}
             OP_FORWARD => {
                 let id = r.next()?;
                 let batch = decode_batch(&mut r)?;

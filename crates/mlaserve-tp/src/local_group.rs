@@ -131,6 +131,9 @@ impl Collective for LocalGroup {
     fn world_size(&self) -> usize {
         self.shared.world
     }
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.shared.timeout)
+    }
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
         let all = self.exchange(buf.to_vec(), "all_reduce")?;
         if all.iter().any(|b| b.len() != buf.len()) {

@@ -210,6 +210,9 @@ impl Collective for NcclCollective {
     fn world_size(&self) -> usize {
         self.comm.world()
     }
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.comm.timeout)
+    }
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
         let mut d = self.htod(buf)?;
         self.run("all_reduce", |c| c.all_reduce_in_place(&mut d, &ReduceOp::Sum).map_err(nccl_err("ncclAllReduce")))?;

@@ -301,3 +301,58 @@ fn a_lost_rank_fails_the_group_for_good() {
     let refused = e.add_request(reqs[5].clone()).expect_err("refused").to_string();
     assert!(refused.contains("engine failed"), "{refused}");
 }
+
+/// A group left idle for several collective timeouts keeps serving: the idle engine
+/// thread sends the followers keep-alive plans (`Backend::keep_alive`) before they would
+/// give up waiting for the next plan. Run through `EngineHandle`, as the worker runs it.
+#[test]
+fn an_idle_group_outlives_the_collective_timeout() {
+    let t = model();
+    let dir = t.path().to_path_buf();
+    let timeout = Duration::from_millis(400);
+    let mut inner = LocalGroup::new(2, timeout);
+    let mut plans = LocalGroup::new(2, timeout);
+    let (g, p) = (inner.pop().expect("rank 1"), plans.pop().expect("rank 1"));
+    let (g0, p0) = (inner.pop().expect("rank 0"), plans.pop().expect("rank 0"));
+    let d1 = dir.clone();
+    let follower = std::thread::spawn(move || mlaserve_tp::run_follower(&mut load(&d1, Box::new(g)), &p));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let outs = rt.block_on(async move {
+        let cfg = EngineConfig { num_speculative_tokens: Some(3), max_batch_tokens: 256, ..Default::default() };
+        let h = mlaserve_engine::EngineHandle::spawn(move || TpLeader::new(load(&dir, Box::new(g0)), p0), cfg)
+            .await
+            .expect("engine");
+        let mut outs = Vec::new();
+        for round in 0..2 {
+            if round > 0 {
+                // Idle for four collective timeouts.
+                tokio::time::sleep(4 * timeout).await;
+            }
+            let (_, mut rx) = h.submit(workload()[0].clone()).await.expect("submit");
+            let mut toks = Vec::new();
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    Event::Tokens(t) => toks.extend(t),
+                    Event::Finished { reason, .. } => {
+                        let ok = matches!(
+                            reason,
+                            mlaserve_engine::FinishReason::Length | mlaserve_engine::FinishReason::Stop(_)
+                        );
+                        assert!(ok, "round {round}: {reason:?}");
+                    }
+                    Event::Logprobs(_) => {}
+                }
+            }
+            outs.push(toks);
+        }
+        h.shutdown().await.expect("shutdown");
+        outs
+    });
+    // The follower leaves when the leader does (its shard dropped at the shutdown), not
+    // before.
+    if let Err(e) = follower.join().expect("follower thread") {
+        assert!(e.to_string().contains("rank 0 left the group"), "{e}");
+    }
+    assert!(!outs[0].is_empty());
+    assert_eq!(outs[0], outs[1], "the same request after the idle stretch");
+}
