@@ -179,6 +179,11 @@ if [[ "$mode" == tp ]]; then
         sleep 2
         timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def fibonacci(n):" \
             --max-new-tokens 48 || return 1
+        # Idle past the collective timeout: the leader's keep-alive plans hold the group.
+        sleep 12
+        timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def fibonacci(n):" \
+            --max-new-tokens 48 || { echo "TP=$tp_n CLI: the group did not outlive 12 s idle"; return 1; }
+        echo "TP=$tp_n CLI: served again after 12 s idle (collective timeout 10 s)"
         # A long generation streams; the last rank is killed under it: the client's stream
         # must end with UNAVAILABLE (the group failed), not INTERNAL.
         local victim=$((tp_n - 1)) t0 gen="$logs/generate-killed.log"
@@ -228,7 +233,7 @@ if [[ "$mode" == tp ]]; then
         echo "==== summary ($(date -u +%H:%M:%S), logs in $out)"
         printf '%s\n' "${summary[@]}"
         echo "---- measured"
-        grep -hE " rel |differ|tokens in|failed .* after|exited by|still running|panicked" "$out/tests.log" "$out/tp-group.log" "$out/cli.log" | head -60
+        grep -hE " rel |differ|tokens in|failed .* after|exited by|still running|panicked|idle" "$out/tests.log" "$out/tp-group.log" "$out/cli.log" | head -60
         grep -hE "^bench step|^ceiling|^ +[0-9]+ +[0-9] |^\(" "$out/bench-step.log"
         grep -hE "ceiling|heads" "$out/bench-mla.log" | head -40
     } | tee "$out/summary.txt"
