@@ -18,10 +18,12 @@
 #
 # `--tp N`: tensor parallelism on N GPUs (N = 2, 4 or 8; run on a kind with N GPUs): the
 # CUDA backend's TP tests (logits vs CPU, ranks bit-identical, engine k=3 == k=0 in bf16
-# and fp8, prefix-cache hits, the sampling surface, graphs == eager on TP ranks, a
-# stalled rank), mlaserve-tp's process group over real NCCL (TP = 1 .. N equal, a killed
-# rank), the CLI's worker group on the CUDA backend with a rank killed, `bench step` at
-# TP 1 .. N, and `bench mla-decode`.
+# and fp8, prefix-cache hits, the sampling surface, graphs == eager on TP ranks, drafts
+# kept on the ranks, a stalled rank, the one-shot collectives over peer memory between
+# threads and between processes), mlaserve-tp's process group over real NCCL (TP = 1 .. N
+# equal, a killed rank), the CLI's worker group on the CUDA backend (idle past its
+# collective timeout, then a rank killed), `bench step` at TP 1 .. N, and
+# `bench mla-decode`.
 #
 # Runs every GPU test binary in .gpu/tests/ (mlaserve-cuda's and mlaserve-cuda-lab's),
 # compute-sanitizer memcheck on the kernel tests, a SASS summary of the embedded kernels,
