@@ -10,6 +10,7 @@ stops the server, and exits non-zero on the first failure.
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,10 +24,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = "mla-tiny-code"
 
 
+_TAKEN = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999), never the same twice:
+    `serve` binds its own worker on an ephemeral port before it listens on these, and an
+    ephemeral port picked here could be handed to that worker first."""
+    while True:
+        port = random.randrange(20000, 32000)
+        if port in _TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _TAKEN.add(port)
+            return port
 
 
 def get(url):
