@@ -92,11 +92,13 @@ impl DeviceComm {
         self.peer.as_ref().map(PeerReduce::cap)
     }
 
-    /// The one-shot kernel, once the group is known alive (an aborted communicator fails
-    /// every later call, this path's too).
-    fn peer_all_reduce(&self, p: &PeerReduce, buf: &mut CudaSlice<f32>) -> Result<()> {
-        self.comm.with("peer all-reduce", |_| Ok(())).map_err(collective)?;
-        p.all_reduce(self.comm.stream(), buf)
+    /// The one-shot kernels for a message of `len` floats per rank, where they are on and
+    /// it fits; checked alive first (an aborted communicator fails every later call, the
+    /// one-shot ones too).
+    fn peer_for(&self, len: usize, what: &str) -> Result<Option<&PeerReduce>> {
+        let Some(p) = self.peer.as_ref().filter(|p| len <= p.cap()) else { return Ok(None) };
+        self.comm.with(what, |_| Ok(())).map_err(collective)?;
+        Ok(Some(p))
     }
 
     /// Every rank's `words` (rank-major), through an NCCL all-gather, waited for.
@@ -113,8 +115,8 @@ impl DeviceComm {
     /// Enqueues the in-place sum of `buf` across the ranks: NCCL's, or the one-shot
     /// kernel's (rank order) where it is enabled and the message fits.
     pub fn all_reduce(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
-        if let Some(p) = self.peer.as_ref().filter(|p| buf.len() <= p.cap()) {
-            return self.peer_all_reduce(p, buf);
+        if let Some(p) = self.peer_for(buf.len(), "peer all-reduce")? {
+            return p.all_reduce(self.comm.stream(), buf);
         }
         const W: &str = "ncclAllReduce";
         self.comm
@@ -125,8 +127,8 @@ impl DeviceComm {
     /// Enqueues the deterministic sum of `buf` across the ranks: an all-gather into a
     /// scratch buffer, then a rank-ordered sum back into `buf`.
     pub fn all_reduce_ordered(&self, ops: &Ops, buf: &mut CudaSlice<f32>) -> Result<()> {
-        if let Some(p) = self.peer.as_ref().filter(|p| buf.len() <= p.cap()) {
-            return self.peer_all_reduce(p, buf);
+        if let Some(p) = self.peer_for(buf.len(), "peer all-reduce")? {
+            return p.all_reduce(self.comm.stream(), buf);
         }
         let s = self.comm.stream();
         let mut parts = s.alloc_zeros::<f32>(buf.len() * self.world)?;
@@ -142,8 +144,7 @@ impl DeviceComm {
             let why = format!("output has {} elements for {} × {}", out.len(), self.world, local.len());
             return Err(collective(self.comm.error(W, &why)));
         }
-        if let Some(p) = self.peer.as_ref().filter(|p| local.len() <= p.cap()) {
-            self.comm.with("peer all-gather", |_| Ok(())).map_err(collective)?;
+        if let Some(p) = self.peer_for(local.len(), "peer all-gather")? {
             return p.all_gather(self.comm.stream(), local, out);
         }
         self.comm.with(W, |c| c.all_gather(local, out).map(|_| ()).map_err(nccl_err(W))).map_err(collective)

@@ -50,15 +50,6 @@ struct PeerBases {
 // `PeerBases` (the same layout: eight 64-bit words).
 unsafe impl DeviceRepr for PeerBases {}
 
-/// How a peer's buffer was mapped here (what dropping it must undo).
-#[derive(Debug)]
-enum Mapping {
-    /// Opened from its IPC handle (another process).
-    Ipc(CUdeviceptr),
-    /// The same process: its address, usable once peer access was enabled.
-    Direct,
-}
-
 /// A rank's side of the one-shot all-reduce.
 #[derive(Debug)]
 pub struct PeerReduce {
@@ -66,7 +57,9 @@ pub struct PeerReduce {
     func: CudaFunction,
     local: CUdeviceptr,
     bases: PeerBases,
-    maps: Vec<Mapping>,
+    /// The peers' buffers opened from their IPC handles (other processes), closed on
+    /// drop; a peer in this process is used by its address.
+    opened: Vec<CUdeviceptr>,
     rank: usize,
     world: usize,
     /// Floats a slot holds: the largest message this path takes.
@@ -209,7 +202,7 @@ impl PeerReduce {
             func,
             local,
             bases: PeerBases::default(),
-            maps: Vec::new(),
+            opened: Vec::new(),
             rank,
             world,
             cap,
@@ -237,15 +230,14 @@ impl PeerReduce {
         if !agree(reach)? {
             return Ok(None);
         }
-        let mut opened = true;
+        let mut all_mapped = true;
         for (r, rec) in recs.iter().enumerate() {
             let rec = rec.as_ref().expect("every record parsed (agreed above)");
             if r == rank {
                 me.bases.p[r] = local;
             } else if (rec.pid, rec.token) == (mine.pid, mine.token) {
-                opened &= enable_peer(&rec.pci).is_ok();
+                all_mapped &= enable_peer(&rec.pci).is_ok();
                 me.bases.p[r] = rec.base;
-                me.maps.push(Mapping::Direct);
             } else {
                 let mut p: CUdeviceptr = 0;
                 let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
@@ -254,13 +246,13 @@ impl PeerReduce {
                 let r2 = unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, rec.handle, flags) };
                 if r2 == CUresult::CUDA_SUCCESS {
                     me.bases.p[r] = p;
-                    me.maps.push(Mapping::Ipc(p));
+                    me.opened.push(p);
                 } else {
-                    opened = false;
+                    all_mapped = false;
                 }
             }
         }
-        Ok(agree(opened)?.then_some(me))
+        Ok(agree(all_mapped)?.then_some(me))
     }
 
     /// Whether a call of this rank gave up waiting for a peer (it never arrived within the
@@ -370,11 +362,9 @@ impl Drop for PeerReduce {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
-        for m in &self.maps {
-            if let Mapping::Ipc(p) = m {
-                // SAFETY: opened by cuIpcOpenMemHandle in `join`, closed once.
-                unsafe { sys::cuIpcCloseMemHandle(*p) };
-            }
+        for &p in &self.opened {
+            // SAFETY: opened by cuIpcOpenMemHandle in `join`, closed once.
+            unsafe { sys::cuIpcCloseMemHandle(p) };
         }
         // SAFETY: allocated in `join`, freed once; the owner synchronizes its stream first.
         unsafe {
