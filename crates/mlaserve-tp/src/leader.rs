@@ -1,8 +1,8 @@
 //! Leader/follower execution of a tensor-parallel group.
 //!
 //! The leader (rank 0) runs the engine on a [`TpLeader`], which is itself a [`Backend`]:
-//! before each call it broadcasts the step plan (the op and its [`Batch`]) over the
-//! group's [`Collective`], then runs its own shard. Followers sit in [`run_follower`],
+//! before each call it sends the step plan (the op and its [`Batch`]) over the group's
+//! [`PlanChannel`] (shared memory, or a collective), then runs its own shard. Followers sit in [`run_follower`],
 //! receive each plan and run the same call on their shard, so every rank executes the
 //! same sequence of forwards and meets the same collectives inside them. Verification is
 //! decided once, on the leader; the accepted tokens reach the followers inside the next
@@ -14,13 +14,13 @@
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
 //! the number in an MTP plan; followers keep their own under the same numbers.
 //!
-//! A follower waits for each plan no longer than the plan channel's collective timeout
+//! A follower waits for each plan no longer than the plan channel's timeout
 //! (so it notices a leader that died), and an idle engine calls
 //! [`Backend::keep_alive`] every [`Backend::idle_interval`]: the leader then sends a plan
 //! with nothing to run, so a group left without requests outlives that timeout.
 
+use crate::plans::PlanChannel;
 use mlaserve_core::backend::{Backend, Batch, ForwardOutput, SeqChunk};
-use mlaserve_core::Collective;
 use mlaserve_core::ModelConfig;
 use mlaserve_core::{Error, Result};
 use mlaserve_core::{LogitEdit, LogprobRow, RowEdits, SampleRow};
@@ -47,25 +47,29 @@ pub struct TpLeader<B, C> {
     inner: B,
     comm: C,
     next_id: u32,
+    /// When the last plan was sent (a keep-alive is needless sooner than the interval).
+    last_sent: std::time::Instant,
 }
 
-impl<B: Backend, C: Collective> std::fmt::Debug for TpLeader<B, C> {
+impl<B: Backend, C: PlanChannel> std::fmt::Debug for TpLeader<B, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TpLeader").field("world_size", &self.comm.world_size()).finish()
     }
 }
 
-impl<B: Backend, C: Collective> TpLeader<B, C> {
+impl<B: Backend, C: PlanChannel> TpLeader<B, C> {
     /// `inner` is rank 0's shard; `comm` the plan channel (rank 0 of the group).
     pub fn new(inner: B, comm: C) -> Result<Self> {
         if comm.rank() != 0 {
             return Err(Error::Collective(format!("TpLeader on rank {}; the leader is rank 0", comm.rank())));
         }
-        Ok(TpLeader { inner, comm, next_id: 0 })
+        Ok(TpLeader { inner, comm, next_id: 0, last_sent: std::time::Instant::now() })
     }
 
-    fn send(&self, words: &[u32]) -> Result<()> {
-        send_plan(&self.comm, words)
+    fn send(&mut self, words: &[u32]) -> Result<()> {
+        self.comm.send_plan(words)?;
+        self.last_sent = std::time::Instant::now();
+        Ok(())
     }
 
     /// Tells the followers to leave their loop.
@@ -74,7 +78,7 @@ impl<B: Backend, C: Collective> TpLeader<B, C> {
     }
 }
 
-impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
+impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
     type Hidden = TpHidden<B::Hidden>;
 
     fn config(&self) -> &ModelConfig {
@@ -141,8 +145,12 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
         self.comm.timeout().map(|t| t / 4)
     }
 
+    /// A plan with nothing to run, unless one was sent within the idle interval.
     fn keep_alive(&mut self) -> Result<()> {
-        self.send(&[OP_KEEP_ALIVE])
+        match self.idle_interval() {
+            Some(d) if self.last_sent.elapsed() < d => Ok(()),
+            _ => self.send(&[OP_KEEP_ALIVE]),
+        }
     }
 
     /// As rank 0's shard: every rank computes the same ids and keeps them in its own
@@ -172,10 +180,10 @@ impl<B: Backend, C: Collective> Backend for TpLeader<B, C> {
 
 /// A follower rank's loop: executes the leader's plans on `backend` until the leader
 /// shuts the group down (returns `Ok`) or a collective or backend call fails.
-pub fn run_follower<B: Backend, C: Collective>(backend: &mut B, comm: &C) -> Result<()> {
+pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Result<()> {
     let mut hidden: VecDeque<(u32, B::Hidden)> = VecDeque::new();
     loop {
-        let w = receive_plan(comm)?;
+        let w = comm.receive_plan()?;
         let mut r = Reader { w: &w, i: 0 };
         match r.next()? {
             OP_SHUTDOWN => return Ok(()),
@@ -348,63 +356,9 @@ fn decode_batch(r: &mut Reader) -> Result<Batch> {
     Ok(Batch { seqs, logit_rows, argmax_rows, sample_rows, edits, logprob_rows, draft_links, argmax_slots })
 }
 
-/// Words of the frame every plan crosses in: the first holds the plan's length, the
-/// rest its start. A follower posts the frame's broadcast before it knows the length, so
-/// a plan that fits takes one collective; a longer one sends its remainder in a second
-/// broadcast of exactly that many words.
-const FRAME: usize = 4096;
-
-/// Rank 0's side of [`receive_plan`].
-fn send_plan<C: Collective>(comm: &C, words: &[u32]) -> Result<()> {
-    let len = u32::try_from(words.len()).map_err(|_| Error::Collective(format!("a plan of {} words", words.len())))?;
-    let head = words.len().min(FRAME - 1);
-    let mut frame = vec![0u32; FRAME];
-    frame[0] = len;
-    frame[1..1 + head].copy_from_slice(&words[..head]);
-    comm.broadcast_u32(&mut frame, 0)?;
-    if words.len() > head {
-        comm.broadcast_u32(&mut words[head..].to_vec(), 0)?;
-    }
-    Ok(())
-}
-
-/// The next plan from rank 0 ([`send_plan`]).
-fn receive_plan<C: Collective>(comm: &C) -> Result<Vec<u32>> {
-    let mut frame = vec![0u32; FRAME];
-    comm.broadcast_u32(&mut frame, 0)?;
-    let len = frame[0] as usize;
-    let head = len.min(FRAME - 1);
-    let mut w = frame[1..1 + head].to_vec();
-    if len > head {
-        let mut rest = vec![0u32; len - head];
-        comm.broadcast_u32(&mut rest, 0)?;
-        w.extend_from_slice(&rest);
-    }
-    Ok(w)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Plans shorter than, as long as, and longer than a frame cross whole and in order.
-    #[test]
-    fn plans_cross_in_frames() {
-        let sizes = [0, 1, FRAME - 2, FRAME - 1, FRAME, 3 * FRAME + 5, 7];
-        let plan = |n: usize| (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect::<Vec<u32>>();
-        let mut g = crate::LocalGroup::new(2, std::time::Duration::from_secs(10));
-        let (c1, c0) = (g.pop().unwrap(), g.pop().unwrap());
-        std::thread::scope(|s| {
-            let follower = s.spawn(|| sizes.iter().map(|_| receive_plan(&c1).unwrap()).collect::<Vec<_>>());
-            for &n in &sizes {
-                send_plan(&c0, &plan(n)).unwrap();
-            }
-            let got = follower.join().unwrap();
-            for (&n, w) in sizes.iter().zip(&got) {
-                assert_eq!(*w, plan(n), "a plan of {n} words");
-            }
-        });
-    }
 
     #[test]
     fn plan_round_trip() {

@@ -1,8 +1,10 @@
 //! mlaserve-tp: everything that turns N ranks into one tensor-parallel worker group.
 //!
 //! [`leader`] is the execution model: the leader runs the engine on a [`TpLeader`]
-//! (itself a `Backend`) that broadcasts each step plan before running its own shard;
-//! followers sit in [`run_follower`] and replay the plans on theirs. [`local_group`] is
+//! (itself a `Backend`) that sends each step plan before running its own shard;
+//! followers sit in [`run_follower`] and replay the plans on theirs. [`plans`] is how
+//! plans cross: [`shm`]'s ring in shared memory when the ranks share a host, else
+//! frames broadcast over a collective. [`local_group`] is
 //! the in-process [`LocalGroup`] collective (CPU tests of TP 2/4/8, one thread a rank).
 //! [`rendezvous`] hands NCCL's 128-byte unique id from the leader to every follower over
 //! TCP on the leader's address, as torchrun's store does, with deadlines and errors that
@@ -12,10 +14,13 @@
 
 pub mod leader;
 pub mod local_group;
+pub mod plans;
 pub mod rendezvous;
+pub mod shm;
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
 
 pub use leader::{run_follower, TpHidden, TpLeader};
 pub use local_group::LocalGroup;
+pub use plans::{PlanChannel, Plans};

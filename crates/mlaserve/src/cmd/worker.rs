@@ -31,6 +31,11 @@ pub struct TpArgs {
     /// CUDA device of this rank (default: rank modulo the devices present).
     #[arg(long)]
     pub gpu: Option<usize>,
+    /// Send step plans to the other ranks through a ring in shared memory (`/dev/shm`)
+    /// when every rank can map it; otherwise, or with `false`, over NCCL.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true", value_name = "BOOL")]
+    pub shared_memory_plans: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -103,7 +108,7 @@ mod tp {
     use mlaserve_cpu::{CpuBackend, CpuOptions};
     use mlaserve_tp::nccl::{new_group_ids, NcclCollective, GROUP_ID_BYTES, ID_BYTES};
     use mlaserve_tp::rendezvous;
-    use mlaserve_tp::{run_follower, TpLeader};
+    use mlaserve_tp::{run_follower, Plans, TpLeader};
     use std::path::Path;
     use std::time::Duration;
 
@@ -136,12 +141,16 @@ mod tp {
         Ok(false)
     }
 
-    /// The step-plan channel (host-staged NCCL) and the backend's own communicator: the
-    /// CPU backend runs its collectives through a second `NcclCollective`, the CUDA backend
-    /// joins NCCL on its own stream.
-    fn plans(tp: &TpArgs, ids: &[u8]) -> mlaserve_core::Result<NcclCollective> {
+    /// The step-plan channel: the shared-memory ring, set up over a host-staged NCCL
+    /// communicator that stays the channel when a rank cannot map the ring (or with
+    /// `--shared-memory-plans false`). The backend has its own communicator: the CPU
+    /// backend a second `NcclCollective`, the CUDA backend NCCL on its own stream.
+    fn plans(tp: &TpArgs, ids: &[u8]) -> mlaserve_core::Result<Plans<NcclCollective>> {
         let t = Duration::from_secs(tp.collective_timeout_s);
-        NcclCollective::new(ordinal(tp)?, tp.rank, tp.world_size, &ids[ID_BYTES..], t)
+        let c = NcclCollective::new(ordinal(tp)?, tp.rank, tp.world_size, &ids[ID_BYTES..], t)?;
+        let (plans, how) = Plans::connect(c, tp.shared_memory_plans)?;
+        eprintln!("rank {} of {}: step plans over {how}", tp.rank, tp.world_size);
+        Ok(plans)
     }
 
     fn cpu_backend(tp: &TpArgs, ids: &[u8], model: &Path, opts: CpuOptions) -> mlaserve_core::Result<CpuBackend> {
