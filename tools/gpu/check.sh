@@ -178,13 +178,19 @@ if [[ "$mode" == tp ]]; then
         "$gpu_dir/bin/mlaserve" router --model "$m" --worker http://127.0.0.1:50161 --listen 127.0.0.1:50151 \
             >"$logs/router.log" 2>&1 &
         local router=$!
+        # A failed step must not leave ranks holding the GPUs for the steps after it.
+        stop_group() {
+            kill "$router" "${pids[@]}" 2>/dev/null
+            wait 2>/dev/null
+            tail -n 15 "$logs"/*.log
+        }
         sleep 2
         timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def fibonacci(n):" \
-            --max-new-tokens 48 || return 1
+            --max-new-tokens 48 || { stop_group; return 1; }
         # Idle past the collective timeout: the leader's keep-alive plans hold the group.
         sleep 12
         timeout 60 "$gpu_dir/bin/mlaserve" generate --addr http://127.0.0.1:50151 --prompt "def fibonacci(n):" \
-            --max-new-tokens 48 || { echo "TP=$tp_n CLI: the group did not outlive 12 s idle"; return 1; }
+            --max-new-tokens 48 || { echo "TP=$tp_n CLI: the group did not outlive 12 s idle"; stop_group; return 1; }
         echo "TP=$tp_n CLI: served again after 12 s idle (collective timeout 10 s)"
         # A long generation streams; the last rank is killed under it: the client's stream
         # must end with UNAVAILABLE (the group failed), not INTERNAL.
@@ -216,9 +222,7 @@ if [[ "$mode" == tp ]]; then
                 echo "TP=$tp_n CLI: rank $r exited by $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t0 }") s: $(grep -h -m1 "collective:" "$logs/rank$r.log" | sed 's/^ *//')"
             fi
         done
-        kill "$router" "${pids[@]}" 2>/dev/null
-        wait 2>/dev/null
-        tail -n 15 "$logs"/*.log
+        stop_group
         grep -q "group failed" "$logs/rank0.log" && ((ok)) && ((unavailable))
     }
     step "CLI worker group TP $tp_n (cuda) + kill" "$out/cli.log" cli_group

@@ -319,15 +319,16 @@ pub trait Backend {
         Err(Error::Batch("this backend keeps no drafts".into()))
     }
 
-    /// The longest the backend may go without a call while the engine is idle before
-    /// [`Backend::keep_alive`] is due: a tensor-parallel leader's followers wait for its
-    /// next plan no longer than their collective timeout. None (the default): never.
+    /// How often [`Backend::keep_alive`] is due: a tensor-parallel leader's followers
+    /// wait for its next plan no longer than their collective timeout. None (the
+    /// default): never.
     fn idle_interval(&self) -> Option<std::time::Duration> {
         None
     }
 
-    /// Called by an idle engine every [`Backend::idle_interval`]: a tensor-parallel
-    /// leader tells its followers the group is alive. An error is the group's failure.
+    /// Called by the engine's thread every [`Backend::idle_interval`], whether or not it
+    /// has stepped since: a tensor-parallel leader that has sent no plan for that long
+    /// tells its followers the group is alive. An error is the group's failure.
     fn keep_alive(&mut self) -> Result<()> {
         Ok(())
     }

@@ -13,7 +13,7 @@ use crate::error::{EngineError, Result};
 use mlaserve_core::Backend;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 /// Capacity of the command channel: submits beyond it wait (backpressure).
@@ -135,15 +135,13 @@ enum Idle {
     Closed,
 }
 
-/// Waits for the next command, at most `interval` when there is one (on `rt`, a
+/// Waits for the next command, at most until `due` when there is one (on `rt`, a
 /// runtime of this thread's own, since a blocking receive has no deadline).
-fn wait_idle(
-    rt: Option<&tokio::runtime::Runtime>,
-    rx: &mut mpsc::Receiver<Command>,
-    interval: Option<Duration>,
-) -> Idle {
-    let got = match (rt, interval) {
-        (Some(rt), Some(d)) => match rt.block_on(async { tokio::time::timeout(d, rx.recv()).await }) {
+fn wait_idle(rt: Option<&tokio::runtime::Runtime>, rx: &mut mpsc::Receiver<Command>, due: Option<Instant>) -> Idle {
+    let got = match (rt, due) {
+        (Some(rt), Some(at)) => match rt
+            .block_on(async { tokio::time::timeout(at.saturating_duration_since(Instant::now()), rx.recv()).await })
+        {
             Ok(got) => got,
             Err(_) => return Idle::Due,
         },
@@ -152,9 +150,9 @@ fn wait_idle(
     got.map_or(Idle::Closed, Idle::Command)
 }
 
-/// The engine thread's loop: take commands (blocking only when idle, and then no longer
-/// than the backend's idle interval, after which it calls [`Engine::keep_alive`]), drop
-/// requests whose reader went away, step, deliver events, publish the load.
+/// The engine thread's loop: take commands (blocking only when idle), drop requests whose
+/// reader went away, step, deliver events, publish the load; and every backend idle
+/// interval, idle or not, call [`Engine::keep_alive`] (a backend called since may skip it).
 fn run_loop<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Command>, load: &Mutex<Load>) {
     let mut streams: HashMap<RequestId, mpsc::Sender<Event>> = HashMap::new();
     let mut shutdown: Option<oneshot::Sender<()>> = None;
@@ -166,15 +164,21 @@ fn run_loop<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Command>, 
             None
         }
     });
+    // When the next keep-alive is due, whatever else comes: commands that do not reach the
+    // backend (the worker's stats poll, every second) must not put it off.
+    let mut due = interval.map(|d| Instant::now() + d);
     loop {
+        if let (Some(d), Some(at)) = (interval, due) {
+            if Instant::now() >= at {
+                engine.keep_alive();
+                publish(load, engine.load());
+                due = Some(Instant::now() + d);
+            }
+        }
         if !engine.has_work() {
-            match wait_idle(rt.as_ref(), &mut rx, interval) {
+            match wait_idle(rt.as_ref(), &mut rx, due) {
                 Idle::Command(cmd) => handle_command(&mut engine, &mut streams, cmd, &mut shutdown),
-                Idle::Due => {
-                    engine.keep_alive();
-                    publish(load, engine.load());
-                    continue;
-                }
+                Idle::Due => continue,
                 Idle::Closed => break,
             }
         }

@@ -1,6 +1,7 @@
 //! A tensor-parallel group running the engine: rank 0 drives `Engine<TpLeader<..>>`,
 //! the other ranks follow its plans. Greedy outputs of TP > 1 must equal TP = 1 token for
-//! token (32 concurrent requests, speculation on and off).
+//! token (32 concurrent requests, speculation on and off, plans over the collective and
+//! over shared memory).
 //!
 //! CI runs the group as threads over `LocalGroup`; with `--features nccl` on a machine
 //! with GPUs, the same check runs with one OS process per rank over real NCCL, and a
@@ -9,7 +10,7 @@
 use mlaserve_core::{Backend, Collective};
 use mlaserve_cpu::{CpuBackend, CpuOptions};
 use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
-use mlaserve_tp::{LocalGroup, TpLeader};
+use mlaserve_tp::{LocalGroup, Plans, TpLeader};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
@@ -76,18 +77,20 @@ fn tp_2_and_4_threads_equal_tp_1_with_and_without_speculation() {
     for k in [3, 0] {
         let want = run(CpuBackend::load(dir, BLOCKS).expect("load"), k).expect("tp1");
         assert!(want.iter().map(Vec::len).sum::<usize>() > 32 * 4, "the workload generates tokens");
-        for world in [2, 4] {
+        // Plans over the collective, and over the shared-memory ring.
+        for (world, shared) in [(2, false), (4, false), (2, true), (4, true)] {
             let got = std::thread::scope(|s| {
                 let mut inner = LocalGroup::new(world, Duration::from_secs(60));
                 let mut plans = LocalGroup::new(world, Duration::from_secs(60));
+                let channel = move |p| Plans::connect(p, shared).expect("plan channel").0;
                 let followers: Vec<_> = inner
                     .drain(1..)
                     .zip(plans.drain(1..))
-                    .map(|(g, p)| s.spawn(move || mlaserve_tp::run_follower(&mut load(dir, Box::new(g)), &p)))
+                    .map(|(g, p)| s.spawn(move || mlaserve_tp::run_follower(&mut load(dir, Box::new(g)), &channel(p))))
                     .collect();
-                let leader =
-                    TpLeader::new(load(dir, Box::new(inner.pop().expect("rank 0"))), plans.pop().expect("rank 0"))
-                        .expect("leader");
+                let plans = channel(plans.pop().expect("rank 0"));
+                assert_eq!(matches!(plans, Plans::Shared(_)), shared && Path::new("/dev/shm").is_dir());
+                let leader = TpLeader::new(load(dir, Box::new(inner.pop().expect("rank 0"))), plans).expect("leader");
                 let got = run(leader, k);
                 // Dropping the leader's plan channel releases the followers.
                 for f in followers {
@@ -95,7 +98,7 @@ fn tp_2_and_4_threads_equal_tp_1_with_and_without_speculation() {
                 }
                 got.expect("tp run")
             });
-            assert_eq!(got, want, "TP={world} k={k} differs from TP=1");
+            assert_eq!(got, want, "TP={world} k={k} (shared-memory plans: {shared}) differs from TP=1");
         }
     }
 }
@@ -124,15 +127,17 @@ mod nccl {
     fn follower_entry() {
         let Ok(spec) = std::env::var(ROLE) else { return };
         let mut it = spec.split(',');
-        let (addr, rank, world, dir) = (
+        let (addr, rank, world, shared, dir) = (
             it.next().expect("addr").parse::<SocketAddr>().expect("addr"),
             it.next().expect("rank").parse::<usize>().expect("rank"),
             it.next().expect("world").parse::<usize>().expect("world"),
+            it.next().expect("shared") == "true",
             it.next().expect("dir").to_string(),
         );
         let ids = rendezvous::join(addr, "test", rank, world, Duration::from_secs(30)).expect("rendezvous");
         let (a, b) = comms(rank, world, &ids);
         let mut backend = load(Path::new(&dir), Box::new(a));
+        let b = Plans::connect(b, shared).expect("plan channel").0;
         // Returns Ok on shutdown; an error when the leader vanishes.
         let r = mlaserve_tp::run_follower(&mut backend, &b);
         eprintln!("follower {rank}: {r:?}");
@@ -159,25 +164,29 @@ mod nccl {
         assert!(later.to_string().contains("aborted after an earlier failure"), "{later}");
     }
 
-    fn spawn_followers(addr: SocketAddr, world: usize, dir: &Path) -> Vec<Child> {
+    fn spawn_followers(addr: SocketAddr, world: usize, shared: bool, dir: &Path) -> Vec<Child> {
         let exe = std::env::current_exe().expect("exe");
         (1..world)
             .map(|r| {
                 Command::new(&exe)
                     .args(["--exact", "nccl::follower_entry", "--nocapture", "--test-threads=1"])
-                    .env(ROLE, format!("{addr},{r},{world},{}", dir.display()))
+                    .env(ROLE, format!("{addr},{r},{world},{shared},{}", dir.display()))
                     .spawn()
                     .expect("spawn follower")
             })
             .collect()
     }
 
-    fn leader(world: usize, dir: &Path) -> (TpLeader<CpuBackend, NcclCollective>, Vec<Child>) {
+    /// A group of `world` processes, its plans over shared memory when `shared` (the ranks
+    /// of one machine always manage to map the ring) or over NCCL.
+    fn leader(world: usize, shared: bool, dir: &Path) -> (TpLeader<CpuBackend, Plans<NcclCollective>>, Vec<Child>) {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let followers = spawn_followers(l.local_addr().expect("addr"), world, dir);
+        let followers = spawn_followers(l.local_addr().expect("addr"), world, shared, dir);
         let ids = new_group_ids().expect("ids");
         rendezvous::serve(&l, "test", world, &ids, Duration::from_secs(30)).expect("rendezvous");
         let (a, b) = comms(0, world, &ids);
+        let (b, how) = Plans::connect(b, shared).expect("plan channel");
+        assert_eq!(matches!(b, Plans::Shared(_)), shared, "plans over {how}");
         (TpLeader::new(load(dir, Box::new(a)), b).expect("leader"), followers)
     }
 
@@ -213,12 +222,12 @@ mod nccl {
         for (name, dir) in &models {
             for k in [3, 0] {
                 let want = run(CpuBackend::load(dir, BLOCKS).expect("load"), k).expect("tp1");
-                for world in worlds() {
-                    let (mut l, followers) = leader(world, dir);
+                for (world, shared) in worlds().into_iter().flat_map(|w| [(w, true), (w, false)]) {
+                    let (mut l, followers) = leader(world, shared, dir);
                     let t0 = Instant::now();
                     let got = run(&mut l, k).expect("tp run");
                     eprintln!(
-                        "{name}: TP={world} over NCCL, k={k}: {} tokens in {:?}",
+                        "{name}: TP={world} over NCCL, plans over shared memory: {shared}, k={k}: {} tokens in {:?}",
                         got.iter().map(Vec::len).sum::<usize>(),
                         t0.elapsed()
                     );
@@ -226,7 +235,7 @@ mod nccl {
                     for mut f in followers {
                         assert!(f.wait().expect("wait").success());
                     }
-                    assert_eq!(got, want, "{name}: TP={world} (NCCL) k={k} differs from TP=1");
+                    assert_eq!(got, want, "{name}: TP={world} (NCCL, shared plans {shared}) k={k} differs from TP=1");
                 }
             }
         }
@@ -239,7 +248,7 @@ mod nccl {
         }
         let t = model();
         let world = *worlds().iter().max().expect("a group size");
-        let (mut l, mut followers) = leader(world, t.path());
+        let (mut l, mut followers) = leader(world, true, t.path());
         let mut e = Engine::new(&mut l, EngineConfig { num_speculative_tokens: Some(3), ..Default::default() })
             .expect("engine");
         for r in workload() {
@@ -304,7 +313,8 @@ fn a_lost_rank_fails_the_group_for_good() {
 
 /// A group left idle for several collective timeouts keeps serving: the idle engine
 /// thread sends the followers keep-alive plans (`Backend::keep_alive`) before they would
-/// give up waiting for the next plan. Run through `EngineHandle`, as the worker runs it.
+/// give up waiting for the next plan, however often it is asked for stats meanwhile. Run
+/// through `EngineHandle`, as the worker runs it.
 #[test]
 fn an_idle_group_outlives_the_collective_timeout() {
     let t = model();
@@ -325,8 +335,14 @@ fn an_idle_group_outlives_the_collective_timeout() {
         let mut outs = Vec::new();
         for round in 0..2 {
             if round > 0 {
-                // Idle for four collective timeouts.
-                tokio::time::sleep(4 * timeout).await;
+                // Idle for four collective timeouts, asked for stats every eighth of one
+                // as the worker asks every second: commands that never reach the backend
+                // must not put the keep-alives off.
+                let idle_until = tokio::time::Instant::now() + 4 * timeout;
+                while tokio::time::Instant::now() < idle_until {
+                    tokio::time::sleep(timeout / 8).await;
+                    assert!(h.stats().await.expect("stats").failed.is_none(), "the group failed while idle");
+                }
             }
             let (_, mut rx) = h.submit(workload()[0].clone()).await.expect("submit");
             let mut toks = Vec::new();
