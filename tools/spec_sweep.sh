@@ -11,7 +11,8 @@
 # (prompt tokens, default 64), PROMPTS (a JSONL of prompts for `bench serve --prompts`
 # instead of random ids, e.g. the bundled model's eval_prompts.jsonl: acceptance on text
 # like the model's own), NEW (new tokens, default 128), REQS (requests per stream and
-# run, default 2; at least MIN_REQS a run, default 32), ROUNDS (runs per server and
+# run, default 2; at least MIN_REQS a run, default 32), WARMUP (unrecorded runs per server
+# and concurrency before its rounds: graph captures, first estimates; default 1), ROUNDS (runs per server and
 # concurrency, default 3), LOGS (default a temporary directory), TP (default 1), PORT
 # (the first of the servers' ports, default 21450; each takes ten from there). The three servers run side by
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
@@ -36,6 +37,7 @@ reqs="${REQS:-2}"
 # GPU, and its rounds spread by 10%.
 min_reqs="${MIN_REQS:-32}"
 rounds="${ROUNDS:-3}"
+warmup="${WARMUP:-1}"
 logs="${LOGS:-$(mktemp -d)}"
 mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
@@ -136,6 +138,7 @@ bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into 
     "$bin" bench serve --addr "http://127.0.0.1:${port[$m]}" --concurrency "$c" --requests "$n" \
         --prompt-tokens "$prompt" "${prompts_arg[@]}" --max-new-tokens "$new" >"$log" 2>&1 ||
         { echo "bench serve ($m, $c streams) failed:"; tail -5 "$log"; exit 1; }
+    [[ $r == warm ]] && return
     runs[$m,$c]+="$(awk '/^throughput/ {print $2}' "$log") "
     wall[$m,$c]=$(awk -v w="${wall[$m,$c]:-0}" '/^requests/ {print w + $(NF - 1)}' "$log")
 }
@@ -168,6 +171,7 @@ if ((tp > 1)); then
         start "$m"
         ready "$m"
         for c in $conc; do
+            for ((r = 0; r < warmup; r++)); do bench "$m" "$c" warm; done
             [[ $m == adaptive || $m == alt ]] && before[$m,$c]=$(steps_per_k "$m")
             snapshot "$m"
             for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
@@ -181,6 +185,7 @@ else
     for m in "${modes[@]}"; do start "$m"; done
     for m in "${modes[@]}"; do ready "$m"; done
     for c in $conc; do
+        for ((r = 0; r < warmup; r++)); do for m in "${modes[@]}"; do bench "$m" "$c" warm; done; done
         for m in "${adaptive_modes[@]}"; do before[$m,$c]=$(steps_per_k "$m"); done
         for m in "${modes[@]}"; do at[$m]=$(counters "$m"); done
         nm=${#modes[@]}
