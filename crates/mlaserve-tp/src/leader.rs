@@ -14,6 +14,12 @@
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
 //! the number in an MTP plan; followers keep their own under the same numbers.
 //!
+//! Block tables cross as changes: each sequence's table names how many leading blocks
+//! it keeps from the table at the same index of the previous batch plan, and sends only
+//! the rest. Within a step (the verification's forward and the drafting stages) and from
+//! step to step a table changes by a block now and then, so a long context's tables
+//! cross once, not at every call. Both sides keep the last batch plan's tables.
+//!
 //! A follower waits for each plan no longer than the plan channel's timeout
 //! (so it notices a leader that died), and an idle engine calls
 //! [`Backend::keep_alive`] every [`Backend::idle_interval`]: the leader then sends a plan
@@ -47,6 +53,8 @@ pub struct TpLeader<B, C> {
     inner: B,
     comm: C,
     next_id: u32,
+    /// The block tables of the last batch plan (what the followers hold too).
+    tables: Vec<Vec<u32>>,
     /// When the last plan was sent (a keep-alive is needless sooner than the interval).
     last_sent: std::time::Instant,
 }
@@ -63,7 +71,7 @@ impl<B: Backend, C: PlanChannel> TpLeader<B, C> {
         if comm.rank() != 0 {
             return Err(Error::Collective(format!("TpLeader on rank {}; the leader is rank 0", comm.rank())));
         }
-        Ok(TpLeader { inner, comm, next_id: 0, last_sent: std::time::Instant::now() })
+        Ok(TpLeader { inner, comm, next_id: 0, tables: Vec::new(), last_sent: std::time::Instant::now() })
     }
 
     fn send(&mut self, words: &[u32]) -> Result<()> {
@@ -96,7 +104,7 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         let mut w = vec![OP_FORWARD, id];
-        encode_batch(batch, &mut w);
+        encode_batch(batch, &mut self.tables, &mut w);
         self.send(&w)?;
         let out = self.inner.forward(batch)?;
         Ok(ForwardOutput {
@@ -119,7 +127,7 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         self.next_id = self.next_id.wrapping_add(1);
         let mut w = vec![OP_MTP, id, layer as u32, prev.id, hidden_rows.len() as u32];
         w.extend_from_slice(hidden_rows);
-        encode_batch(batch, &mut w);
+        encode_batch(batch, &mut self.tables, &mut w);
         self.send(&w)?;
         let out = self.inner.mtp_forward(layer, batch, &prev.inner, hidden_rows)?;
         Ok(ForwardOutput {
@@ -182,6 +190,7 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
 /// shuts the group down (returns `Ok`) or a collective or backend call fails.
 pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Result<()> {
     let mut hidden: VecDeque<(u32, B::Hidden)> = VecDeque::new();
+    let mut tables: Vec<Vec<u32>> = Vec::new();
     loop {
         let w = comm.receive_plan()?;
         let mut r = Reader { w: &w, i: 0 };
@@ -190,7 +199,7 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
             OP_KEEP_ALIVE => {}
             OP_FORWARD => {
                 let id = r.next()?;
-                let batch = decode_batch(&mut r)?;
+                let batch = decode_batch(&mut r, &mut tables)?;
                 let out = backend.forward(&batch)?;
                 hidden.push_back((id, out.hidden));
             }
@@ -200,7 +209,7 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
                 let prev_id = r.next()?;
                 let n = r.next()? as usize;
                 let rows = r.take(n)?.to_vec();
-                let batch = decode_batch(&mut r)?;
+                let batch = decode_batch(&mut r, &mut tables)?;
                 let prev = hidden.iter().find(|(i, _)| *i == prev_id).map(|(_, h)| h).ok_or_else(|| {
                     Error::Collective(format!("plan refers to hidden state {prev_id}, no longer kept"))
                 })?;
@@ -234,15 +243,30 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
     }
 }
 
-fn encode_batch(b: &Batch, w: &mut Vec<u32>) {
+/// Writes `b` into `w`; `tables` holds the previous batch plan's block tables and is left
+/// holding `b`'s. A table crosses as the count of leading blocks it shares with the one
+/// at its index in `tables`, then the count and ids of the rest.
+fn encode_batch(b: &Batch, tables: &mut Vec<Vec<u32>>, w: &mut Vec<u32>) {
     w.push(b.seqs.len() as u32);
-    for s in &b.seqs {
+    for (i, s) in b.seqs.iter().enumerate() {
         w.push(s.start_pos as u32);
         w.push(u32::from(s.prefill));
         w.push(s.tokens.len() as u32);
         w.extend_from_slice(&s.tokens);
-        w.push(s.block_table.len() as u32);
-        w.extend_from_slice(&s.block_table);
+        let kept = tables.get(i).map_or(0, |t| t.iter().zip(&s.block_table).take_while(|(a, b)| a == b).count());
+        w.push(kept as u32);
+        w.push((s.block_table.len() - kept) as u32);
+        w.extend_from_slice(&s.block_table[kept..]);
+    }
+    tables.truncate(b.seqs.len());
+    for (i, s) in b.seqs.iter().enumerate() {
+        match tables.get_mut(i) {
+            Some(t) => {
+                t.clear();
+                t.extend_from_slice(&s.block_table);
+            }
+            None => tables.push(s.block_table.clone()),
+        }
     }
     w.push(b.logit_rows.len() as u32);
     w.extend_from_slice(&b.logit_rows);
@@ -301,18 +325,31 @@ impl Reader<'_> {
     }
 }
 
-fn decode_batch(r: &mut Reader) -> Result<Batch> {
+/// Reads a batch written by [`encode_batch`] with the same `tables` (updated alike).
+fn decode_batch(r: &mut Reader, tables: &mut Vec<Vec<u32>>) -> Result<Batch> {
     let n = r.next()? as usize;
     let mut seqs = Vec::with_capacity(n);
-    for _ in 0..n {
+    for i in 0..n {
         let start_pos = r.next()? as usize;
         let prefill = r.next()? != 0;
         let nt = r.next()? as usize;
         let tokens = r.take(nt)?.to_vec();
+        let kept = r.next()? as usize;
         let nb = r.next()? as usize;
-        let block_table = r.take(nb)?.to_vec();
+        let prev = tables.get(i).map_or(&[][..], |t| t.as_slice());
+        let head = prev.get(..kept).ok_or_else(|| {
+            Error::Collective(format!(
+                "plan keeps {kept} blocks of sequence {i}'s table; the last plan's had {}",
+                prev.len()
+            ))
+        })?;
+        let mut block_table = Vec::with_capacity(kept + nb);
+        block_table.extend_from_slice(head);
+        block_table.extend_from_slice(r.take(nb)?);
         seqs.push(SeqChunk { tokens, start_pos, block_table, prefill });
     }
+    tables.clear();
+    tables.extend(seqs.iter().map(|s| s.block_table.clone()));
     let nl = r.next()? as usize;
     let logit_rows = r.take(nl)?.to_vec();
     let na = r.next()? as usize;
@@ -382,9 +419,46 @@ mod tests {
             argmax_slots: vec![3, 7],
         };
         let mut w = Vec::new();
-        encode_batch(&b, &mut w);
-        let got = decode_batch(&mut Reader { w: &w, i: 0 }).unwrap();
+        encode_batch(&b, &mut Vec::new(), &mut w);
+        let got = decode_batch(&mut Reader { w: &w, i: 0 }, &mut Vec::new()).unwrap();
         assert_eq!(got, b);
-        assert!(decode_batch(&mut Reader { w: &w[..w.len() - 1], i: 0 }).is_err());
+        assert!(decode_batch(&mut Reader { w: &w[..w.len() - 1], i: 0 }, &mut Vec::new()).is_err());
+    }
+
+    /// Block tables cross as changes against the previous batch plan's: grown, cut,
+    /// replaced, reordered, fewer and more sequences all decode to the leader's tables,
+    /// and a long table crosses once.
+    #[test]
+    fn block_tables_cross_as_changes() {
+        let seq = |blocks: Vec<u32>| SeqChunk { tokens: vec![5], start_pos: 3, block_table: blocks, prefill: false };
+        let long: Vec<u32> = (1000..3000).collect();
+        let grown: Vec<u32> = (1000..3001).collect();
+        let batches = [
+            vec![seq(long.clone()), seq(vec![1, 2, 3])],
+            vec![seq(long.clone()), seq(vec![1, 2, 3])],
+            vec![seq(grown.clone()), seq(vec![1, 2, 3, 4])],
+            vec![seq(vec![1, 2, 3, 4]), seq(grown.clone())],
+            vec![seq(vec![1, 2]), seq(grown.clone()), seq(vec![])],
+            vec![seq(vec![9, 8])],
+            vec![],
+            vec![seq(long.clone()), seq(vec![7])],
+        ];
+        let (mut sent, mut held) = (Vec::new(), Vec::new());
+        let mut sizes = Vec::new();
+        for seqs in batches {
+            let b = Batch { seqs, ..Default::default() };
+            let mut w = Vec::new();
+            encode_batch(&b, &mut sent, &mut w);
+            sizes.push(w.len());
+            assert_eq!(decode_batch(&mut Reader { w: &w, i: 0 }, &mut held).unwrap(), b);
+            assert_eq!(sent, held);
+        }
+        assert!(sizes[0] > 2000 && sizes[1] < 30 && sizes[2] < 30, "{sizes:?}");
+        // A plan that keeps more blocks than the follower holds is refused.
+        let b = Batch { seqs: vec![seq(vec![1, 2, 3])], ..Default::default() };
+        let mut w = Vec::new();
+        encode_batch(&b, &mut vec![vec![1, 2, 3]], &mut w);
+        let e = decode_batch(&mut Reader { w: &w, i: 0 }, &mut vec![vec![1]]).unwrap_err().to_string();
+        assert!(e.contains("keeps 3 blocks"), "{e}");
     }
 }
