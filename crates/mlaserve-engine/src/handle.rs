@@ -118,7 +118,8 @@ impl EngineHandle {
         rx.await.map_err(|_| EngineError::Stopped)
     }
 
-    /// Aborts every request and stops the engine thread; waits until it has stopped.
+    /// Aborts every request and stops the engine thread; waits until it has stopped and
+    /// dropped its backend.
     pub async fn shutdown(&self) -> Result<()> {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Shutdown { reply }).await.map_err(|_| EngineError::Stopped)?;
@@ -193,6 +194,10 @@ fn run_loop<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Command>, 
                 let _ = engine.abort(*id);
             }
             deliver(&mut engine.step(), &mut streams);
+            // The backend goes before the reply: a caller that exits once `shutdown`
+            // returns must not tear the process down under its drop (CUDA graphs,
+            // communicators being aborted on threads of their own).
+            drop(engine);
             let _ = reply.send(());
             return;
         }

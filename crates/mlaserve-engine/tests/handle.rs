@@ -144,3 +144,61 @@ async fn an_unread_stream_with_logprobs_keeps_its_finish() {
     assert!(finished, "the Finished event was dropped");
     assert_eq!((tokens, logprobs), (40, 40));
 }
+
+/// A backend that raises a flag when dropped (the synthetic one inside).
+struct Dropping(SyntheticBackend, std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Dropping {
+    fn drop(&mut self) {
+        // Slow enough that a reply sent before the drop would be seen first.
+        std::thread::sleep(Duration::from_millis(200));
+        self.1.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl mlaserve_core::Backend for Dropping {
+    type Hidden = <SyntheticBackend as mlaserve_core::Backend>::Hidden;
+    fn config(&self) -> &mlaserve_core::ModelConfig {
+        self.0.config()
+    }
+    fn num_blocks(&self) -> usize {
+        self.0.num_blocks()
+    }
+    fn forward(
+        &mut self,
+        b: &mlaserve_core::backend::Batch,
+    ) -> mlaserve_core::Result<mlaserve_core::backend::ForwardOutput<Self::Hidden>> {
+        self.0.forward(b)
+    }
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        b: &mlaserve_core::backend::Batch,
+        prev: &Self::Hidden,
+        rows: &[u32],
+    ) -> mlaserve_core::Result<mlaserve_core::backend::ForwardOutput<Self::Hidden>> {
+        self.0.mtp_forward(layer, b, prev, rows)
+    }
+    fn hidden_to_host(&self, h: &Self::Hidden) -> mlaserve_core::Result<Vec<f32>> {
+        self.0.hidden_to_host(h)
+    }
+    fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> mlaserve_core::Result<Self::Hidden> {
+        self.0.concat_hidden(parts)
+    }
+}
+
+/// `shutdown` returns only once the engine thread has dropped its backend: a worker exits
+/// right after it, and a process torn down under a GPU backend's drop can crash.
+#[tokio::test]
+async fn shutdown_returns_after_the_backend_is_dropped() {
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = dropped.clone();
+    let cfg = EngineConfig { num_speculative_tokens: Some(2), max_batch_tokens: 64, ..Default::default() };
+    let h = EngineHandle::spawn(move || Ok(Dropping(SyntheticBackend::new(64, 2, 256, 8192), flag)), cfg)
+        .await
+        .expect("spawn");
+    let (_, rx) = h.submit(req(5)).await.expect("submit");
+    assert_eq!(collect(rx).await.0.len(), 5);
+    h.shutdown().await.expect("shutdown");
+    assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "shutdown returned before the backend was dropped");
+}
