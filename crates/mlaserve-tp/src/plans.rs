@@ -107,36 +107,31 @@ impl<C: Collective> Plans<C> {
     }
 }
 
+impl<C: Collective> Plans<C> {
+    /// The channel the group took.
+    fn channel(&self) -> &dyn PlanChannel {
+        match self {
+            Plans::Shared(s) => s,
+            Plans::Collective(c) => c,
+        }
+    }
+}
+
 impl<C: Collective> PlanChannel for Plans<C> {
     fn rank(&self) -> usize {
-        match self {
-            Plans::Shared(s) => s.rank(),
-            Plans::Collective(c) => Collective::rank(c),
-        }
+        self.channel().rank()
     }
     fn world_size(&self) -> usize {
-        match self {
-            Plans::Shared(s) => s.world_size(),
-            Plans::Collective(c) => Collective::world_size(c),
-        }
+        self.channel().world_size()
     }
     fn timeout(&self) -> Option<Duration> {
-        match self {
-            Plans::Shared(s) => s.timeout(),
-            Plans::Collective(c) => Collective::timeout(c),
-        }
+        self.channel().timeout()
     }
     fn send_plan(&self, words: &[u32]) -> Result<()> {
-        match self {
-            Plans::Shared(s) => s.send(words),
-            Plans::Collective(c) => c.send_plan(words),
-        }
+        self.channel().send_plan(words)
     }
     fn receive_plan(&self) -> Result<Vec<u32>> {
-        match self {
-            Plans::Shared(s) => s.receive(),
-            Plans::Collective(c) => c.receive_plan(),
-        }
+        self.channel().receive_plan()
     }
 }
 
