@@ -26,7 +26,8 @@
 //!   means, not their draws, when the other has fewer drafts (fewer drafts leave holes
 //!   in the running requests' MTP layers past them). A neighbour of the choice (k ± 1)
 //!   that the bucket never measured is measured at once, and every [`EXPLORE_EVERY`]-th
-//!   decision of a bucket the k above the choice, so its costs stay current. Steps that
+//!   decision of a bucket the k above the choice (every [`EXPLORE_NEAR_EVERY`]-th while
+//!   its expected rate is within [`NEAR`] of the choice's), so its costs stay current. Steps that
 //!   captured a CUDA graph give no sample (the engine checks
 //!   `Backend::graph_captures`): a capture costs several steps' time, once per shape,
 //!   and a k far from the choice would keep such a cost for good.
@@ -43,6 +44,14 @@ use crate::api::{SpecStats, MAX_SPECULATIVE_TOKENS as KMAX};
 const KEEP: usize = 16;
 /// Every this many decisions of a bucket, one re-measures the k above the choice.
 const EXPLORE_EVERY: u64 = 100;
+/// While the k above the choice is within [`NEAR`] of it (by the rates' means), every
+/// this many decisions re-measure it: its cost moves with the batch and the contexts, and
+/// a cost measured 100 decisions ago kept a TP-2 group at k = 2 at 256 streams where
+/// k = 3 served the most (A/B in two calls on two H100s, one GPU and TP 2: 0.94–1.19×
+/// the tokens/s of every 100th, 1.03× and 1.025× on the geometric mean).
+const EXPLORE_NEAR_EVERY: u64 = 20;
+/// How close "near" is: twice the margin more drafts must beat fewer by.
+const NEAR: f64 = 2.0 * MARGIN;
 /// Per-step decay of the overall acceptance counts (a half-life of ~700 steps).
 const DECAY: f64 = 0.999;
 /// The draws of a rate spread at most as a posterior of this many drafts would: wider
@@ -380,8 +389,11 @@ impl Policy {
             return k;
         }
         // Re-measuring a neighbour: the one above only (one below would leave holes; its
-        // cost was measured once above, and a cost model is not needed for the rest).
-        if bucket.decisions.is_multiple_of(EXPLORE_EVERY) && best < k_max {
+        // cost was measured once above, and a cost model is not needed for the rest);
+        // more often while it is near the choice.
+        let near = best < k_max && rate(at_mean, best + 1) * (1.0 + NEAR) >= rate(at_mean, best);
+        let every = if near { EXPLORE_NEAR_EVERY } else { EXPLORE_EVERY };
+        if bucket.decisions.is_multiple_of(every) && best < k_max {
             return best + 1;
         }
         probed
@@ -632,6 +644,24 @@ mod tests {
             }
         }
         assert_eq!(below, 0, "steps below k = 3 after the first 100 decisions");
+    }
+
+    /// The k above the choice grows cheaper (at 256 streams of a TP-2 group the choice
+    /// stayed at k = 2 while k = 3's cost, re-measured every 100 decisions, was stale).
+    /// A k within [`NEAR`] of the choice is re-measured every [`EXPLORE_NEAR_EVERY`]
+    /// decisions, and the choice follows within 100 decisions (re-measuring every
+    /// [`EXPLORE_EVERY`], it still had not after 200); a k near but dearer costs a step in 20.
+    #[test]
+    fn a_near_k_above_is_re_measured_often_enough_to_follow_its_cost() {
+        // Acceptance 0.9: k = 2 gives 2.71 tokens, k = 3 3.44. Phase 1: k = 3 costs 1,900
+        // against 1,400 (7% fewer tokens a µs: near, not chosen); phase 2: 1,650 (8% more).
+        let cost = |k: usize, late: bool| [1000.0, 1200.0, 1400.0, if late { 1650.0 } else { 1900.0 }][k];
+        let mut p = Policy::new(3, true);
+        let early = run(&mut p, 8, 300, 0.9, |k| cost(k, false));
+        run(&mut p, 8, 100, 0.9, |k| cost(k, true));
+        let late = run(&mut p, 8, 100, 0.9, |k| cost(k, true));
+        assert!(early[2] > 250 && early[3] < 300 / EXPLORE_NEAR_EVERY as u64 + 8, "phase 1: {early:?}");
+        assert!(late[3] > 90, "100 decisions after k = 3 grew cheaper: {late:?}");
     }
 
     #[test]
