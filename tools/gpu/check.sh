@@ -222,6 +222,17 @@ if [[ "$mode" == tp ]]; then
                 echo "TP=$tp_n CLI: rank $r exited by $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t0 }") s: $(grep -h -m1 "collective:" "$logs/rank$r.log" | sed 's/^ *//')"
             fi
         done
+        # The leader of the failed group still serves (NOT_SERVING) until it is told to
+        # stop; a SIGTERM must end it cleanly, not with a signal (a crash while its
+        # backend and the aborted communicator are torn down).
+        local leader_rc
+        kill -TERM "${pids[0]}"
+        for _ in $(seq 300); do alive "${pids[0]}" || break; sleep 0.1; done
+        alive "${pids[0]}" && { echo "TP=$tp_n CLI: the leader still runs 30 s after SIGTERM"; kill -9 "${pids[0]}"; }
+        wait "${pids[0]}"
+        leader_rc=$?
+        echo "TP=$tp_n CLI: the failed group's leader exited with status $leader_rc after SIGTERM"
+        ((leader_rc < 128)) || ok=0
         stop_group
         grep -q "group failed" "$logs/rank0.log" && ((ok)) && ((unavailable))
     }
