@@ -12,7 +12,9 @@
 # instead of random ids, e.g. the bundled model's eval_prompts.jsonl: acceptance on text
 # like the model's own), NEW (new tokens, default 128), REQS (requests per stream and
 # run, default 2; at least MIN_REQS a run, default 32), WARMUP (unrecorded runs per server
-# and concurrency before its rounds: graph captures, first estimates; default 1), ROUNDS (runs per server and
+# and concurrency before its rounds: graph captures, first estimates; default 1; then up
+# to WARMUP_MORE more, default 3, while the runs before captured CUDA graphs: a server
+# keeps its graphs for life, so the rounds measure it past its captures), ROUNDS (runs per server and
 # concurrency, default 3), LOGS (default a temporary directory), TP (default 1), PORT
 # (the first of the servers' ports, default 21450; each takes ten from there). The three servers run side by
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
@@ -38,6 +40,7 @@ reqs="${REQS:-2}"
 min_reqs="${MIN_REQS:-32}"
 rounds="${ROUNDS:-3}"
 warmup="${WARMUP:-1}"
+warmup_more="${WARMUP_MORE:-3}"
 logs="${LOGS:-$(mktemp -d)}"
 mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
@@ -129,9 +132,29 @@ counters() {
 }
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice runs before weighed phases wall at graphs
-# Server MODE's CUDA graphs captured so far (its rank 0's).
-graphs_now() { curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '/^mlaserve_graph_captures_total/ {print $2}'; }
+declare -A tps choice runs before weighed phases wall at graphs caught
+# Server MODE's CUDA graphs captured so far (its rank 0's; 0 without graphs).
+graphs_now() {
+    curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '/^mlaserve_graph_captures_total/ {g = $2} END {print g + 0}'
+}
+# warm MODE STREAMS: the unrecorded runs; then the captures before the rounds into `caught`.
+warm() {
+    local m=$1 c=$2 r g
+    # (The metrics are published once a second.)
+    g=$(graphs_now "$m")
+    for ((r = 0; r < warmup; r++)); do bench "$m" "$c" warm; done
+    local now
+    for ((r = 0; ; r++)); do
+        sleep 1.2
+        now=$(graphs_now "$m")
+        ((now == g || r == warmup_more)) && break
+        g=$now
+        bench "$m" "$c" warm
+    done
+    caught[$m,$c]=$now
+}
+# caught_since MODE STREAMS: the captures during the rounds.
+caught_since() { caught[$1,$2]=$(($(graphs_now "$1") - caught[$1,$2])); }
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
     ((n < min_reqs)) && n=$min_reqs
@@ -171,11 +194,12 @@ if ((tp > 1)); then
         start "$m"
         ready "$m"
         for c in $conc; do
-            for ((r = 0; r < warmup; r++)); do bench "$m" "$c" warm; done
+            warm "$m" "$c"
             [[ $m == adaptive || $m == alt ]] && before[$m,$c]=$(steps_per_k "$m")
             snapshot "$m"
             for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
             phases_of "$m" "$c"
+            caught_since "$m" "$c"
             [[ $m == adaptive || $m == alt ]] && decided "$m" "$c"
         done
         graphs[$m]=$(graphs_now "$m")
@@ -185,7 +209,7 @@ else
     for m in "${modes[@]}"; do start "$m"; done
     for m in "${modes[@]}"; do ready "$m"; done
     for c in $conc; do
-        for ((r = 0; r < warmup; r++)); do for m in "${modes[@]}"; do bench "$m" "$c" warm; done; done
+        for m in "${modes[@]}"; do warm "$m" "$c"; done
         for m in "${adaptive_modes[@]}"; do before[$m,$c]=$(steps_per_k "$m"); done
         for m in "${modes[@]}"; do at[$m]=$(counters "$m"); done
         nm=${#modes[@]}
@@ -193,7 +217,7 @@ else
             for ((i = 0; i < nm; i++)); do bench "${modes[$(((i + r) % nm))]}" "$c" "$r"; done
         done
         sleep 1.2
-        for m in "${modes[@]}"; do phases_of "$m" "$c"; done
+        for m in "${modes[@]}"; do phases_of "$m" "$c" && caught_since "$m" "$c"; done
         for m in "${adaptive_modes[@]}"; do decided "$m" "$c"; done
     done
     for m in "${modes[@]}"; do graphs[$m]=$(graphs_now "$m"); done
@@ -204,7 +228,8 @@ for c in $conc; do
         # The rounds' spread: the fastest over the slowest (a ratio between servers
         # says little where it is far above 1).
         spread=$(tr ' ' '\n' <<<"${runs[$m,$c]}" | grep . | sort -g | awk 'NR == 1 {lo = $1} {hi = $1} END {printf "%.2f", hi / lo}')
-        echo "$m, $c streams: ${runs[$m,$c]}-> ${tps[$m,$c]} tokens/s (fastest / slowest round: $spread)"
+        echo "$m, $c streams: ${runs[$m,$c]}-> ${tps[$m,$c]} tokens/s (fastest / slowest round: $spread;" \
+            "CUDA graphs captured in the rounds: ${caught[$m,$c]:-?})"
     done
 done
 
