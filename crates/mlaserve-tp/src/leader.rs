@@ -20,14 +20,6 @@
 //! step to step a table changes by a block now and then, so a long context's tables
 //! cross once, not at every call. Both sides keep the last batch plan's tables.
 //!
-//! Experiment (off by default, [`TpLeader::plan_per_pass`]): a drafting pass's stages
-//! whose drafts stay on the device (and the joins of hidden states between them) need
-//! nothing back on the host until the pass reads its drafts, so the leader holds them
-//! back and sends them as one plan when something needs a result: the followers then
-//! run the whole pass back to back. Held ops run on the leader after that plan is sent;
-//! their hidden states (and, in this mode, every other) live on the leader under their
-//! numbers, as on the followers.
-//!
 //! A follower waits for each plan no longer than the plan channel's timeout
 //! (so it notices a leader that died), and an idle engine calls
 //! [`Backend::keep_alive`] every [`Backend::idle_interval`]: the leader then sends a plan
@@ -46,28 +38,18 @@ const OP_SHUTDOWN: u32 = 3;
 const OP_CONCAT: u32 = 4;
 /// Nothing to run: the leader is idle and the group alive ([`Backend::keep_alive`]).
 const OP_KEEP_ALIVE: u32 = 5;
-/// Several ops, each as its length in words then its words.
-const OP_MANY: u32 = 6;
 /// Hidden states a follower keeps (the engine only refers back to recent ones).
 const KEEP_HIDDEN: usize = 64;
 
-/// A hidden state tagged with the plan number that produced it: rank 0's own, or `None`
-/// where the leader keeps it under that number ([`TpLeader::plan_per_pass`]).
+/// A hidden state tagged with the plan number that produced it.
 #[derive(Debug)]
 pub struct TpHidden<H> {
     pub id: u32,
-    pub inner: Option<H>,
-}
-
-/// An op held back for the pass's one plan.
-#[derive(Debug)]
-enum Held {
-    Mtp { id: u32, layer: usize, batch: Batch, prev: u32, rows: Vec<u32> },
-    Concat { id: u32, parts: Vec<(u32, Vec<u32>)> },
+    pub inner: H,
 }
 
 /// The leader's view of a TP group: a backend that mirrors every call to the followers.
-pub struct TpLeader<B: Backend, C> {
+pub struct TpLeader<B, C> {
     inner: B,
     comm: C,
     next_id: u32,
@@ -75,13 +57,6 @@ pub struct TpLeader<B: Backend, C> {
     tables: Vec<Vec<u32>>,
     /// When the last plan was sent (a keep-alive is needless sooner than the interval).
     last_sent: std::time::Instant,
-    /// Experiment: a drafting pass crosses as one plan.
-    per_pass: bool,
-    /// The held ops, and their plan words (each op's length, then its words).
-    held: Vec<Held>,
-    held_words: Vec<u32>,
-    /// Hidden states kept under their numbers (with `per_pass` only).
-    hidden: VecDeque<(u32, B::Hidden)>,
 }
 
 impl<B: Backend, C: PlanChannel> std::fmt::Debug for TpLeader<B, C> {
@@ -96,29 +71,7 @@ impl<B: Backend, C: PlanChannel> TpLeader<B, C> {
         if comm.rank() != 0 {
             return Err(Error::Collective(format!("TpLeader on rank {}; the leader is rank 0", comm.rank())));
         }
-        Ok(TpLeader {
-            inner,
-            comm,
-            next_id: 0,
-            tables: Vec::new(),
-            last_sent: std::time::Instant::now(),
-            per_pass: false,
-            held: Vec::new(),
-            held_words: Vec::new(),
-            hidden: VecDeque::new(),
-        })
-    }
-
-    /// Rank 0's shard.
-    pub fn inner(&self) -> &B {
-        &self.inner
-    }
-
-    /// Experiment, off by default: a drafting pass's stages that keep their drafts on
-    /// the device cross to the followers as one plan (module docs).
-    pub fn plan_per_pass(mut self, on: bool) -> Self {
-        self.per_pass = on;
-        self
+        Ok(TpLeader { inner, comm, next_id: 0, tables: Vec::new(), last_sent: std::time::Instant::now() })
     }
 
     fn send(&mut self, words: &[u32]) -> Result<()> {
@@ -129,100 +82,8 @@ impl<B: Backend, C: PlanChannel> TpLeader<B, C> {
 
     /// Tells the followers to leave their loop.
     pub fn shutdown(&mut self) -> Result<()> {
-        self.flush()?;
         self.send(&[OP_SHUTDOWN])
     }
-
-    fn take_id(&mut self) -> u32 {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
-        id
-    }
-
-    /// Sends `words` as a plan of their own, after the held ops (run first, in order).
-    fn send_now(&mut self, words: &[u32]) -> Result<()> {
-        self.flush()?;
-        self.send(words)
-    }
-
-    /// Holds an op (its plan words `w`) for the pass's plan.
-    fn hold(&mut self, op: Held, w: &[u32]) {
-        self.held_words.push(w.len() as u32);
-        self.held_words.extend_from_slice(w);
-        self.held.push(op);
-    }
-
-    /// Sends the held ops as one plan, then runs them on rank 0's shard.
-    fn flush(&mut self) -> Result<()> {
-        if self.held.is_empty() {
-            return Ok(());
-        }
-        let mut w = vec![OP_MANY, self.held.len() as u32];
-        w.append(&mut self.held_words);
-        self.send(&w)?;
-        for op in std::mem::take(&mut self.held) {
-            let (id, h) = match op {
-                Held::Mtp { id, layer, batch, prev, rows } => {
-                    let p = kept(&self.hidden, prev)?;
-                    (id, self.inner.mtp_forward(layer, &batch, p, &rows)?.hidden)
-                }
-                Held::Concat { id, parts } => {
-                    let mut ps = Vec::with_capacity(parts.len());
-                    for (hid, rows) in &parts {
-                        ps.push((kept(&self.hidden, *hid)?, rows.as_slice()));
-                    }
-                    (id, self.inner.concat_hidden(&ps)?)
-                }
-            };
-            keep(&mut self.hidden, id, h);
-        }
-        Ok(())
-    }
-
-    /// A new hidden state `h` of plan `id`, kept here in the experiment's mode.
-    fn tag(&mut self, id: u32, h: B::Hidden) -> TpHidden<B::Hidden> {
-        if self.per_pass {
-            keep(&mut self.hidden, id, h);
-            TpHidden { id, inner: None }
-        } else {
-            TpHidden { id, inner: Some(h) }
-        }
-    }
-}
-
-/// Rank 0's hidden state of `h`: its own, or the one kept under its number.
-fn inner_of<'a, H>(hidden: &'a VecDeque<(u32, H)>, h: &'a TpHidden<H>) -> Result<&'a H> {
-    match &h.inner {
-        Some(x) => Ok(x),
-        None => kept(hidden, h.id),
-    }
-}
-
-/// The hidden state kept under `id`.
-fn kept<H>(hidden: &VecDeque<(u32, H)>, id: u32) -> Result<&H> {
-    hidden
-        .iter()
-        .find(|(i, _)| *i == id)
-        .map(|(_, h)| h)
-        .ok_or_else(|| Error::Collective(format!("plan refers to hidden state {id}, no longer kept")))
-}
-
-/// Keeps `h` under `id`, dropping the oldest past [`KEEP_HIDDEN`].
-fn keep<H>(hidden: &mut VecDeque<(u32, H)>, id: u32, h: H) {
-    hidden.push_back((id, h));
-    while hidden.len() > KEEP_HIDDEN {
-        hidden.pop_front();
-    }
-}
-
-/// Whether an MTP call needs nothing back on the host: its drafts stay in the device's
-/// slots, and no row asks for logits, samples or log-probabilities.
-fn needs_nothing_back(b: &Batch) -> bool {
-    !b.argmax_slots.is_empty()
-        && b.argmax_slots.len() == b.argmax_rows.len()
-        && b.logit_rows.is_empty()
-        && b.sample_rows.is_empty()
-        && b.logprob_rows.is_empty()
 }
 
 impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
@@ -240,14 +101,14 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>> {
-        self.flush()?;
-        let id = self.take_id();
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
         let mut w = vec![OP_FORWARD, id];
         encode_batch(batch, &mut self.tables, &mut w);
         self.send(&w)?;
         let out = self.inner.forward(batch)?;
         Ok(ForwardOutput {
-            hidden: self.tag(id, out.hidden),
+            hidden: TpHidden { id, inner: out.hidden },
             logits: out.logits,
             argmax: out.argmax,
             sampled: out.sampled,
@@ -262,25 +123,15 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         prev: &Self::Hidden,
         hidden_rows: &[u32],
     ) -> Result<ForwardOutput<Self::Hidden>> {
-        let id = self.take_id();
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
         let mut w = vec![OP_MTP, id, layer as u32, prev.id, hidden_rows.len() as u32];
         w.extend_from_slice(hidden_rows);
         encode_batch(batch, &mut self.tables, &mut w);
-        if self.per_pass && needs_nothing_back(batch) {
-            let held = Held::Mtp { id, layer, batch: batch.clone(), prev: prev.id, rows: hidden_rows.to_vec() };
-            self.hold(held, &w);
-            return Ok(ForwardOutput {
-                hidden: TpHidden { id, inner: None },
-                logits: Vec::new(),
-                argmax: Vec::new(),
-                sampled: Vec::new(),
-                logprobs: Vec::new(),
-            });
-        }
-        self.send_now(&w)?;
-        let out = self.inner.mtp_forward(layer, batch, inner_of(&self.hidden, prev)?, hidden_rows)?;
+        self.send(&w)?;
+        let out = self.inner.mtp_forward(layer, batch, &prev.inner, hidden_rows)?;
         Ok(ForwardOutput {
-            hidden: self.tag(id, out.hidden),
+            hidden: TpHidden { id, inner: out.hidden },
             logits: out.logits,
             argmax: out.argmax,
             sampled: out.sampled,
@@ -288,13 +139,10 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         })
     }
 
-    /// (A hidden state of a held op has not been computed yet: an error until the pass's
-    /// drafts are read.)
     fn hidden_to_host(&self, h: &Self::Hidden) -> Result<Vec<f32>> {
-        self.inner.hidden_to_host(inner_of(&self.hidden, h)?)
+        self.inner.hidden_to_host(&h.inner)
     }
 
-    /// The captures of the calls run so far (held ops count once they run).
     fn graph_captures(&self) -> u64 {
         self.inner.graph_captures()
     }
@@ -307,7 +155,6 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
 
     /// A plan with nothing to run, unless one was sent within the idle interval.
     fn keep_alive(&mut self) -> Result<()> {
-        self.flush()?;
         match self.idle_interval() {
             Some(d) if self.last_sent.elapsed() < d => Ok(()),
             _ => self.send(&[OP_KEEP_ALIVE]),
@@ -321,30 +168,21 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
     }
 
     fn read_drafts(&mut self, n: usize) -> Result<Vec<u32>> {
-        self.flush()?;
         self.inner.read_drafts(n)
     }
 
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
-        let id = self.take_id();
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
         let mut w = vec![OP_CONCAT, id, parts.len() as u32];
         for (h, rows) in parts {
             w.push(h.id);
             w.push(rows.len() as u32);
             w.extend_from_slice(rows);
         }
-        if self.per_pass {
-            let parts = parts.iter().map(|(h, r)| (h.id, r.to_vec())).collect();
-            self.hold(Held::Concat { id, parts }, &w);
-            return Ok(TpHidden { id, inner: None });
-        }
         self.send(&w)?;
-        let mut inner = Vec::with_capacity(parts.len());
-        for (h, r) in parts {
-            inner.push((inner_of(&self.hidden, h)?, *r));
-        }
-        let out = self.inner.concat_hidden(&inner)?;
-        Ok(self.tag(id, out))
+        let inner: Vec<(&B::Hidden, &[u32])> = parts.iter().map(|(h, r)| (&h.inner, *r)).collect();
+        Ok(TpHidden { id, inner: self.inner.concat_hidden(&inner)? })
     }
 }
 
@@ -358,68 +196,51 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
         let mut r = Reader { w: &w, i: 0 };
         match r.next()? {
             OP_SHUTDOWN => return Ok(()),
-            OP_MANY => {
-                let n = r.next()?;
+            OP_KEEP_ALIVE => {}
+            OP_FORWARD => {
+                let id = r.next()?;
+                let batch = decode_batch(&mut r, &mut tables)?;
+                let out = backend.forward(&batch)?;
+                hidden.push_back((id, out.hidden));
+            }
+            OP_MTP => {
+                let id = r.next()?;
+                let layer = r.next()? as usize;
+                let prev_id = r.next()?;
+                let n = r.next()? as usize;
+                let rows = r.take(n)?.to_vec();
+                let batch = decode_batch(&mut r, &mut tables)?;
+                let prev = hidden.iter().find(|(i, _)| *i == prev_id).map(|(_, h)| h).ok_or_else(|| {
+                    Error::Collective(format!("plan refers to hidden state {prev_id}, no longer kept"))
+                })?;
+                let out = backend.mtp_forward(layer, &batch, prev, &rows)?;
+                hidden.push_back((id, out.hidden));
+            }
+            OP_CONCAT => {
+                let id = r.next()?;
+                let n = r.next()? as usize;
+                let mut spec = Vec::with_capacity(n);
                 for _ in 0..n {
+                    let hid = r.next()?;
                     let len = r.next()? as usize;
-                    let mut op = Reader { w: r.take(len)?, i: 0 };
-                    let code = op.next()?;
-                    if !matches!(code, OP_MTP | OP_CONCAT) {
-                        return Err(Error::Collective(format!("plan op {code} inside a plan of several")));
-                    }
-                    follow(backend, code, &mut op, &mut hidden, &mut tables)?;
+                    spec.push((hid, r.take(len)?.to_vec()));
                 }
+                let mut parts = Vec::with_capacity(n);
+                for (hid, rows) in &spec {
+                    let h = hidden.iter().find(|(i, _)| i == hid).map(|(_, h)| h).ok_or_else(|| {
+                        Error::Collective(format!("plan refers to hidden state {hid}, no longer kept"))
+                    })?;
+                    parts.push((h, rows.as_slice()));
+                }
+                let out = backend.concat_hidden(&parts)?;
+                hidden.push_back((id, out));
             }
-            op => follow(backend, op, &mut r, &mut hidden, &mut tables)?,
+            op => return Err(Error::Collective(format!("unknown plan op {op}"))),
+        }
+        while hidden.len() > KEEP_HIDDEN {
+            hidden.pop_front();
         }
     }
-}
-
-/// Runs one op of a plan (`op`, the rest of its words in `r`) on a follower.
-fn follow<B: Backend>(
-    backend: &mut B,
-    op: u32,
-    r: &mut Reader,
-    hidden: &mut VecDeque<(u32, B::Hidden)>,
-    tables: &mut Vec<Vec<u32>>,
-) -> Result<()> {
-    match op {
-        OP_KEEP_ALIVE => {}
-        OP_FORWARD => {
-            let id = r.next()?;
-            let batch = decode_batch(r, tables)?;
-            let out = backend.forward(&batch)?;
-            keep(hidden, id, out.hidden);
-        }
-        OP_MTP => {
-            let id = r.next()?;
-            let layer = r.next()? as usize;
-            let prev_id = r.next()?;
-            let n = r.next()? as usize;
-            let rows = r.take(n)?.to_vec();
-            let batch = decode_batch(r, tables)?;
-            let out = backend.mtp_forward(layer, &batch, kept(hidden, prev_id)?, &rows)?;
-            keep(hidden, id, out.hidden);
-        }
-        OP_CONCAT => {
-            let id = r.next()?;
-            let n = r.next()? as usize;
-            let mut spec = Vec::with_capacity(n);
-            for _ in 0..n {
-                let hid = r.next()?;
-                let len = r.next()? as usize;
-                spec.push((hid, r.take(len)?.to_vec()));
-            }
-            let mut parts = Vec::with_capacity(n);
-            for (hid, rows) in &spec {
-                parts.push((kept(hidden, *hid)?, rows.as_slice()));
-            }
-            let out = backend.concat_hidden(&parts)?;
-            keep(hidden, id, out);
-        }
-        op => return Err(Error::Collective(format!("unknown plan op {op}"))),
-    }
-    Ok(())
 }
 
 /// Writes `b` into `w`; `tables` holds the previous batch plan's block tables and is left

@@ -36,10 +36,6 @@ pub struct TpArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1,
           default_missing_value = "true", value_name = "BOOL")]
     pub shared_memory_plans: bool,
-    /// Experiment, off by default: the stages of a drafting pass whose drafts stay on the
-    /// GPUs cross to the other ranks as one plan (rank 0 only).
-    #[arg(long, hide = true)]
-    pub tp_plan_per_pass: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -259,14 +255,14 @@ mod tp {
                 let make = move || {
                     join()?;
                     let b = cuda_backend(&backend, &tp, &ids, &model, &engine_args)?;
-                    Ok(TpLeader::new(b, plans(&tp, &ids)?)?.plan_per_pass(tp.tp_plan_per_pass))
+                    TpLeader::new(b, plans(&tp, &ids)?)
                 };
                 mlaserve_engine::EngineHandle::spawn(make, cfg).await?
             } else {
                 let make = move || {
                     join()?;
                     let b = cpu_backend(&tp, &ids, &model, cpu_opts)?;
-                    Ok(TpLeader::new(b, plans(&tp, &ids)?)?.plan_per_pass(tp.tp_plan_per_pass))
+                    TpLeader::new(b, plans(&tp, &ids)?)
                 };
                 mlaserve_engine::EngineHandle::spawn(make, cfg).await?
             };
