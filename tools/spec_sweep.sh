@@ -23,7 +23,7 @@
 # sharing GPUs would spin their NCCL kernels on the same SMs). SERVE_FLAGS: more flags
 # for every server (e.g. --drafts-to-host). ALT_FLAGS: a fourth server, adaptive with
 # these flags as well ("alt"), beside the others in the same rounds (an A/B of an
-# option of the adaptive policy).
+# option of the adaptive policy; FIXED=0 leaves the fixed-k servers out).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,6 +46,8 @@ mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
 
 modes=(k0 k3 adaptive)
+# FIXED=0: no fixed-k servers (an A/B of the adaptive server against ALT_FLAGS alone).
+[[ ${FIXED:-1} == 0 ]] && modes=(adaptive)
 # The servers whose k is chosen per step.
 adaptive_modes=(adaptive)
 [[ -n "${ALT_FLAGS:-}" ]] && modes+=(alt) && adaptive_modes+=(alt)
@@ -241,8 +243,9 @@ echo "generated tokens/s (logs: $logs)"
 echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
 for c in $conc; do
-    awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v ch="${choice[adaptive,$c]}" \
-        'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", c, z, t, a, a / b, a / z, ch }'
+    awk -v c="$c" -v z="${tps[k0,$c]:-0}" -v t="${tps[k3,$c]:-0}" -v a="${tps[adaptive,$c]}" -v ch="${choice[adaptive,$c]}" \
+        'function r(x, y) { return (y > 0) ? sprintf("%.3f", x / y) : "-" }
+        BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.1f | %.1f | %s | %s | %s |\n", c, z, t, a, r(a, b), r(a, z), ch }'
 done
 if [[ -n "${ALT_FLAGS:-}" ]]; then
     echo
@@ -250,8 +253,9 @@ if [[ -n "${ALT_FLAGS:-}" ]]; then
     echo "| streams | alt | alt / better fixed | alt / adaptive | decisions at k = 0/1/2/3 |"
     echo "| ---: | ---: | ---: | ---: | :--- |"
     for c in $conc; do
-        awk -v c="$c" -v z="${tps[k0,$c]}" -v t="${tps[k3,$c]}" -v a="${tps[adaptive,$c]}" -v x="${tps[alt,$c]}" \
-            -v ch="${choice[alt,$c]}" 'BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %.3f | %.3f | %s |\n", c, x, x / b, x / a, ch }'
+        awk -v c="$c" -v z="${tps[k0,$c]:-0}" -v t="${tps[k3,$c]:-0}" -v a="${tps[adaptive,$c]}" -v x="${tps[alt,$c]}" \
+            -v ch="${choice[alt,$c]}" 'function r(x, y) { return (y > 0) ? sprintf("%.3f", x / y) : "-" }
+            BEGIN { b = (z > t) ? z : t; printf "| %d | %.1f | %s | %s | %s |\n", c, x, r(x, b), r(x, a), ch }'
     done
 fi
 echo

@@ -660,7 +660,7 @@ mod tests {
         let early = run(&mut p, 8, 300, 0.9, |k| cost(k, false));
         run(&mut p, 8, 100, 0.9, |k| cost(k, true));
         let late = run(&mut p, 8, 100, 0.9, |k| cost(k, true));
-        assert!(early[2] > 250 && early[3] < 300 / EXPLORE_NEAR_EVERY as u64 + 8, "phase 1: {early:?}");
+        assert!(early[2] > 250 && early[3] < 300 / EXPLORE_NEAR_EVERY + 8, "phase 1: {early:?}");
         assert!(late[3] > 90, "100 decisions after k = 3 grew cheaper: {late:?}");
     }
 
