@@ -141,11 +141,10 @@ graphs_now() {
 }
 # warm MODE STREAMS: the unrecorded runs; then the captures before the rounds into `caught`.
 warm() {
-    local m=$1 c=$2 r g
+    local m=$1 c=$2 r g now
     # (The metrics are published once a second.)
     g=$(graphs_now "$m")
     for ((r = 0; r < warmup; r++)); do bench "$m" "$c" warm; done
-    local now
     for ((r = 0; ; r++)); do
         sleep 1.2
         now=$(graphs_now "$m")
@@ -219,7 +218,10 @@ else
             for ((i = 0; i < nm; i++)); do bench "${modes[$(((i + r) % nm))]}" "$c" "$r"; done
         done
         sleep 1.2
-        for m in "${modes[@]}"; do phases_of "$m" "$c" && caught_since "$m" "$c"; done
+        for m in "${modes[@]}"; do
+            phases_of "$m" "$c"
+            caught_since "$m" "$c"
+        done
         for m in "${adaptive_modes[@]}"; do decided "$m" "$c"; done
     done
     for m in "${modes[@]}"; do graphs[$m]=$(graphs_now "$m"); done

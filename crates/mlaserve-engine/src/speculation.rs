@@ -391,10 +391,11 @@ impl Policy {
         // Re-measuring a neighbour: the one above only (one below would leave holes; its
         // cost was measured once above, and a cost model is not needed for the rest);
         // more often while it is near the choice.
-        let near = best < k_max && rate(at_mean, best + 1) * (1.0 + NEAR) >= rate(at_mean, best);
-        let every = if near { EXPLORE_NEAR_EVERY } else { EXPLORE_EVERY };
-        if bucket.decisions.is_multiple_of(every) && best < k_max {
-            return best + 1;
+        if best < k_max {
+            let near = rate(at_mean, best + 1) * (1.0 + NEAR) >= rate(at_mean, best);
+            if bucket.decisions.is_multiple_of(if near { EXPLORE_NEAR_EVERY } else { EXPLORE_EVERY }) {
+                return best + 1;
+            }
         }
         probed
     }
