@@ -22,11 +22,19 @@
 // after each wait, so the step fails with an error instead of spinning forever (the
 // host's wait has the same deadline).
 //
+// Small messages take a second kernel, `peer_all_reduce_lines_f32`, without the flag
+// barrier: every 16-byte line a rank pushes carries two values, each beside the call
+// number (as NCCL's LL protocol does), so a reader waits on the line itself and no fence
+// stands between a push and its use. It costs twice the bytes, which only the small
+// messages can spare. Both kernels count their calls in the same counters, launch the
+// same blocks and slice alike, so a group may switch between them from call to call.
+//
 // Layout of a rank's buffer (bytes from its base; the Rust side, `peer.rs`, agrees):
 //   [0, 4·PR_BLOCKS·PR_MAX_WORLD)   flags[block][peer], written by the peers
 //   then 4·PR_BLOCKS bytes          counters[block], this rank's own
 //   then 4 bytes                    failed: set once a wait timed out
 //   [PR_DATA_OFFSET, …)            data[parity 2][rank world][cap floats]
+//   [lines_offset, …)              lines[parity 2][rank world][line_cap 16-byte lines]
 
 #include <cstddef>
 #include <cstdint>
@@ -139,5 +147,103 @@ extern "C" __global__ void __launch_bounds__(PR_THREADS)
             }
         }
     }
+    if (threadIdx.x == 0) counters[b] = call;
+}
+
+__device__ __forceinline__ void st_line(uint4* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_line(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+// The lines protocol (see the top): a line is {value i, call, value i + 1, call}; a reader
+// takes it once both call words are this call's. Line j of a slot holds values 2j, 2j+1.
+// A rank writes a half again two calls later only after its previous call read a line
+// of every peer's next call, which each peer writes only after its own previous call —
+// the reads of that half — is done (block 0 always has values, so every call waits on
+// some line). The rank's own values come from `in`, never through memory; the sum runs
+// over the ranks in order 0, 1, …, as the flag kernel's does, so both give the same bits.
+extern "C" __global__ void __launch_bounds__(PR_THREADS)
+    peer_all_reduce_lines_f32(float* out, const float* in, size_t n, PeerBases bases, int rank, int world,
+                              size_t lines_offset, size_t line_cap, unsigned long long timeout_ns,
+                              unsigned int* status, int gather) {
+    char* mine = reinterpret_cast<char*>(bases.p[rank]);
+    uint32_t* flags = reinterpret_cast<uint32_t*>(mine);
+    uint32_t* counters = flags + PR_BLOCKS * PR_MAX_WORLD;
+    volatile uint32_t* failed = counters + PR_BLOCKS;
+    if (*failed) return;
+    const int b = blockIdx.x;
+    const uint32_t call = counters[b] + 1;
+    const size_t half = static_cast<size_t>(call & 1) * world * line_cap;
+    // This block's slice, an even number of values (whole lines) but at the very end.
+    const size_t per = (((n + PR_BLOCKS - 1) / PR_BLOCKS) + 1) & ~static_cast<size_t>(1);
+    const size_t lo = min(n, b * per), hi = min(n, lo + per);
+
+    for (size_t i = lo + 2 * threadIdx.x; i < hi; i += 2 * PR_THREADS) {
+        const float v1 = i + 1 < hi ? in[i + 1] : 0.f;
+        const uint4 line = make_uint4(__float_as_uint(in[i]), call, __float_as_uint(v1), call);
+        for (int p = 0; p < world; ++p) {
+            if (p == rank) continue;
+            uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(bases.p[p]) + lines_offset) + half +
+                         static_cast<size_t>(rank) * line_cap + i / 2;
+            st_line(dst, line);
+        }
+    }
+
+    const uint4* src = reinterpret_cast<const uint4*>(mine + lines_offset) + half;
+    bool timed_out = false;
+    for (size_t i = lo + 2 * threadIdx.x; i < hi; i += 2 * PR_THREADS) {
+        const bool two = i + 1 < hi;
+        const float own0 = in[i], own1 = two ? in[i + 1] : 0.f;
+        float t0 = 0.f, t1 = 0.f;
+        for (int r = 0; r < world; ++r) {
+            float a0 = own0, a1 = own1;
+            if (r != rank) {
+                const uint4* at = src + static_cast<size_t>(r) * line_cap + i / 2;
+                uint4 v = ld_line(at);
+                uint64_t start = 0;
+                for (uint32_t spins = 1; (v.y != call || v.w != call) && !timed_out; ++spins) {
+                    if ((spins & 1023) == 0) {
+                        const uint64_t t = global_ns();
+                        if (start == 0) {
+                            start = t;
+                        } else if (t - start > timeout_ns) {
+                            *failed = 1;
+                            *reinterpret_cast<volatile unsigned int*>(status) = 1;
+                            __threadfence_system();
+                            timed_out = true;
+                        }
+                    }
+                    v = ld_line(at);
+                }
+                a0 = __uint_as_float(v.x);
+                a1 = __uint_as_float(v.z);
+            }
+            if (gather) {
+                out[static_cast<size_t>(r) * n + i] = a0;
+                if (two) out[static_cast<size_t>(r) * n + i + 1] = a1;
+            } else if (r == 0) {
+                t0 = a0;
+                t1 = a1;
+            } else {
+                t0 += a0;
+                t1 += a1;
+            }
+        }
+        if (!gather) {
+            out[i] = t0;
+            if (two) out[i + 1] = t1;
+        }
+    }
+    __syncthreads();  // every thread has read `counters[b]`
     if (threadIdx.x == 0) counters[b] = call;
 }

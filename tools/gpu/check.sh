@@ -22,7 +22,7 @@
 # kept on the ranks, a stalled rank, the one-shot collectives over peer memory between
 # threads and between processes), mlaserve-tp's process group over real NCCL (TP = 1 .. N
 # equal, a killed rank), the CLI's worker group on the CUDA backend (idle past its
-# collective timeout, then a rank killed), `bench step` at TP 1 .. N, and
+# collective timeout, then a rank killed), `bench step` at TP 1 .. N, `bench all-reduce`, and
 # `bench mla-decode`.
 #
 # Runs every GPU test binary in .gpu/tests/ (mlaserve-cuda's and mlaserve-cuda-lab's),
@@ -150,7 +150,8 @@ if [[ "$mode" == tp ]]; then
         gpu_engine:tp2_kept_drafts_equal_drafts_read_back_per_stage \
         gpu_comm:peer_all_reduce_equals_the_rank_order_sum_threads \
         gpu_comm:peer_all_reduce_equals_the_rank_order_sum_processes \
-        gpu_comm:a_stalled_peer_fails_the_peer_all_reduce_within_the_timeout; do
+        gpu_comm:a_stalled_peer_fails_the_flag_kernel_within_the_timeout \
+        gpu_comm:a_stalled_peer_fails_the_lines_kernel_within_the_timeout; do
         step "${spec/:/::}" "$out/tests.log" timeout 240 "$gpu_dir/tests/${spec%%:*}" --exact "${spec#*:}" \
             --nocapture --test-threads=1
     done
@@ -244,6 +245,8 @@ if [[ "$mode" == tp ]]; then
         --tp "$tp_n" --eager
     step "bench step --tp $tp_n --threads" "$out/bench-step.log" timeout 240 "$gpu_dir/bin/mlaserve" bench step \
         --tp "$tp_n" --threads
+    step "bench all-reduce --tp $tp_n" "$out/bench-step.log" timeout 120 "$gpu_dir/bin/mlaserve" bench all-reduce \
+        --tp "$tp_n"
     step "bench mla-decode" "$out/bench-mla.log" timeout 150 "$gpu_dir/bin/mlaserve" bench mla-decode
     {
         echo
@@ -252,6 +255,7 @@ if [[ "$mode" == tp ]]; then
         echo "---- measured"
         grep -hE " rel |differ|tokens in|failed .* after|exited by|still running|panicked|idle" "$out/tests.log" "$out/tp-group.log" "$out/cli.log" | head -60
         grep -hE "^bench step|^ceiling|^ +[0-9]+ +[0-9] |^\(" "$out/bench-step.log"
+        grep -hA12 "^all-reduce in" "$out/bench-step.log"
         grep -hE "ceiling|heads" "$out/bench-mla.log" | head -40
     } | tee "$out/summary.txt"
     exit "$failures"

@@ -4,7 +4,7 @@
 //! in CI, as does [`spec_projection`] (tokens per second of each k from step times) —
 //! and, with the `cuda` feature, the kernel-vs-reference checks ([`check`], the
 //! `mlaserve-cuda-check` binary), the roofline benchmarks ([`bench`], [`bench_prefill`],
-//! [`bench_step`], [`bench_sample`]) behind `mlaserve bench` and `benches/`, random
+//! [`bench_step`], [`bench_sample`], [`bench_comm`]) behind `mlaserve bench` and `benches/`, random
 //! weights for them ([`random`]) and the utility kernels they use ([`util`]).
 
 pub mod fp8_ref;
@@ -14,6 +14,8 @@ pub mod spec_projection;
 
 #[cfg(feature = "cuda")]
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_comm;
 #[cfg(feature = "cuda")]
 pub mod bench_fp8;
 #[cfg(feature = "cuda")]

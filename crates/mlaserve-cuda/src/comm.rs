@@ -76,12 +76,13 @@ impl DeviceComm {
     }
 
     /// Sends messages of at most `max_bytes` through the one-shot all-reduce over peer
-    /// memory ([`PeerReduce`]); every rank must call this together. Returns whether the
+    /// memory ([`PeerReduce`]), those of at most `lines_bytes` through its lines kernel;
+    /// every rank must call this together. Returns whether the
     /// group took it (false where some rank cannot reach another directly: the group
     /// stays on NCCL).
-    pub fn enable_peer_reduce(&mut self, gpu: &Gpu, max_bytes: usize) -> Result<bool> {
+    pub fn enable_peer_reduce(&mut self, gpu: &Gpu, max_bytes: usize, lines_bytes: usize) -> Result<bool> {
         let gather = |w: &[u32]| self.gather_words(w);
-        let peer = PeerReduce::join(gpu, self.rank, self.world, max_bytes, self.timeout, &gather)?;
+        let peer = PeerReduce::join(gpu, self.rank, self.world, max_bytes, lines_bytes, self.timeout, &gather)?;
         self.peer = peer;
         Ok(self.peer.is_some())
     }
@@ -101,6 +102,22 @@ impl DeviceComm {
         Ok(Some(p))
     }
 
+    /// The largest message (floats) of the one-shot lines kernel; None when the one-shot
+    /// kernels are off.
+    pub fn peer_lines_max(&self) -> Option<usize> {
+        self.peer.as_ref().map(PeerReduce::lines_max)
+    }
+
+    /// Lowers (or restores, up to what [`Self::enable_peer_reduce`] made room for) the
+    /// largest message of the lines kernel from the next call on; 0 sends every one-shot
+    /// message through the flag barrier. Every rank must set the same (a benchmark's or a
+    /// test's comparison of the two kernels).
+    pub fn set_peer_lines_max(&mut self, floats: usize) {
+        if let Some(peer) = self.peer.as_mut() {
+            peer.set_lines_max(floats);
+        }
+    }
+
     /// Every rank's `words` (rank-major), through an NCCL all-gather, waited for.
     fn gather_words(&self, words: &[u32]) -> Result<Vec<u32>> {
         let s = self.comm.stream();
@@ -118,6 +135,11 @@ impl DeviceComm {
         if let Some(p) = self.peer_for(buf.len(), "peer all-reduce")? {
             return p.all_reduce(self.comm.stream(), buf);
         }
+        self.all_reduce_nccl(buf)
+    }
+
+    /// Enqueues NCCL's in-place sum of `buf`, whatever the one-shot kernels would take.
+    pub fn all_reduce_nccl(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
         const W: &str = "ncclAllReduce";
         self.comm
             .with(W, |c| c.all_reduce_in_place(buf, &ReduceOp::Sum).map(|_| ()).map_err(nccl_err(W)))

@@ -79,7 +79,7 @@ mod tensor_map;
 #[cfg(feature = "cuda")]
 pub use backend::{
     CaptureMode, CudaBackend, CudaHidden, CudaOptions, GraphStats, PrefillPath, WeightBytes, WeightFill,
-    ABSORBED_MAX_ROWS, INVARIANT_SPLIT_BLOCKS, PEER_ALL_REDUCE_BYTES,
+    ABSORBED_MAX_ROWS, INVARIANT_SPLIT_BLOCKS, PEER_ALL_REDUCE_BYTES, PEER_LINES_BYTES,
 };
 #[cfg(feature = "cuda")]
 pub use comm::{DeviceComm, TpInit};

@@ -11,7 +11,9 @@
 //! into every rank's slot, a flag barrier and a sum in rank order: the same order and
 //! the same bits as the ordered all-reduce (an all-gather, then `sum_ranks_f32`), so it
 //! serves the batch-invariant mode as well as the default. The same kernel all-gathers
-//! (the slots copied out rank-major). Larger messages stay on NCCL.
+//! (the slots copied out rank-major). Messages up to a smaller size take the lines kernel
+//! instead (each value pushed beside the call number, no flag barrier: the lowest
+//! latency, at twice the bytes), with the same bits. Larger messages stay on NCCL.
 //! Where the ranks cannot all reach each other, every rank agrees to go without it.
 
 use std::sync::Arc;
@@ -55,6 +57,7 @@ unsafe impl DeviceRepr for PeerBases {}
 pub struct PeerReduce {
     ctx: Arc<CudaContext>,
     func: CudaFunction,
+    lines_func: CudaFunction,
     local: CUdeviceptr,
     bases: PeerBases,
     /// The peers' buffers opened from their IPC handles (other processes), closed on
@@ -64,6 +67,11 @@ pub struct PeerReduce {
     world: usize,
     /// Floats a slot holds: the largest message this path takes.
     cap: usize,
+    /// Where the lines start in a buffer, and the lines a slot holds (two values each).
+    lines_offset: usize,
+    line_cap: usize,
+    /// Messages of at most this many floats take the lines kernel.
+    lines_max: usize,
     timeout_ns: u64,
     /// One word of mapped, pinned host memory that the kernel raises when a peer never
     /// arrived: its host address (an integer: the memory is the process's, not a
@@ -167,14 +175,15 @@ pub type Gather<'a> = &'a dyn Fn(&[u32]) -> Result<Vec<u32>>;
 
 impl PeerReduce {
     /// Sets up the one-shot all-reduce for messages of at most `max_bytes` on `gpu` as
-    /// `rank` of `world`, exchanging addresses through `gather` (every rank must call this
-    /// together). `None` when some rank cannot reach some other directly: every rank gets
+    /// `rank` of `world`, those of at most `lines_bytes` on the lines kernel, exchanging
+    /// addresses through `gather` (every rank must call this together). `None` when some rank cannot reach some other directly: every rank gets
     /// `None` then, and the group stays on NCCL.
     pub fn join(
         gpu: &Gpu,
         rank: usize,
         world: usize,
         max_bytes: usize,
+        lines_bytes: usize,
         timeout: std::time::Duration,
         gather: Gather,
     ) -> Result<Option<PeerReduce>> {
@@ -184,11 +193,16 @@ impl PeerReduce {
         }
         gpu.ctx.bind_to_thread().map_err(drv("bind"))?;
         let cap = (max_bytes / 4).next_multiple_of(4).max(4);
-        let bytes = DATA_OFFSET + 2 * world * cap * 4;
+        let lines_max = cap.min(lines_bytes / 4);
+        let line_cap = lines_max.div_ceil(2);
+        let lines_offset = DATA_OFFSET + 2 * world * cap * 4;
+        let bytes = lines_offset + 2 * world * line_cap * 16;
         let mut local: CUdeviceptr = 0;
         // SAFETY: allocates `bytes` in the current (this rank's) context; freed on drop.
         check(unsafe { sys::cuMemAlloc_v2(&mut local, bytes) }, "cuMemAlloc")?;
-        let func = gpu.load_module(crate::kernels::PEER_REDUCE)?.load_function("peer_all_reduce_f32")?;
+        let module = gpu.load_module(crate::kernels::PEER_REDUCE)?;
+        let func = module.load_function("peer_all_reduce_f32")?;
+        let lines_func = module.load_function("peer_all_reduce_lines_f32")?;
         let (status_host, status_dev) = match mapped_word() {
             Ok(w) => w,
             Err(e) => {
@@ -200,12 +214,16 @@ impl PeerReduce {
         let mut me = PeerReduce {
             ctx: gpu.ctx.clone(),
             func,
+            lines_func,
             local,
             bases: PeerBases::default(),
             opened: Vec::new(),
             rank,
             world,
             cap,
+            lines_offset,
+            line_cap,
+            lines_max,
             timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             status_host,
             status_dev,
@@ -268,6 +286,18 @@ impl PeerReduce {
         self.cap
     }
 
+    /// The largest message (floats) of the lines kernel.
+    pub fn lines_max(&self) -> usize {
+        self.lines_max
+    }
+
+    /// Lowers (or restores) the largest message of the lines kernel from the next call
+    /// on, at most what `join` made room for; every rank of the group must set the same.
+    /// A benchmark's comparison: 0 sends every message through the flag barrier.
+    pub fn set_lines_max(&mut self, floats: usize) {
+        self.lines_max = floats.min(2 * self.line_cap);
+    }
+
     /// Enqueues the in-place sum of `buf` over the ranks on `s` (every rank must call it
     /// with the same length, in the same order as its other collectives).
     pub fn all_reduce(&self, s: &Arc<CudaStream>, buf: &mut CudaSlice<f32>) -> Result<()> {
@@ -299,6 +329,26 @@ impl PeerReduce {
         }
         let (rank, world, gather) = (self.rank as i32, self.world as i32, i32::from(gather));
         let cfg = LaunchConfig { grid_dim: (BLOCKS, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        if n <= self.lines_max {
+            // SAFETY: as below, with the lines region of `join`'s layout (`line_cap` lines
+            // a slot, `2 × line_cap >= n`); the arguments match `peer_all_reduce_lines_f32`.
+            unsafe {
+                s.launch_builder(&self.lines_func)
+                    .arg(&out)
+                    .arg(&input)
+                    .arg(&n)
+                    .arg(&self.bases)
+                    .arg(&rank)
+                    .arg(&world)
+                    .arg(&self.lines_offset)
+                    .arg(&self.line_cap)
+                    .arg(&self.timeout_ns)
+                    .arg(&self.status_dev)
+                    .arg(&gather)
+                    .launch(cfg)
+            }?;
+            return Ok(());
+        }
         // SAFETY: `input` holds `n` floats and `out` `n` (in place allowed: each block
         // touches only its own slice, before and after the barrier) or, gathering, `world`
         // × n of another buffer (the callers' borrows); every base holds the layout of

@@ -1,7 +1,9 @@
-//! The tensor-parallel all-reduce of `DeviceComm` on two GPUs, the one-shot kernel over
+//! The tensor-parallel all-reduce of `DeviceComm` on two GPUs, the one-shot kernels over
 //! peer memory (`peer.rs`) against the host's sum in rank order, bit for bit: message
-//! lengths around the kernel's float4 slicing and its 32 blocks up to its cap, each
-//! length three times (both halves of its buffer, the flags counting on), eagerly and
+//! lengths around the kernels' slicing and their 32 blocks up to the cap, each length
+//! three times (both halves of the buffers, the calls counting on), once through each
+//! kernel (the flag barrier, the lines, the automatic choice: switching between them
+//! from call to call, as the sizes of a step do), eagerly and
 //! replayed from a CUDA graph with fresh inputs between replays, and one float over the
 //! cap (NCCL's ordered all-reduce then, the same bits); all-gathers through the same
 //! kernel, exactly the ranks' inputs. Twice: ranks as threads of one
@@ -53,6 +55,13 @@ fn want(call: usize, n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The largest message of the lines kernel for call `call`: the flag barrier at every
+/// size, lines at every size, and lines up to half the cap, in turn (consecutive calls
+/// switch kernels).
+fn lines_max(call: usize) -> usize {
+    [0, MAX_BYTES / 4, MAX_BYTES / 8][call % 3]
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -67,15 +76,20 @@ fn rank_body(rank: usize, id: Vec<u8>) {
     let s = gpu.stream.clone();
     let init = TpInit { rank, world: WORLD, id, timeout: Duration::from_secs(60) };
     let mut comm = DeviceComm::new(&s, &init).expect("NCCL");
-    assert!(comm.enable_peer_reduce(&gpu, MAX_BYTES).expect("peer setup"), "the GPUs reach each other directly");
+    assert!(
+        comm.enable_peer_reduce(&gpu, MAX_BYTES, MAX_BYTES).expect("peer setup"),
+        "the GPUs reach each other directly"
+    );
     let cap = comm.peer_reduce_cap().expect("enabled");
     assert_eq!(cap, MAX_BYTES / 4);
+    assert_eq!(comm.peer_lines_max(), Some(cap), "lines up to the asked bytes");
     let ops = Ops::new(&gpu, TcKernels::Auto).expect("ops");
     let lens = [1, 3, 4, 5, 31, 127, 128, 129, 1000, 4097, 7168, cap - 1, cap];
     let mut call = 0;
     for n in lens {
         for _ in 0..3 {
             let mut buf = s.clone_htod(&input(rank, call, n)).expect("upload");
+            comm.set_peer_lines_max(lines_max(call));
             if call % 2 == 0 {
                 comm.all_reduce(&mut buf).expect("all_reduce");
             } else {
@@ -84,7 +98,12 @@ fn rank_body(rank: usize, id: Vec<u8>) {
             comm.wait("test").expect("wait");
             let got = bits(&s.clone_dtoh(&buf).expect("download"));
             let w = want(call, n);
-            assert_eq!(first_diff(&got, &w), None, "rank {rank}: {n} floats, call {call}: not the rank-order sum");
+            let l = lines_max(call);
+            assert_eq!(
+                first_diff(&got, &w),
+                None,
+                "rank {rank}: {n} floats, call {call} (lines ≤ {l}): not the rank-order sum"
+            );
             call += 1;
         }
     }
@@ -93,6 +112,7 @@ fn rank_body(rank: usize, id: Vec<u8>) {
     for n in [1, 5, 129, 4097, cap, cap + 1] {
         let local = s.clone_htod(&input(rank, call, n)).expect("upload");
         let mut all = s.alloc_zeros::<f32>(WORLD * n).expect("alloc");
+        comm.set_peer_lines_max(lines_max(call));
         comm.all_gather(&local, &mut all).expect("all_gather");
         comm.wait("test").expect("wait");
         let want: Vec<u32> = (0..WORLD).flat_map(|r| bits(&input(r, call, n))).collect();
@@ -113,8 +133,11 @@ fn rank_body(rank: usize, id: Vec<u8>) {
     let mut a = s.alloc_zeros::<f32>(n).expect("alloc");
     let mut b = s.alloc_zeros::<f32>(n).expect("alloc");
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
+    comm.set_peer_lines_max(cap);
     comm.all_reduce(&mut a).expect("captured all_reduce");
+    comm.set_peer_lines_max(0);
     comm.all_reduce_ordered(&ops, &mut b).expect("captured all_reduce_ordered");
+    comm.set_peer_lines_max(cap);
     let graph = s.end_capture(CUgraphInstantiate_flags(0)).expect("end capture").expect("a graph");
     for replay in 0..5 {
         s.memcpy_htod(&input(rank, call, n), &mut a).expect("refill a");
@@ -178,7 +201,17 @@ fn peer_all_reduce_equals_the_rank_order_sum_processes() {
 /// so the stream drains instead of spinning), the wait fails naming a stalled peer, and
 /// the communicator stays failed: the next call fails at once.
 #[test]
-fn a_stalled_peer_fails_the_peer_all_reduce_within_the_timeout() {
+fn a_stalled_peer_fails_the_flag_kernel_within_the_timeout() {
+    stalled_peer(0);
+}
+
+/// The same with the lines kernel.
+#[test]
+fn a_stalled_peer_fails_the_lines_kernel_within_the_timeout() {
+    stalled_peer(MAX_BYTES / 4);
+}
+
+fn stalled_peer(lines_max: usize) {
     if !common::require_gpus(WORLD) {
         return;
     }
@@ -191,7 +224,8 @@ fn a_stalled_peer_fails_the_peer_all_reduce_within_the_timeout() {
             let gpu = Gpu::new(1).expect("GPU 1");
             let init = TpInit { rank: 1, world: WORLD, id: id1, timeout };
             let mut comm = DeviceComm::new(&gpu.stream, &init).expect("NCCL");
-            assert!(comm.enable_peer_reduce(&gpu, MAX_BYTES).expect("peer setup"));
+            assert!(comm.enable_peer_reduce(&gpu, MAX_BYTES, MAX_BYTES).expect("peer setup"));
+            comm.set_peer_lines_max(lines_max);
             let mut buf = gpu.stream.clone_htod(&input(1, 0, 100)).expect("upload");
             comm.all_reduce(&mut buf).expect("rank 1's call");
             comm.wait("rank 1").expect("rank 1's wait");
@@ -200,7 +234,8 @@ fn a_stalled_peer_fails_the_peer_all_reduce_within_the_timeout() {
         let gpu = Gpu::new(0).expect("GPU 0");
         let s = gpu.stream.clone();
         let mut comm = DeviceComm::new(&s, &TpInit { rank: 0, world: WORLD, id, timeout }).expect("NCCL");
-        assert!(comm.enable_peer_reduce(&gpu, MAX_BYTES).expect("peer setup"));
+        assert!(comm.enable_peer_reduce(&gpu, MAX_BYTES, MAX_BYTES).expect("peer setup"));
+        comm.set_peer_lines_max(lines_max);
         let mut buf = s.clone_htod(&input(0, 0, 100)).expect("upload");
         comm.all_reduce(&mut buf).expect("first call");
         comm.wait("first").expect("both ranks took part");

@@ -62,7 +62,7 @@ use crate::{MlaDecode, MlaKernel};
 use weights::{Block, Embed, Mtp};
 
 pub use graphs::GraphStats;
-pub use options::{CaptureMode, CudaOptions, INVARIANT_SPLIT_BLOCKS, PEER_ALL_REDUCE_BYTES};
+pub use options::{CaptureMode, CudaOptions, INVARIANT_SPLIT_BLOCKS, PEER_ALL_REDUCE_BYTES, PEER_LINES_BYTES};
 pub use route::{PrefillPath, ABSORBED_MAX_ROWS};
 pub use synthetic::WeightFill;
 
@@ -163,7 +163,7 @@ fn join_comm(gpu: &Gpu, tp: Option<&TpInit>, opts: &CudaOptions) -> Result<Optio
     let Some(t) = tp else { return Ok(None) };
     let mut comm = DeviceComm::new(&gpu.stream, t)?;
     if let Some(max_bytes) = opts.peer_all_reduce {
-        if !comm.enable_peer_reduce(gpu, max_bytes)? {
+        if !comm.enable_peer_reduce(gpu, max_bytes, opts.peer_lines_bytes)? {
             tracing::warn!(rank = t.rank, "peer all-reduce asked for, but not every GPU reaches the others: NCCL only");
         }
     }

@@ -73,12 +73,22 @@ pub struct CudaOptions {
     /// of the group reaches the others directly ([`PEER_ALL_REDUCE_BYTES`] by default).
     /// None: NCCL only.
     pub peer_all_reduce: Option<usize>,
+    /// Of those, the messages of at most this many bytes take the lines kernel (each
+    /// value pushed beside the call number: no barrier, the lowest latency, twice the
+    /// bytes; the same bits); [`PEER_LINES_BYTES`] by default, 0 for the flag barrier at
+    /// every size.
+    pub peer_lines_bytes: usize,
 }
 
 /// The largest all-reduce of the one-shot kernel by default: a decode step's hidden
 /// states up to 64 rows at V3's width (64 × 7168 × 4 bytes is 1.75 MiB). Each rank holds
 /// twice `world` slots of it (8 MiB at TP 2, 32 MiB at TP 8).
 pub const PEER_ALL_REDUCE_BYTES: usize = 2 << 20;
+
+/// The largest all-reduce of the one-shot lines kernel by default: 256 KiB (a step's
+/// hidden states up to 9 rows at V3's width), each rank holding twice `world` slots of
+/// 512 KiB of lines.
+pub const PEER_LINES_BYTES: usize = 256 << 10;
 
 /// Pages per decode split in [`CudaOptions::batch_invariant`] (1024 tokens): enough CTAs
 /// for a batch of long requests, few partials to merge.
@@ -115,6 +125,7 @@ impl CudaOptions {
             kv_cache_dtype: KvCacheDtype::Auto,
             keep_drafts: true,
             peer_all_reduce: Some(PEER_ALL_REDUCE_BYTES),
+            peer_lines_bytes: PEER_LINES_BYTES,
         }
     }
     /// Every token's result independent of its batch, on the fast kernels: the

@@ -146,6 +146,12 @@ pub struct CudaFlags {
     /// 2 MiB; 0: NCCL for every all-reduce.
     #[arg(long, value_name = "BYTES")]
     pub peer_all_reduce_bytes: Option<usize>,
+    /// CUDA backend, tensor parallelism: of those, all-reduces of at most this many bytes
+    /// take the one-shot lines kernel (each value sent beside the call number, no
+    /// barrier: the lowest latency, at twice the bytes; the same bits). Default 256 KiB;
+    /// 0: the flag-barrier kernel at every size.
+    #[arg(long, value_name = "BYTES")]
+    pub peer_lines_bytes: Option<usize>,
 }
 
 impl CudaFlags {
@@ -172,6 +178,7 @@ impl CudaFlags {
                 Some(0) => None,
                 b => b,
             },
+            peer_lines_bytes: self.peer_lines_bytes.unwrap_or(o.peer_lines_bytes),
             graph_capture: match self.graph_capture {
                 GraphCapture::ThreadLocal => mlaserve_cuda::CaptureMode::ThreadLocal,
                 GraphCapture::Relaxed => mlaserve_cuda::CaptureMode::Relaxed,
@@ -202,6 +209,9 @@ impl CudaFlags {
         }
         if let Some(b) = self.peer_all_reduce_bytes {
             a.push(format!("--peer-all-reduce-bytes={b}"));
+        }
+        if let Some(b) = self.peer_lines_bytes {
+            a.push(format!("--peer-lines-bytes={b}"));
         }
         a
     }
@@ -385,7 +395,7 @@ mod tests {
         let d = parse(&[]).expect("defaults");
         assert_eq!((d.linear_tc, d.prefill_kernel), (LinearTc::Auto, PrefillKernelArg::Tma));
         assert_eq!((d.graph_capture, d.dequantize_fp8, d.drafts_to_host), (GraphCapture::ThreadLocal, false, false));
-        assert_eq!(d.peer_all_reduce_bytes, None);
+        assert_eq!((d.peer_all_reduce_bytes, d.peer_lines_bytes), (None, None));
         let args = [
             "--linear-tc",
             "mma.sync",
@@ -397,9 +407,11 @@ mod tests {
             "--drafts-to-host",
             "--peer-all-reduce-bytes",
             "65536",
+            "--peer-lines-bytes",
+            "0",
         ];
         let f = parse(&args).expect("flags");
-        assert_eq!(f.peer_all_reduce_bytes, Some(65536));
+        assert_eq!((f.peer_all_reduce_bytes, f.peer_lines_bytes), (Some(65536), Some(0)));
         assert_eq!((f.linear_tc, f.prefill_kernel), (LinearTc::MmaSync, PrefillKernelArg::Wgmma));
         assert!(f.dequantize_fp8 && f.to_args().contains(&"--dequantize-fp8".to_string()));
         assert!(f.drafts_to_host && f.to_args().contains(&"--drafts-to-host".to_string()));

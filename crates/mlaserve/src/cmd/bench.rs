@@ -28,9 +28,33 @@ enum What {
     /// One decode step at DeepSeek-V3's dimensions (random weights) against its roofline,
     /// on one GPU or a tensor-parallel group (needs `--features cuda` and the GPUs).
     Step(StepArgs),
+    /// The tensor-parallel all-reduce inside a CUDA graph (the one-shot kernels over peer
+    /// memory and NCCL's) beside a copy kernel of the same size, on GPUs of one process
+    /// (needs `--features cuda` and the GPUs).
+    AllReduce(AllReduceArgs),
     /// How fast a checkpoint loads onto a GPU, beside the disk's and the page cache's
     /// read rates of the same files, measured in the same run.
     Load(super::bench_load::Args),
+}
+
+#[derive(Debug, clap::Args)]
+struct AllReduceArgs {
+    /// First CUDA device (the ranks use `device..device + tp`).
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Ranks, one GPU (and thread) each.
+    #[arg(long, default_value_t = 2)]
+    tp: usize,
+    /// Message sizes in floats (a decode step sends rows × hidden).
+    #[arg(long, value_delimiter = ',', default_values_t = [256, 1024, 4096, 7168, 28672, 65536, 131072, 458752])]
+    floats: Vec<usize>,
+    /// Timed replays per size.
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// The lines kernel up to this many bytes (the backend's `--peer-lines-bytes`);
+    /// the flag-barrier kernel at every size.
+    #[arg(long, value_name = "BYTES", default_value_t = 2 << 20)]
+    peer_lines_bytes: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -235,6 +259,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::MlaDecode(g) => mla_decode_bench(g),
         What::MlaPrefill(p) => mla_prefill_bench(p),
         What::Step(a) => step_bench(a),
+        What::AllReduce(a) => all_reduce_bench(a),
         What::Load(a) => super::bench_load::run(a),
     }
 }
@@ -450,6 +475,21 @@ fn mla_decode_bench(g: MlaArgs) -> anyhow::Result<()> {
 #[cfg(not(feature = "cuda"))]
 fn mla_prefill_bench(p: PrefillArgs) -> anyhow::Result<()> {
     anyhow::bail!("bench mla-prefill --device {}: {NO_CUDA}", p.device)
+}
+
+#[cfg(feature = "cuda")]
+fn all_reduce_bench(a: AllReduceArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.tp >= 2, "--tp: an all-reduce needs at least 2 ranks");
+    anyhow::ensure!(a.floats.iter().all(|&n| n >= 1), "--floats: each must be at least 1");
+    anyhow::ensure!(a.iters >= 1, "--iters: at least 1");
+    let r = mlaserve_cuda_lab::bench_comm::bench_all_reduce(a.device, a.tp, &a.floats, a.peer_lines_bytes, a.iters)?;
+    print!("{r}");
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn all_reduce_bench(a: AllReduceArgs) -> anyhow::Result<()> {
+    anyhow::bail!("bench all-reduce --tp {} --device {}: {NO_CUDA}", a.tp, a.device)
 }
 
 #[cfg(not(feature = "cuda"))]
