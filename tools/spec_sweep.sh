@@ -20,7 +20,12 @@
 # side; with BACKEND=cuda they share the GPU, each with KV_BLOCKS blocks (default 2048) of
 # cache. With TP > 1 each server is a worker group of TP processes (rank r on GPU r)
 # behind a router, as in a deployment, and the servers run one after another (groups
-# sharing GPUs would spin their NCCL kernels on the same SMs). SERVE_FLAGS: more flags
+# sharing GPUs would spin their NCCL kernels on the same SMs); SEQUENTIAL=1 runs them one
+# after another at TP 1 too (each alone on the GPU, as deployed; no interleaving, so the
+# rounds of a server are consecutive); RESTART=1 (with either) gives every round fresh
+# server processes, started in an order rotated per round, each warmed up again: a
+# process's speed at the same k can differ from another's by a few percent for its life,
+# which more rounds on the same processes do not average out. SERVE_FLAGS: more flags
 # for every server (e.g. --drafts-to-host). ALT_FLAGS: a fourth server, adaptive with
 # these flags as well ("alt"), beside the others in the same rounds (an A/B of an
 # option of the adaptive policy; FIXED=0 leaves the fixed-k servers out).
@@ -74,6 +79,7 @@ model="$repo/models/mla-tiny-code"
 declare -A spids
 start() {
     local m=$1 p=${port[$1]} r lead
+    spids[$m]=""
     if ((tp > 1)); then
         # The engine's metrics (the k chosen) are rank 0's, on p + 1 as `serve`'s are.
         for ((r = tp - 1; r >= 0; r--)); do
@@ -134,7 +140,7 @@ counters() {
 }
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
-declare -A tps choice runs before weighed phases wall at graphs caught
+declare -A tps choice runs before weighed phases wall at graphs caught caught_before
 # Server MODE's CUDA graphs captured so far (its rank 0's; 0 without graphs).
 graphs_now() {
     curl -s "http://127.0.0.1:$((port[$1] + 1))/metrics" | awk '/^mlaserve_graph_captures_total/ {g = $2} END {print g + 0}'
@@ -155,7 +161,10 @@ warm() {
     caught[$m,$c]=$now
 }
 # caught_since MODE STREAMS: the captures during the rounds.
-caught_since() { caught[$1,$2]=$(($(graphs_now "$1") - caught[$1,$2])); }
+caught_since() {
+    caught[$1,$2]=$(($(graphs_now "$1") - caught[$1,$2] + ${caught_before[$1,$2]:-0}))
+    caught_before[$1,$2]=${caught[$1,$2]}
+}
 bench() {  # bench MODE STREAMS ROUND: one `bench serve` run, its tokens/s into runs
     local m=$1 c=$2 r=$3 n=$(($2 * reqs)) log="$logs/bench-$1-$2-$3.log"
     ((n < min_reqs)) && n=$min_reqs
@@ -175,37 +184,51 @@ phases_of() {  # phases_of MODE STREAMS: steps, run seconds, phase seconds since
     local a
     a=${at[$1]}
     snapshot "$1"
-    phases[$1,$2]=$(awk -v a="$a" -v b="${at[$1]}" -v w="${wall[$1,$2]}" 'BEGIN { split(a, x, " "); split(b, y, " ");
-        printf "%s %s", y[1] - x[1], w; for (i = 2; i <= 5; i++) printf " %s", y[i] - x[i] }')
+    # Added to the earlier processes' (RESTART); the run seconds are cumulative already.
+    phases[$1,$2]=$(awk -v a="$a" -v b="${at[$1]}" -v w="${wall[$1,$2]}" -v p="${phases[$1,$2]:-0 0 0 0 0 0}" '
+        BEGIN { split(a, x, " "); split(b, y, " "); split(p, q, " ");
+        printf "%s %s", q[1] + y[1] - x[1], w; for (i = 2; i <= 5; i++) printf " %s", q[i + 1] + y[i] - x[i] }')
 }
 decided() {  # decided MODE STREAMS: server MODE's decisions since `before[MODE,STREAMS]`
-    local a b
+    local a b c
     read -r -a a <<<"${before[$1,$2]}"
     read -r -a b <<<"$(steps_per_k "$1")"
-    choice[$1,$2]="$((b[0] - a[0]))/$((b[1] - a[1]))/$((b[2] - a[2]))/$((b[3] - a[3]))"
+    # Added to the earlier processes' (RESTART).
+    IFS=/ read -r -a c <<<"${choice[$1,$2]:-0/0/0/0}"
+    choice[$1,$2]="$((c[0] + b[0] - a[0]))/$((c[1] + b[1] - a[1]))/$((c[2] + b[2] - a[2]))/$((c[3] + b[3] - a[3]))"
     # What the adaptive server's choices weighed by then: cycle µs per decode row per
     # (rows, k), the rates.
     [[ $1 == adaptive ]] && weighed[$2]=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics" |
         grep -E '^mlaserve_speculation_(cycle_us_per_row|acceptance_rate)' | sed 's/^mlaserve_speculation_/  /')
 }
-if ((tp > 1)); then
+# One server process's share of the sweep: every concurrency, ROUNDS rounds (or the
+# single round R with RESTART).
+serve_rounds() {
+    local m=$1 first=$2 last=$3 c r
+    start "$m"
+    ready "$m"
+    for c in $conc; do
+        warm "$m" "$c"
+        [[ $m == adaptive || $m == alt ]] && before[$m,$c]=$(steps_per_k "$m")
+        snapshot "$m"
+        for ((r = first; r < last; r++)); do bench "$m" "$c" "$r"; done
+        phases_of "$m" "$c"
+        caught_since "$m" "$c"
+        [[ $m == adaptive || $m == alt ]] && decided "$m" "$c"
+    done
+    graphs[$m]=$(($(graphs_now "$m") + ${graphs[$m]:-0}))
+    stop "$m"
+}
+if [[ ${RESTART:-0} == 1 ]]; then
+    # Fresh processes every round, one server at a time, in an order rotated per round.
+    nm=${#modes[@]}
+    for ((r = 0; r < rounds; r++)); do
+        for ((i = 0; i < nm; i++)); do serve_rounds "${modes[$(((i + r) % nm))]}" "$r" $((r + 1)); done
+    done
+elif ((tp > 1)) || [[ ${SEQUENTIAL:-0} == 1 ]]; then
     # Groups of several GPUs cannot share them side by side (their NCCL kernels spin on
     # the same SMs): one server at a time, every concurrency and round on it.
-    for m in "${modes[@]}"; do
-        start "$m"
-        ready "$m"
-        for c in $conc; do
-            warm "$m" "$c"
-            [[ $m == adaptive || $m == alt ]] && before[$m,$c]=$(steps_per_k "$m")
-            snapshot "$m"
-            for ((r = 0; r < rounds; r++)); do bench "$m" "$c" "$r"; done
-            phases_of "$m" "$c"
-            caught_since "$m" "$c"
-            [[ $m == adaptive || $m == alt ]] && decided "$m" "$c"
-        done
-        graphs[$m]=$(graphs_now "$m")
-        stop "$m"
-    done
+    for m in "${modes[@]}"; do serve_rounds "$m" 0 "$rounds"; done
 else
     for m in "${modes[@]}"; do start "$m"; done
     for m in "${modes[@]}"; do ready "$m"; done
@@ -240,7 +263,10 @@ done
 echo
 prompts="$prompt-token prompts"
 [[ -n "${PROMPTS:-}" ]] && prompts="prompts of $PROMPTS"
-echo "backend $backend, TP $tp, $prompts, $new new tokens, median of $rounds interleaved runs;"
+how="interleaved runs"
+((tp > 1)) || [[ ${SEQUENTIAL:-0} == 1 ]] && how="runs, one server at a time"
+[[ ${RESTART:-0} == 1 ]] && how="runs, one server at a time, each round on fresh processes"
+echo "backend $backend, TP $tp, $prompts, $new new tokens, median of $rounds $how;"
 echo "generated tokens/s (logs: $logs)"
 echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
