@@ -41,6 +41,8 @@ pub struct BlockManager {
     prefix: Option<PrefixCache>,
     /// Tests: match only blocks with complete MTP entries.
     pub(crate) complete_only: bool,
+    /// Whether admissions may map target-only blocks (the engine's choice per step).
+    pub(crate) target_only_hits: bool,
 }
 
 impl BlockManager {
@@ -48,7 +50,7 @@ impl BlockManager {
     pub fn new(total: usize) -> Self {
         // Pop order hands out low ids first; it only matters for readable traces.
         let free = (0..total as u32).rev().collect();
-        BlockManager { free, total, refs: vec![0; total], prefix: None, complete_only: false }
+        BlockManager { free, total, refs: vec![0; total], prefix: None, complete_only: false, target_only_hits: true }
     }
 
     /// A pool that caches full blocks by prefix, each keyed with the `lookahead`
@@ -132,8 +134,9 @@ impl BlockManager {
 
     /// Maps the longest cached prefix of `tokens` (whole blocks, ending before the last
     /// token and before the last `lookahead` ones) onto the empty `table`: blocks with
-    /// complete MTP entries as far as they go, then target-only ones. Returns the
-    /// blocks mapped and, when some are target-only, the index of the first.
+    /// complete MTP entries as far as they go, then target-only ones (unless
+    /// `target_only_hits` is off). Returns the blocks mapped and, when some are
+    /// target-only, the index of the first.
     /// `chain` is the tokens' chained block hash, grown as needed.
     pub fn match_prefix(
         &mut self,
@@ -142,7 +145,7 @@ impl BlockManager {
         table: &mut Vec<u32>,
     ) -> (usize, Option<usize>) {
         debug_assert!(table.is_empty());
-        let complete_only = self.complete_only;
+        let complete_only = self.complete_only || !self.target_only_hits;
         let Some(p) = &mut self.prefix else { return (0, None) };
         let usable = tokens.len().saturating_sub(p.lookahead().max(1)) / BLOCK_SIZE;
         extend_chain(chain, tokens, usable);

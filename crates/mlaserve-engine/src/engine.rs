@@ -55,6 +55,8 @@ pub struct Engine<B: Backend> {
     jobs: Vec<DraftJob>,
     /// Chooses each step's k (fixed, or adaptive up to `lim.k`).
     policy: Policy,
+    /// The k of the last drafting pass (`lim.k` before the first).
+    last_k: usize,
     /// Why the backend is unusable for good, once a collective failed.
     failed: Option<String>,
 }
@@ -199,6 +201,7 @@ impl<B: Backend> Engine<B> {
             failed: None,
             jobs: Vec::new(),
             policy: Policy::new(k, config.speculation == Speculation::Adaptive),
+            last_k: k,
         })
     }
 
@@ -326,6 +329,12 @@ impl<B: Backend> Engine<B> {
         }
         let t0 = self.backend.now();
         let captures = self.backend.graph_captures();
+        // While the engine drafts with every MTP layer it uses, a prompt whose cached
+        // blocks are target-only (left by steps at a smaller k) is prefilled again, so its
+        // blocks are cached complete from then on: inherited MTP holes cost every later
+        // request with that prefix a part of its drafts, a new prefill costs once.
+        let used = self.n_mtp.min(self.lim.k);
+        self.blocks.target_only_hits = used == 0 || self.last_k < used;
         let sched = schedule(&mut self.running, &mut self.waiting, &mut self.blocks, &self.lim);
         if sched.tokens == 0 {
             return events;
@@ -386,6 +395,7 @@ impl<B: Backend> Engine<B> {
                 Counts { offered: &s.offered_at, accepted: &s.verified_at, whole }
             });
             let k = self.policy.choose(decoding, decode_only);
+            self.last_k = k;
             self.mark_mtp_holes(&jobs, k);
             if k > 0 {
                 let n_mtp = self.n_mtp;

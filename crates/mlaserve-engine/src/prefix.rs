@@ -21,7 +21,10 @@
 //! as target-only when some may not be (a step drafted with fewer MTP layers than the
 //! engine uses — adaptive k = 0 on a CPU, say): a request reuses the complete chain as
 //! far as it goes, then target-only blocks, whose MTP holes it then has as its own
-//! (its drafts may be worse; its output is the same).
+//! (its drafts are worse; its output is the same) — the latter only while the engine
+//! drafts with fewer MTP layers than it uses (`BlockManager::target_only_hits`, set per
+//! step): once it drafts with all of them, the prompt is prefilled again and cached
+//! complete.
 //!
 //! Unreferenced cached blocks wait in an LRU list and are evicted (oldest first) only
 //! when the pool has no never-cached free block left. A referenced block is never
