@@ -321,6 +321,12 @@ impl PeerReduce {
 
     /// One call of the kernel over `n` floats at `input`, into `out`.
     fn launch(&self, s: &Arc<CudaStream>, input: u64, out: u64, n: usize, gather: bool) -> Result<()> {
+        // An empty message moves nothing, and every rank skips it alike. (Launched, the
+        // lines kernel would count a call in which no block waits for a peer, which the
+        // reuse of its halves two calls later relies on.)
+        if n == 0 {
+            return Ok(());
+        }
         if n > self.cap {
             return Err(CudaError::shape("peer_all_reduce_f32", format!("{n} floats over a slot of {}", self.cap)));
         }
