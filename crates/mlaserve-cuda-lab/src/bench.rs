@@ -60,6 +60,19 @@ pub fn time_graph(
     calls: usize,
     warmup: usize,
     iters: usize,
+    f: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    time_graph_with(gpu, calls, warmup, iters, || {}, f)
+}
+
+/// [`time_graph`], calling `before` ahead of each timed replay (ranks of a collective
+/// meet at a barrier there, so each replay starts on every rank together).
+pub fn time_graph_with(
+    gpu: &Gpu,
+    calls: usize,
+    warmup: usize,
+    iters: usize,
+    mut before: impl FnMut(),
     mut f: impl FnMut() -> Result<()>,
 ) -> Result<Vec<f64>> {
     let s = &gpu.stream;
@@ -86,6 +99,7 @@ pub fn time_graph(
     let end = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
+        before();
         start.record(s)?;
         graph.launch()?;
         end.record(s)?;

@@ -11,9 +11,9 @@ use std::fmt;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 
+use crate::bench::time_graph_with;
 use crate::util::Util;
 use mlaserve_cuda::{CudaError, DeviceComm, Gpu, Result, TpInit};
 
@@ -110,12 +110,7 @@ pub fn bench_all_reduce(
             .map(|h| h.join().unwrap_or_else(|_| Err(CudaError::Collective("a rank panicked".into()))))
             .collect()
     });
-    let mut first = None;
-    for r in results {
-        let r = r?;
-        first.get_or_insert(r);
-    }
-    let (device, rows) = first.expect("at least two ranks");
+    let (device, rows) = results.into_iter().collect::<Result<Vec<_>>>()?.swap_remove(0);
     Ok(CommBenchReport { device, world, rows })
 }
 
@@ -139,21 +134,21 @@ fn rank_sweep(
         util.fill_f32(&s, &mut buf, 11 + init.rank as u64, -1.0, 1.0)?;
         let mut src = s.alloc_zeros::<f32>(n)?;
         util.fill_f32(&s, &mut src, 13, -1.0, 1.0)?;
-        let mut time = |path: Path, lines_max: usize| -> Result<f64> {
+        let mut time = |path: Path| -> Result<f64> {
             comm.set_peer_lines_max(if matches!(path, Path::Flags) { 0 } else { lines_max });
             time_graph(&gpu, &comm, &util, path, &src, &mut buf, iters, barrier)
         };
-        let copy_us = time(Path::Copy, lines_max)?;
-        let lines_us = if n <= lines_max { Some(time(Path::Lines, lines_max)?) } else { None };
-        let flags_us = if peer { Some(time(Path::Flags, lines_max)?) } else { None };
-        let nccl_us = time(Path::Nccl, lines_max)?;
+        let copy_us = time(Path::Copy)?;
+        let lines_us = if n <= lines_max { Some(time(Path::Lines)?) } else { None };
+        let flags_us = if peer { Some(time(Path::Flags)?) } else { None };
+        let nccl_us = time(Path::Nccl)?;
         rows.push(CommBenchRow { floats: n, copy_us, lines_us, flags_us, nccl_us });
     }
     Ok((gpu.name.clone(), rows))
 }
 
 /// Median µs per call of a graph of [`CALLS`] calls of `path` on `buf`, `iters` replays
-/// after three untimed ones; the ranks start each replay together (a barrier).
+/// after three untimed ones, each replay started on every rank together (a barrier).
 #[allow(clippy::too_many_arguments)]
 fn time_graph(
     gpu: &Gpu,
@@ -166,36 +161,28 @@ fn time_graph(
     barrier: &Barrier,
 ) -> Result<f64> {
     let s = gpu.stream.clone();
-    // One eager call first: NCCL sets up lazily, outside any capture.
-    let call = |comm: &DeviceComm, buf: &mut CudaSlice<f32>| -> Result<()> {
+    let mut call = || -> Result<()> {
         match path {
             Path::Copy => util.copy(&s, src, buf),
             Path::Lines | Path::Flags => comm.all_reduce(buf),
             Path::Nccl => comm.all_reduce_nccl(buf),
         }
     };
-    call(comm, buf)?;
+    // One eager call first: NCCL sets up lazily, outside any capture.
+    call()?;
     comm.wait("bench all-reduce")?;
     barrier.wait();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    let body = (0..CALLS).try_for_each(|_| call(comm, buf));
-    let graph = s.end_capture(CUgraphInstantiate_flags(0));
-    body?;
-    let graph = graph?.ok_or_else(|| CudaError::shape("bench all-reduce", "empty graph".to_string()))?;
-    graph.upload()?;
-    let start = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let mut times = Vec::with_capacity(iters);
-    for it in 0..iters + 3 {
-        barrier.wait();
-        start.record(&s)?;
-        graph.launch()?;
-        end.record(&s)?;
-        comm.wait("bench all-reduce")?;
-        if it >= 3 {
-            times.push(start.elapsed_ms(&end)? as f64 * 1e3 / CALLS as f64);
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    let times = time_graph_with(
+        gpu,
+        CALLS,
+        3,
+        iters,
+        || {
+            barrier.wait();
+        },
+        call,
+    )?;
+    // A peer that never arrived ends the one-shot kernels early: fail rather than report.
+    comm.wait("bench all-reduce")?;
+    Ok(times[times.len() / 2] * 1e3)
 }
