@@ -201,6 +201,37 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
     let (adaptive, _, decisions) = run_with(load(), 3, Speculation::Adaptive);
     println!("adaptive k: decisions per k {decisions:?}; differs from k = 0 in {}/64", differing(&adaptive, &k0));
     assert_eq!(adaptive, k0, "greedy output with adaptive k differs from k = 0 (batch-invariant options)");
+    // Calibrated at start-up (`Engine::calibrate`: every k at 1 .. 64 rows, through the
+    // graphs serving replays): only costs stay, and the output is still k = 0's.
+    let cfg = EngineConfig {
+        num_speculative_tokens: Some(3),
+        speculation: Speculation::Adaptive,
+        max_batch_tokens: 256,
+        calibration_rows: 64,
+        ..Default::default()
+    };
+    let mut e = Engine::new(load(), cfg).expect("engine");
+    let t0 = Instant::now();
+    let cal = e.calibrate(64).expect("calibration");
+    let st = e.stats();
+    println!(
+        "calibration: rows {:?} in {} steps, {:.2} s, {} graphs captured; costs {:?}",
+        cal.rows,
+        cal.steps,
+        t0.elapsed().as_secs_f64(),
+        e.backend().graph_captures(),
+        st.speculation.costs
+    );
+    assert_eq!(cal.rows, [1, 2, 4, 8, 16, 32, 64], "{cal:?}");
+    assert!(e.backend().graph_captures() > 0, "calibration captured no graph");
+    for (rows, c) in &st.speculation.costs {
+        assert!(c.iter().all(Option::is_some), "{rows} rows: a k unmeasured: {c:?}");
+    }
+    assert_eq!((st.totals.generated_tokens, st.prefix.queried_tokens, st.times.steps), (0, 0, 0));
+    let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+    let calibrated = common::run_to_completion(&mut e, &ids);
+    println!("calibrated: decisions per k {:?}", e.stats().speculation.steps_per_k);
+    assert_eq!(calibrated, k0, "greedy output after a calibration differs from k = 0");
 }
 
 /// `work` through an engine of `cfg` on the bundled model with `opts`, k forced to

@@ -262,6 +262,10 @@ pub struct EngineConfig {
     /// Keep full cache blocks indexed by their prefix, so requests that share one
     /// prefill it once (`docs/engine.md`, "Prefix caching").
     pub enable_prefix_caching: bool,
+    /// Adaptive speculation: before serving, time every k at 1, 2, 4, … up to this many
+    /// decode rows on throwaway requests ([`crate::Engine::calibrate`]), so the choice
+    /// starts from measured step costs. 0: off (each k is first tried on the traffic).
+    pub calibration_rows: usize,
 }
 
 impl Default for EngineConfig {
@@ -276,6 +280,7 @@ impl Default for EngineConfig {
             max_queued: 4096,
             seed: 0x6d6c_6173_6572_7665,
             enable_prefix_caching: true,
+            calibration_rows: 0,
         }
     }
 }

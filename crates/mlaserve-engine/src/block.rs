@@ -63,6 +63,19 @@ impl BlockManager {
         self.prefix.is_some()
     }
 
+    /// Turns prefix caching off until [`BlockManager::resume_prefix`]: no lookup, no
+    /// registration, blocks only from the free list (the engine's start-up calibration,
+    /// whose throwaway requests must leave nothing cached).
+    pub(crate) fn suspend_prefix(&mut self) -> Option<PrefixCache> {
+        self.prefix.take()
+    }
+
+    /// Turns back on what [`BlockManager::suspend_prefix`] turned off.
+    pub(crate) fn resume_prefix(&mut self, prefix: Option<PrefixCache>) {
+        debug_assert!(self.prefix.is_none(), "prefix caching resumed twice");
+        self.prefix = prefix;
+    }
+
     /// The tokens after a block that its cache identity includes; `None` without
     /// prefix caching.
     pub fn lookahead(&self) -> Option<usize> {

@@ -166,6 +166,15 @@ impl<B: Backend> Engine<B> {
         if config.max_num_seqs == 0 {
             return Err(EngineError::Config("max_num_seqs must be at least 1".into()));
         }
+        if config.calibration_rows > 0
+            && (config.speculation != Speculation::Adaptive || config.num_speculative_tokens == Some(0))
+        {
+            return Err(EngineError::Config(format!(
+                "calibration_rows {} (--speculation-calibration-rows) needs adaptive speculation with at least \
+                 one draft token (k = {k}, {:?})",
+                config.calibration_rows, config.speculation
+            )));
+        }
         if config.max_queued == 0 {
             return Err(EngineError::Config("max_queued must be at least 1".into()));
         }
@@ -765,6 +774,10 @@ impl<B: Backend> Engine<B> {
         self.blocks.check(self.running.iter().map(|s| s.block_table.as_slice()))
     }
 }
+
+#[path = "calibrate.rs"]
+mod calibrate;
+pub use calibrate::Calibration;
 
 #[cfg(test)]
 #[path = "engine_tests.rs"]

@@ -61,7 +61,21 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("mlaserve-engine".into())
             .spawn(move || {
-                let engine = make_backend().map_err(EngineError::from).and_then(|b| Engine::new(b, config));
+                let rows = config.calibration_rows;
+                let engine =
+                    make_backend().map_err(EngineError::from).and_then(|b| Engine::new(b, config)).and_then(|mut e| {
+                        if rows > 0 {
+                            let t = std::time::Instant::now();
+                            let cal = e.calibrate(rows)?;
+                            let costs = e.stats().speculation.costs;
+                            tracing::info!(rows = ?cal.rows, steps = cal.steps, secs = t.elapsed().as_secs_f64(),
+                                ?costs, "speculation calibrated (µs per decode row, per bucket and k)");
+                            if let Some(why) = cal.stopped {
+                                tracing::warn!("speculation calibration stopped early: {why}");
+                            }
+                        }
+                        Ok(e)
+                    });
                 match engine {
                     Ok(engine) => {
                         let info = EngineInfo {

@@ -28,7 +28,7 @@ pub use api::{
     StepTimes, StopMatch, Usage, MAX_SPECULATIVE_TOKENS,
 };
 pub use bench::{bench_engine, BenchConfig, BenchReport};
-pub use engine::Engine;
+pub use engine::{Calibration, Engine};
 pub use error::{EngineError, Result};
 pub use handle::{EngineHandle, EngineInfo};
 pub use mlaserve_core::RowLogprobs;

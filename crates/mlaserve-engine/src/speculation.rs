@@ -451,6 +451,29 @@ impl Policy {
         bucket.per_k[k].push((p.draft_us + us as f64) / n as f64);
     }
 
+    /// Whether the choice is the policy's (not a fixed k).
+    pub fn is_adaptive(&self) -> bool {
+        self.adaptive
+    }
+
+    /// Cost samples of `k` kept in the bucket of `n` decode rows (at most [`KEEP`]).
+    pub fn samples(&self, n: usize, k: usize) -> usize {
+        self.buckets.get(bucket_of(n)).map_or(0, |b| b.per_k[k].len)
+    }
+
+    /// Samples a calibration takes of each (bucket, k) it measures: enough for a lower
+    /// quartile, and few enough that serving replaces them soon.
+    pub const CALIBRATION_SAMPLES: usize = KEEP / 2;
+
+    /// Ends a start-up calibration ([`crate::Engine::calibrate`]): its cost samples stay,
+    /// everything else it did is forgotten — the decisions and their statistics, the
+    /// acceptance of its throwaway requests, the forced choices.
+    pub fn end_calibration(&mut self) {
+        let costs: Vec<[Costs; KMAX + 1]> = self.buckets.iter().map(|b| b.per_k).collect();
+        *self = Policy::new(self.k_max, self.adaptive);
+        self.buckets = costs.into_iter().map(|per_k| Bucket { per_k, ..Bucket::default() }).collect();
+    }
+
     /// The cost (µs per decode row) of `k` measured in `n` decode rows' own bucket.
     #[cfg(test)]
     fn cost_per_row(&self, n: usize, k: usize) -> Option<f64> {

@@ -158,3 +158,60 @@ fn changing_k_under_preemption_keeps_the_output() {
         assert!(st.speculation.steps_per_k.iter().filter(|&&n| n > 0).count() >= 3, "{:?}", st.speculation);
     }
 }
+
+/// A start-up calibration (`Engine::calibrate`) measures every k at 1, 2, 4, … rows (32
+/// prompts take more than one step of the budget) on
+/// throwaway requests and leaves nothing else behind: the costs it measured follow the
+/// backend's (a flat step: three drafts cost little more than none; a step in proportion
+/// to its tokens: they cost several times more), and the engine then serves the same
+/// output as k = 0 without first trying every k on the traffic (an uncalibrated engine
+/// drafts three on its first decode; a calibrated one never does where drafts do not pay).
+#[test]
+fn a_calibration_measures_every_k_and_leaves_only_costs_behind() {
+    let a = arrivals(&SamplingParams::default());
+    let base = run_all(&mut engine(SynthCost::default(), Speculation::Fixed, 0), &a);
+    let flat =
+        SynthCost { forward_call_us: 4000, mtp_call_us: 100, jitter_us: 400, capture_us: 40_000, ..Default::default() };
+    let per_token = SynthCost { forward_token_us: 150, mtp_token_us: 150, jitter_us: 400, ..Default::default() };
+    for (cost, dear) in [(flat, false), (per_token, true)] {
+        let mut e = engine(cost, Speculation::Adaptive, 3);
+        let cal = e.calibrate(32).expect("calibration");
+        assert_eq!(cal.rows, [1, 2, 4, 8, 16, 32], "{cost:?}: {cal:?}");
+        assert_eq!(cal.stopped, None);
+        let st = e.stats();
+        let untouched = engine(cost, Speculation::Adaptive, 3).stats();
+        assert_eq!(st.speculation.steps_per_k, [0; 4], "{cost:?}: the decisions are forgotten");
+        assert_eq!((st.speculation.realised_accepted, st.finished_requests), (0, 0));
+        assert_eq!(st.totals, untouched.totals, "{cost:?}: the throwaway requests count in the totals");
+        assert_eq!(st.times.steps, 0);
+        assert_eq!((st.prefix.queried_tokens, st.prefix.cached_blocks), (0, 0), "{cost:?}: {:?}", st.prefix);
+        assert_eq!(st.load.kv_blocks_free, st.load.kv_blocks_total);
+        assert!(!e.has_work());
+        assert_eq!(st.speculation.costs.iter().map(|c| c.0).collect::<Vec<_>>(), [1, 2, 4, 8, 16, 32]);
+        for (rows, c) in &st.speculation.costs {
+            let c: Vec<f64> =
+                c.iter().map(|c| c.unwrap_or_else(|| panic!("{cost:?}: {rows} rows: a k unmeasured"))).collect();
+            let ratio = c[3] / c[0];
+            eprintln!("{cost:?}: {rows} rows: {c:.0?} µs per row");
+            if dear {
+                assert!(ratio > 3.0, "{rows} rows: k = 3 costs {ratio:.2}x k = 0, the backend's tokens 4x");
+            } else {
+                assert!(ratio < 1.3, "{rows} rows: k = 3 costs {ratio:.2}x k = 0 on a flat step");
+            }
+        }
+        let out = run_all(&mut e, &a);
+        for (i, (x, y)) in base.iter().zip(&out).enumerate() {
+            assert_eq!(x.tokens, y.tokens, "{cost:?}: request {i} differs from k = 0");
+        }
+        let st = e.stats().speculation;
+        eprintln!("calibrated, {cost:?}: steps per k {:?}", st.steps_per_k);
+        if dear {
+            assert_eq!(st.steps_per_k[3], 0, "k = 3 tried where it costs 4x: {st:?}");
+            let mut fresh = engine(cost, Speculation::Adaptive, 3);
+            run_all(&mut fresh, &a);
+            assert!(fresh.stats().speculation.steps_per_k[3] > 0, "an uncalibrated engine tries k = 3 first");
+        } else {
+            assert!(share(&st, 3) >= 0.6, "k = 3 chosen too rarely: {st:?}");
+        }
+    }
+}

@@ -202,3 +202,28 @@ async fn shutdown_returns_after_the_backend_is_dropped() {
     h.shutdown().await.expect("shutdown");
     assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "shutdown returned before the backend was dropped");
 }
+
+/// `EngineConfig::calibration_rows` calibrates the engine on its thread before `spawn`
+/// returns: the first stats already hold a cost of every k at 1, 2 and 4 rows, and no
+/// request, token or step; a calibrated engine then serves as usual.
+#[tokio::test]
+async fn a_calibration_runs_before_the_handle_is_ready() {
+    use mlaserve_engine::Speculation;
+    let cfg = EngineConfig {
+        num_speculative_tokens: Some(2),
+        speculation: Speculation::Adaptive,
+        max_batch_tokens: 64,
+        calibration_rows: 4,
+        ..Default::default()
+    };
+    let h = EngineHandle::spawn(move || Ok(SyntheticBackend::new(64, 2, 256, 4096)), cfg).await.expect("spawn");
+    let st = h.stats().await.expect("stats");
+    let rows: Vec<usize> = st.speculation.costs.iter().map(|c| c.0).collect();
+    assert_eq!(rows, [1, 2, 4], "{:?}", st.speculation);
+    assert!(st.speculation.costs.iter().all(|(_, c)| c.iter().all(Option::is_some)), "{:?}", st.speculation);
+    assert_eq!((st.finished_requests, st.totals.generated_tokens, st.times.steps), (0, 0, 0));
+    assert_eq!(h.load().running_requests, 0);
+    let (_, rx) = h.submit(req(20)).await.expect("submit");
+    let (tokens, reason) = collect(rx).await;
+    assert_eq!((tokens.len(), reason), (20, FinishReason::Length));
+}

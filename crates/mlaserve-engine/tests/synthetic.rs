@@ -301,10 +301,14 @@ fn bad_limits_name_themselves() {
         (EngineConfig { max_num_seqs: 0, ..k3.clone() }, 64, "max_num_seqs"),
         (EngineConfig { max_queued: 0, ..k3.clone() }, 64, "max_queued"),
         (k3.clone(), 0, "kv_blocks"),
+        (EngineConfig { calibration_rows: 8, ..k3.clone() }, 64, "calibration"),
     ] {
         let e = start(cfg, blocks).expect_err("refused").to_string();
         assert!(e.contains(name), "{name}: {e}");
-        for other in ["max_batch_tokens", "max_num_seqs", "max_queued", "kv_blocks"].iter().filter(|o| **o != name) {
+        for other in ["max_batch_tokens", "max_num_seqs", "max_queued", "kv_blocks", "calibration"]
+            .iter()
+            .filter(|o| **o != name)
+        {
             assert!(!e.contains(other), "{name}: names {other} too: {e}");
         }
     }

@@ -298,6 +298,7 @@ pub async fn spawn_engine(
         };
         if use_gpu {
             let ordinal = b.cuda_device;
+            let cfg = engine.gpu_engine_config();
             tracing::info!(ordinal, graphs = !b.enforce_eager, "worker group on the CUDA backend");
             let opts = b.cuda_options(engine, ordinal);
             let format = b.load_format;

@@ -250,8 +250,8 @@ mod tp {
             } else {
                 None
             };
-            let cfg = worker.engine.engine_config();
             let engine = if gpu {
+                let cfg = worker.engine.gpu_engine_config();
                 let make = move || {
                     join()?;
                     let b = cuda_backend(&backend, &tp, &ids, &model, &engine_args)?;
@@ -259,6 +259,7 @@ mod tp {
                 };
                 mlaserve_engine::EngineHandle::spawn(make, cfg).await?
             } else {
+                let cfg = worker.engine.engine_config();
                 let make = move || {
                     join()?;
                     let b = cpu_backend(&tp, &ids, &model, cpu_opts)?;
