@@ -46,11 +46,7 @@ impl<B: Backend> Engine<B> {
         let prefix = self.blocks.suspend_prefix();
         let result = self.calibrate_rows(max_rows);
         // Whatever happened, the throwaway requests go, with their events.
-        let ids: Vec<_> = self.running.iter().chain(self.waiting.iter()).map(|s| s.id).collect();
-        for id in ids {
-            let _ = self.abort(id);
-        }
-        self.pending.clear();
+        self.drop_requests();
         self.blocks.resume_prefix(prefix);
         (self.finished_totals, self.finished_requests, self.times, self.next_id) = saved;
         self.last_k = self.lim.k;
@@ -112,15 +108,20 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
-            let ids: Vec<_> = self.running.iter().chain(self.waiting.iter()).map(|s| s.id).collect();
-            for id in ids {
-                self.abort(id)?;
-            }
-            self.pending.clear();
+            self.drop_requests();
             cal.rows.push(n);
             n *= 2;
         }
         Ok(cal)
+    }
+
+    /// Aborts every request, running or waiting, and drops their events.
+    fn drop_requests(&mut self) {
+        let ids: Vec<_> = self.running.iter().chain(self.waiting.iter()).map(|s| s.id).collect();
+        for id in ids {
+            let _ = self.abort(id);
+        }
+        self.pending.clear();
     }
 }
 
