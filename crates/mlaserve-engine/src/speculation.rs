@@ -592,6 +592,20 @@ mod tests {
         assert!(chosen[2] > 900, "{chosen:?}");
     }
 
+    /// Every k within 3% of the others, k = 3 the best (a GPU at 256 rows): a step up
+    /// follows the rates' draws, a step down needs the margin by their means, so the
+    /// choice settles on k = 3 and stays there, not on the fewest drafts within the
+    /// margin.
+    #[test]
+    fn a_near_tie_settles_on_the_most_drafts() {
+        // Acceptance 0.9: 1, 1.9, 2.71, 3.44 tokens at k = 0..3; per µs 0.970, 0.970,
+        // 0.975 and 1.0 (in thousandths).
+        let cost = [1000.0 / 0.97, 1900.0 / 0.97, 2710.0 / 0.975, 3440.0];
+        let mut p = Policy::new(3, true);
+        let chosen = run(&mut p, 16, 1000, 0.9, |k| cost[k]);
+        assert!(chosen[3] > 950, "{chosen:?}");
+    }
+
     /// A fixed cost per step plus a cost per token (the CPU): drafts pay at one row and
     /// not at sixteen. The policy meets one row first; its per-row costs there must not
     /// make k = 0 look dear at sixteen.
