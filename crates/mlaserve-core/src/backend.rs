@@ -339,6 +339,14 @@ pub trait Backend {
     fn graph_captures(&self) -> u64 {
         0
     }
+
+    /// The batch sizes (sequences, ascending) a decode step is padded to for its CUDA
+    /// graph: a step of another size runs as the next one up. The engine can capture
+    /// them all before it serves (`EngineConfig::warm_up_graphs`). Empty (the default)
+    /// for backends without graphs.
+    fn graph_batch_sizes(&self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// A mutable borrow of a backend is a backend (so a caller can keep ownership).
@@ -389,5 +397,8 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn graph_captures(&self) -> u64 {
         (**self).graph_captures()
+    }
+    fn graph_batch_sizes(&self) -> Vec<usize> {
+        (**self).graph_batch_sizes()
     }
 }

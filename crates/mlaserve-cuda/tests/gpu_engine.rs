@@ -232,6 +232,18 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
     let calibrated = common::run_to_completion(&mut e, &ids);
     println!("calibrated: decisions per k {:?}", e.stats().speculation.steps_per_k);
     assert_eq!(calibrated, k0, "greedy output after a calibration differs from k = 0");
+    // Every graph batch size up to 64 at every k first (`Engine::warm_up_graphs`): the
+    // target's decode graphs serving needs are all captured by then.
+    let mut e = Engine::new(load(), EngineConfig { warm_up_graphs: true, ..cfg }).expect("engine");
+    let t0 = Instant::now();
+    let w = e.warm_up_graphs(64).expect("warm-up");
+    let warmed = e.backend().graph_captures();
+    println!("warm-up: sizes {:?} in {} steps, {:.2} s, {warmed} graphs", w.rows, w.steps, t0.elapsed().as_secs_f64());
+    assert_eq!(w.rows, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64], "{w:?}");
+    let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+    let out = common::run_to_completion(&mut e, &ids);
+    println!("after the warm-up, serving captured {} graphs", e.backend().graph_captures() - warmed);
+    assert_eq!(out, k0, "greedy output after a graph warm-up differs from k = 0");
 }
 
 /// `work` through an engine of `cfg` on the bundled model with `opts`, k forced to

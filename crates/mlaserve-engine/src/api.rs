@@ -266,6 +266,11 @@ pub struct EngineConfig {
     /// decode rows on throwaway requests ([`crate::Engine::calibrate`]), so the choice
     /// starts from measured step costs. 0: off (each k is first tried on the traffic).
     pub calibration_rows: usize,
+    /// Before serving, run every batch size the backend pads its CUDA graphs to (up to
+    /// `max_num_seqs`) at every k the engine takes, on throwaway requests
+    /// ([`crate::Engine::warm_up_graphs`]), so serving replays graphs where it would
+    /// capture them. Nothing to do without graphs.
+    pub warm_up_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -281,6 +286,7 @@ impl Default for EngineConfig {
             seed: 0x6d6c_6173_6572_7665,
             enable_prefix_caching: true,
             calibration_rows: 0,
+            warm_up_graphs: false,
         }
     }
 }

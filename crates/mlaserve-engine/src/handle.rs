@@ -61,21 +61,11 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("mlaserve-engine".into())
             .spawn(move || {
-                let rows = config.calibration_rows;
-                let engine =
-                    make_backend().map_err(EngineError::from).and_then(|b| Engine::new(b, config)).and_then(|mut e| {
-                        if rows > 0 {
-                            let t = std::time::Instant::now();
-                            let cal = e.calibrate(rows)?;
-                            let costs = e.stats().speculation.costs;
-                            tracing::info!(rows = ?cal.rows, steps = cal.steps, secs = t.elapsed().as_secs_f64(),
-                                ?costs, "speculation calibrated (µs per decode row, per bucket and k)");
-                            if let Some(why) = cal.stopped {
-                                tracing::warn!("speculation calibration stopped early: {why}");
-                            }
-                        }
-                        Ok(e)
-                    });
+                let prep = (config.calibration_rows, config.warm_up_graphs, config.max_num_seqs);
+                let engine = make_backend()
+                    .map_err(EngineError::from)
+                    .and_then(|b| Engine::new(b, config))
+                    .and_then(|mut e| prepare(&mut e, prep).map(|()| e));
                 match engine {
                     Ok(engine) => {
                         let info = EngineInfo {
@@ -139,6 +129,31 @@ impl EngineHandle {
         self.tx.send(Command::Shutdown { reply }).await.map_err(|_| EngineError::Stopped)?;
         rx.await.map_err(|_| EngineError::Stopped)
     }
+}
+
+/// Before an engine serves: the graph warm-up and the calibration of adaptive
+/// speculation its configuration asks for (`(calibration_rows, warm_up_graphs,
+/// max_num_seqs)`), each logged.
+fn prepare<B: Backend>(e: &mut Engine<B>, (rows, warm, max_seqs): (usize, bool, usize)) -> Result<()> {
+    if warm {
+        let t = std::time::Instant::now();
+        let w = e.warm_up_graphs(max_seqs)?;
+        let (graphs, secs) = (e.backend().graph_captures(), t.elapsed().as_secs_f64());
+        tracing::info!(sizes = ?w.rows, steps = w.steps, graphs, secs, "CUDA graphs warmed up");
+        if let Some(why) = w.stopped {
+            tracing::warn!("graph warm-up stopped early: {why}");
+        }
+    }
+    if rows > 0 {
+        let t = std::time::Instant::now();
+        let cal = e.calibrate(rows)?;
+        let (costs, secs) = (e.stats().speculation.costs, t.elapsed().as_secs_f64());
+        tracing::info!(rows = ?cal.rows, steps = cal.steps, secs, ?costs, "speculation calibrated (µs per decode row, per bucket and k)");
+        if let Some(why) = cal.stopped {
+            tracing::warn!("speculation calibration stopped early: {why}");
+        }
+    }
+    Ok(())
 }
 
 /// What an idle engine thread waited for.

@@ -59,8 +59,14 @@ pub struct SyntheticBackend {
     clock_us: u64,
     /// Per MTP layer, an entry per cache slot (see `mtp_forward`).
     mtp_cache: Vec<Vec<u64>>,
-    /// Shapes (MTP call?, tokens) already "captured" under [`SynthCost::capture_us`].
-    captured: std::collections::HashSet<(bool, usize)>,
+    /// Shapes (MTP call?, tokens or padded sequences, window) already "captured" under
+    /// [`SynthCost::capture_us`].
+    captured: std::collections::HashSet<(bool, usize, usize)>,
+    /// The CUDA backend's graph batch sizes ([`Backend::graph_batch_sizes`]), if set: a
+    /// call's shape is then its sequence count padded to the next of them and its window
+    /// (calls whose windows differ, or past the last size, never capture), as the CUDA
+    /// backend keys its graphs; unset, the shape is the call's token count.
+    pub graph_sizes: Vec<usize>,
     /// Keep a drafting pass's drafts in slots ([`Backend::keeps_drafts`]), as the CUDA
     /// backend does on its device.
     pub keep_drafts: bool,
@@ -104,6 +110,7 @@ impl SyntheticBackend {
             clock_us: 0,
             mtp_cache: vec![vec![0; num_blocks * BLOCK_SIZE]; n_mtp],
             captured: std::collections::HashSet::new(),
+            graph_sizes: Vec::new(),
             keep_drafts: false,
             passes_kept: 0,
             slots: vec![NO_TOKEN; mlaserve_core::MAX_DRAFT_SLOTS],
@@ -132,13 +139,31 @@ impl SyntheticBackend {
 
     /// Advances the clock by one call of `call_us` plus `token_us` per token (plus a
     /// capture's cost at a new shape, under [`SynthCost::capture_us`]).
-    fn spend(&mut self, mtp: bool, call_us: u64, token_us: u64, tokens: usize) {
-        if self.cost.capture_us > 0 && self.captured.insert((mtp, tokens)) {
+    fn spend(&mut self, mtp: bool, call_us: u64, token_us: u64, batch: &Batch) {
+        let tokens = batch.num_tokens();
+        if self.cost.capture_us > 0 && self.shape(batch).is_some_and(|s| self.captured.insert((mtp, s.0, s.1))) {
             self.clock_us += self.cost.capture_us;
         }
         let calls = self.forward_calls + self.mtp_calls;
         let jitter = if self.cost.jitter_us > 0 { mix(calls, 0x717) % (self.cost.jitter_us + 1) } else { 0 };
         self.clock_us += call_us + token_us * tokens as u64 + jitter;
+    }
+
+    /// The shape a call is captured as, if it is (see [`SyntheticBackend::graph_sizes`]).
+    fn shape(&self, batch: &Batch) -> Option<(usize, usize)> {
+        if self.graph_sizes.is_empty() {
+            return Some((batch.num_tokens(), 0));
+        }
+        let w = batch.seqs.first()?.tokens.len();
+        if batch.seqs.iter().any(|s| s.tokens.len() != w || s.prefill) {
+            return None;
+        }
+        Some((*self.graph_sizes.iter().find(|&&n| n >= batch.seqs.len())?, w))
+    }
+
+    /// Captures so far of target calls (`mtp` false) or MTP calls.
+    pub fn captures_of(&self, mtp: bool) -> usize {
+        self.captured.iter().filter(|c| c.0 == mtp).count()
     }
 
     /// Logits of the target for the context (t[p−2], t[p−1], t[p]).
@@ -195,7 +220,7 @@ impl Backend for SyntheticBackend {
         batch.validate_kept(false)?;
         self.forward_calls += 1;
         let c = self.cost;
-        self.spend(false, c.forward_call_us, c.forward_token_us, batch.num_tokens());
+        self.spend(false, c.forward_call_us, c.forward_token_us, batch);
         if std::mem::take(&mut self.fail_next_forward) {
             return Err(mlaserve_core::Error::Backend("injected failure".into()));
         }
@@ -267,7 +292,7 @@ impl Backend for SyntheticBackend {
         }
         self.mtp_calls += 1;
         let c = self.cost;
-        self.spend(true, c.mtp_call_us, c.mtp_token_us, batch.num_tokens());
+        self.spend(true, c.mtp_call_us, c.mtp_token_us, batch);
         // The layer's own cache: every row writes an entry at its position (a hash of
         // its inputs), then reads every entry before it (attention), which decides
         // whether its prediction errs — so an entry that is not what the row's tokens
@@ -368,5 +393,9 @@ impl Backend for SyntheticBackend {
 
     fn graph_captures(&self) -> u64 {
         self.captured.len() as u64
+    }
+
+    fn graph_batch_sizes(&self) -> Vec<usize> {
+        self.graph_sizes.clone()
     }
 }

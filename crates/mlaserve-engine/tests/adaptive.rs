@@ -215,3 +215,49 @@ fn a_calibration_measures_every_k_and_leaves_only_costs_behind() {
         }
     }
 }
+
+/// A graph warm-up (`Engine::warm_up_graphs`) runs every graph batch size at every k, so
+/// that serving meets no target shape it has not captured: a backend that captures per
+/// (padded batch size, window), as the CUDA backend does, captured target graphs while
+/// serving without the warm-up and none after it (drafting passes may still meet a new
+/// transition between two k); nothing else is left behind, and the output is k = 0's.
+#[test]
+fn a_graph_warm_up_leaves_serving_no_target_shape_to_capture() {
+    let a = arrivals(&SamplingParams::default());
+    let base = run_all(&mut engine(SynthCost::default(), Speculation::Fixed, 0), &a);
+    // Near-tied costs, so the choice moves between k at every batch size.
+    let cost = SynthCost {
+        forward_call_us: 4000,
+        forward_token_us: 20,
+        mtp_call_us: 400,
+        jitter_us: 800,
+        capture_us: 10_000,
+        ..Default::default()
+    };
+    let sizes = vec![1, 2, 4, 8, 16, 24, 32];
+    for (speculation, k) in [(Speculation::Adaptive, 3), (Speculation::Fixed, 3)] {
+        let mut cold = engine(cost, speculation, k);
+        cold.backend_mut().graph_sizes = sizes.clone();
+        run_all(&mut cold, &a);
+        let cold_target = cold.backend().captures_of(false);
+        let mut warm = engine(cost, speculation, k);
+        warm.backend_mut().graph_sizes = sizes.clone();
+        let w = warm.warm_up_graphs(64).expect("warm-up");
+        assert_eq!(w.rows, sizes, "{speculation:?}: {w:?}");
+        let (before, before_target) = (warm.backend().graph_captures(), warm.backend().captures_of(false));
+        let st = warm.stats();
+        assert_eq!((st.finished_requests, st.totals.generated_tokens, st.prefix.cached_blocks), (0, 0, 0));
+        assert_eq!(st.speculation.steps_per_k.iter().sum::<u64>(), 0);
+        let out = run_all(&mut warm, &a);
+        for (i, (x, y)) in base.iter().zip(&out).enumerate() {
+            assert_eq!(x.tokens, y.tokens, "{speculation:?}: request {i} differs from k = 0");
+        }
+        let after_target = warm.backend().captures_of(false) - before_target;
+        let after = warm.backend().graph_captures() - before;
+        eprintln!(
+            "{speculation:?}: cold serving captured {cold_target} target graphs; warm-up {before}, then serving {after} ({after_target} target)"
+        );
+        assert!(cold_target > 0, "{speculation:?}: the cold engine captured no target graph while serving");
+        assert_eq!(after_target, 0, "{speculation:?}: serving captured target graphs after the warm-up");
+    }
+}

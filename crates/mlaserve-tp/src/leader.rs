@@ -147,6 +147,10 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         self.inner.graph_captures()
     }
 
+    fn graph_batch_sizes(&self) -> Vec<usize> {
+        self.inner.graph_batch_sizes()
+    }
+
     /// A quarter of the plan channel's collective timeout: a follower waits for the next
     /// plan no longer than that timeout, so an idle leader must send one sooner.
     fn idle_interval(&self) -> Option<std::time::Duration> {

@@ -55,6 +55,12 @@ pub struct EngineArgs {
     /// GPU (about a second at 256), 0 on the CPU (seconds per 16 rows).
     #[arg(long)]
     pub speculation_calibration_rows: Option<usize>,
+    /// Before serving, capture the decode CUDA graphs of every batch size up to
+    /// --max-num-seqs at every k the engine takes (every k with `--speculation
+    /// adaptive`), on throwaway requests, so that serving replays them instead of
+    /// capturing them between its steps. No effect without CUDA graphs.
+    #[arg(long)]
+    pub warm_up_graphs: bool,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
@@ -88,6 +94,7 @@ impl Default for EngineArgs {
             speculative_tokens: None,
             speculation: SpeculationMode::Adaptive,
             speculation_calibration_rows: None,
+            warm_up_graphs: false,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             max_prefill_tokens: None,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
@@ -119,6 +126,7 @@ impl EngineArgs {
             max_queued: self.max_queued,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             calibration_rows: self.speculation_calibration_rows.unwrap_or(0),
+            warm_up_graphs: self.warm_up_graphs,
             ..Default::default()
         }
     }

@@ -642,6 +642,15 @@ impl Backend for CudaBackend {
         self.graphs.captures()
     }
 
+    fn graph_batch_sizes(&self) -> Vec<usize> {
+        if !self.opts.graphs {
+            return Vec::new();
+        }
+        let mut sizes: Vec<usize> = (1..=crate::layout::MAX_GRAPH_SEQS).filter_map(crate::layout::seq_bucket).collect();
+        sizes.dedup();
+        sizes
+    }
+
     fn num_blocks(&self) -> usize {
         self.opts.num_blocks
     }
