@@ -210,7 +210,7 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
         calibration_rows: 64,
         ..Default::default()
     };
-    let mut e = Engine::new(load(), cfg).expect("engine");
+    let mut e = Engine::new(load(), cfg.clone()).expect("engine");
     let t0 = Instant::now();
     let cal = e.calibrate(64).expect("calibration");
     let st = e.stats();
