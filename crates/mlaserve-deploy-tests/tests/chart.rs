@@ -424,3 +424,32 @@ fn workers_size_their_cache_from_gpu_memory_unless_kv_blocks_is_set() {
     assert_eq!(args[at + 1], "300");
     assert!(!args.iter().any(|a| a == "--gpu-memory-utilization"), "{args:?}");
 }
+
+/// The worker's start-up flags for speculation and graphs reach its command line only
+/// when their values are set: by default the worker's own defaults apply.
+#[test]
+fn workers_get_the_start_up_flags_only_when_set() {
+    let Some(helm) = Tools::find() else { return };
+    let base = Chart::load(&chart_dir());
+    let worker_args = |c: &Chart| -> Vec<String> {
+        let docs = helm.manifests(c, "r").unwrap_or_else(|e| panic!("{e}"));
+        let spec = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
+        let wc = spec["containers"].as_sequence().unwrap().iter().find(|c| c["name"] == "worker").unwrap();
+        wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
+    };
+    let args = worker_args(&base);
+    for flag in ["--speculation-calibration-rows", "--warm-up-graphs"] {
+        assert!(!args.iter().any(|a| a == flag), "{flag} by default: {args:?}");
+    }
+    let mut set = base.clone();
+    set_value(&mut set.values, "worker.speculationCalibrationRows", 64);
+    set_value(&mut set.values, "worker.warmUpGraphs", true);
+    let args = worker_args(&set);
+    let at = args.iter().position(|a| a == "--speculation-calibration-rows").expect("--speculation-calibration-rows");
+    assert_eq!(args[at + 1], "64");
+    assert!(args.iter().any(|a| a == "--warm-up-graphs"), "{args:?}");
+    set_value(&mut set.values, "worker.speculationCalibrationRows", 0);
+    let args = worker_args(&set);
+    let at = args.iter().position(|a| a == "--speculation-calibration-rows").expect("0 is passed on");
+    assert_eq!(args[at + 1], "0");
+}

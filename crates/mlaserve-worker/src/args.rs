@@ -277,5 +277,8 @@ mod tests {
         assert_eq!(rows(&["--speculative-tokens", "0"]), (0, 0));
         assert_eq!(rows(&["--speculation-calibration-rows", "8"]), (8, 8));
         assert_eq!(rows(&["--speculation-calibration-rows", "0"]), (0, 0));
+        let warm = Cli::try_parse_from(["mlaserve", "--warm-up-graphs"]).expect("parses").e;
+        assert!(warm.engine_config().warm_up_graphs && warm.gpu_engine_config().warm_up_graphs);
+        assert!(!EngineArgs::default().gpu_engine_config().warm_up_graphs);
     }
 }
