@@ -401,18 +401,21 @@ fn the_secured_variant_mounts_the_secrets_and_moves_the_probes() {
     assert!(!m.iter().any(|(n, _, _)| n == "api-keys"), "{m:?}");
 }
 
+/// The worker container's args in `c` rendered as release `r`.
+fn worker_args(helm: &Tools, c: &Chart) -> Vec<String> {
+    let docs = helm.manifests(c, "r").unwrap_or_else(|e| panic!("{e}"));
+    let spec = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
+    let wc = spec["containers"].as_sequence().unwrap().iter().find(|c| c["name"] == "worker").unwrap();
+    wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
+}
+
 /// By default a worker sizes its KV cache from `worker.gpuMemoryUtilization`; a non-zero
 /// `worker.kvBlocks` passes `--kv-blocks` instead.
 #[test]
 fn workers_size_their_cache_from_gpu_memory_unless_kv_blocks_is_set() {
     let Some(helm) = Tools::find() else { return };
     let base = Chart::load(&chart_dir());
-    let worker_args = |c: &Chart| -> Vec<String> {
-        let docs = helm.manifests(c, "r").unwrap_or_else(|e| panic!("{e}"));
-        let spec = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
-        let wc = spec["containers"].as_sequence().unwrap().iter().find(|c| c["name"] == "worker").unwrap();
-        wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
-    };
+    let worker_args = |c: &Chart| worker_args(helm, c);
     let args = worker_args(&base);
     let at = args.iter().position(|a| a == "--gpu-memory-utilization").expect("--gpu-memory-utilization");
     assert_eq!(args[at + 1], "0.9");
@@ -431,12 +434,7 @@ fn workers_size_their_cache_from_gpu_memory_unless_kv_blocks_is_set() {
 fn workers_get_the_start_up_flags_only_when_set() {
     let Some(helm) = Tools::find() else { return };
     let base = Chart::load(&chart_dir());
-    let worker_args = |c: &Chart| -> Vec<String> {
-        let docs = helm.manifests(c, "r").unwrap_or_else(|e| panic!("{e}"));
-        let spec = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
-        let wc = spec["containers"].as_sequence().unwrap().iter().find(|c| c["name"] == "worker").unwrap();
-        wc["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
-    };
+    let worker_args = |c: &Chart| worker_args(helm, c);
     let args = worker_args(&base);
     for flag in ["--speculation-calibration-rows", "--warm-up-graphs"] {
         assert!(!args.iter().any(|a| a == flag), "{flag} by default: {args:?}");

@@ -70,7 +70,7 @@ impl<B: Backend> Engine<B> {
     /// but the policy's cost samples.
     fn throwaway(&mut self, f: impl FnOnce(&mut Self) -> Result<Calibration>) -> Result<Calibration> {
         if self.has_work() {
-            return Err(EngineError::Config("speculation calibration needs an idle engine".into()));
+            return Err(EngineError::Config("the start-up calibration and graph warm-up need an idle engine".into()));
         }
         let saved = (self.finished_totals.clone(), self.finished_requests, self.times, self.next_id);
         let prefix = self.blocks.suspend_prefix();
@@ -193,7 +193,9 @@ impl<B: Backend> Engine<B> {
 
 fn calibration_error(n: usize, k: Option<usize>, why: &str) -> EngineError {
     let at = k.map_or(String::new(), |k| format!(", k = {k}"));
-    EngineError::Backend(mlaserve_core::Error::Backend(format!("speculation calibration at {n} rows{at}: {why}")))
+    EngineError::Backend(mlaserve_core::Error::Backend(format!(
+        "start-up run (calibration or graph warm-up) at {n} rows{at}: {why}"
+    )))
 }
 
 /// Why a request of a calibration step failed, if one did.
