@@ -437,7 +437,7 @@ fn workers_get_the_start_up_flags_only_when_set() {
     let worker_args = |c: &Chart| worker_args(helm, c);
     let args = worker_args(&base);
     for flag in ["--speculation-calibration-rows", "--warm-up-graphs"] {
-        assert!(!args.iter().any(|a| a == flag), "{flag} by default: {args:?}");
+        assert!(!args.iter().any(|a| a.starts_with(flag)), "{flag} by default: {args:?}");
     }
     let mut set = base.clone();
     set_value(&mut set.values, "worker.speculationCalibrationRows", 64);
@@ -445,9 +445,11 @@ fn workers_get_the_start_up_flags_only_when_set() {
     let args = worker_args(&set);
     let at = args.iter().position(|a| a == "--speculation-calibration-rows").expect("--speculation-calibration-rows");
     assert_eq!(args[at + 1], "64");
-    assert!(args.iter().any(|a| a == "--warm-up-graphs"), "{args:?}");
+    assert!(args.iter().any(|a| a == "--warm-up-graphs=true"), "{args:?}");
     set_value(&mut set.values, "worker.speculationCalibrationRows", 0);
+    set_value(&mut set.values, "worker.warmUpGraphs", false);
     let args = worker_args(&set);
     let at = args.iter().position(|a| a == "--speculation-calibration-rows").expect("0 is passed on");
     assert_eq!(args[at + 1], "0");
+    assert!(args.iter().any(|a| a == "--warm-up-graphs=false"), "false is passed on: {args:?}");
 }
