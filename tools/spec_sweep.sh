@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Speculation at every load (docs/PERFORMANCE.md, "Adaptive k"): three `mlaserve
 # serve` processes on the bundled model — fixed k = 0, fixed k = 3 and adaptive k (at most
-# 3; on the GPU calibrated at start-up by default, `--speculation-calibration-rows`) — and `bench serve` at each concurrency against each, interleaved (each round in a
+# 3; on the GPU calibrated at start-up by default, `--speculation-calibration-rows`; on
+# the GPU every server captures its CUDA graphs at start-up, `--warm-up-graphs`) — and
+# `bench serve` at each concurrency against each, interleaved (each round in a
 # rotated order, so drift of the machine's speed falls on all three alike); one table of
 # the median generated tokens/s, with the k the adaptive server chose (its /metrics).
 #
