@@ -109,6 +109,22 @@ impl StepLayout {
     }
 }
 
+/// Most CUDA graphs a backend holds by default (`CudaOptions::max_graphs`).
+pub const MAX_GRAPHS: usize = 512;
+/// Graph steps a held graph must have gone unused before a new shape may take its place.
+pub const GRAPH_IDLE_STEPS: u64 = 4096;
+
+/// Which held graph makes room for a new shape's once a backend holds its most: the
+/// least recently used (`last_used`: each graph's last graph step), if it has gone
+/// unused for at least `idle` steps by `now`; `None`, and the new shape runs eagerly,
+/// otherwise, so that serving more shapes at once than the cap never turns into a
+/// capture every step. Every graph step uses one graph, so no two graphs share a last
+/// use and the choice does not depend on the iteration order: the ranks of a group,
+/// which see the same steps, choose alike.
+pub fn graph_to_evict<K>(last_used: impl IntoIterator<Item = (K, u64)>, now: u64, idle: u64) -> Option<K> {
+    last_used.into_iter().filter(|&(_, t)| now.saturating_sub(t) >= idle).min_by_key(|&(_, t)| t).map(|(k, _)| k)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +138,18 @@ mod tests {
         assert_eq!(kv_entry_elems(true, 128, 16).unwrap(), (128 + 4 + 32) / 2);
         assert!(kv_entry_elems(true, 30, 16).is_err());
         assert!(kv_entry_elems(true, 32, 15).is_err());
+    }
+
+    #[test]
+    fn the_least_recently_used_idle_graph_makes_room() {
+        let used = [("a", 50), ("b", 10), ("c", 30)];
+        assert_eq!(graph_to_evict(used, 100, 20), Some("b"));
+        // Only graphs idle long enough qualify; the oldest of them goes.
+        assert_eq!(graph_to_evict(used, 100, 60), Some("b"));
+        assert_eq!(graph_to_evict(used, 100, 91), None);
+        assert_eq!(graph_to_evict([("c", 30), ("a", 50)], 100, 60), Some("c"));
+        assert_eq!(graph_to_evict([("a", 50), ("c", 30)], 100, 71), None);
+        assert_eq!(graph_to_evict(std::iter::empty::<(&str, u64)>(), 100, 0), None);
     }
 
     #[test]

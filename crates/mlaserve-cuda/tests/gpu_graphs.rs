@@ -265,3 +265,62 @@ fn engine_greedy_with_graphs_equals_eager() {
         }
     }
 }
+
+/// A backend holding its most graphs (`CudaOptions::max_graphs`, 2 here): a new shape
+/// runs eagerly while both held graphs are in use, and takes the place of the one that
+/// has gone unused for `GRAPH_IDLE_STEPS` graph steps once there is one; every output
+/// equals the eager backend's bit for bit (batch-invariant options).
+#[test]
+fn a_full_graph_cache_replaces_its_longest_idle_graph() {
+    if !require_gpu() {
+        return;
+    }
+    let t = common::tiny_v3(false);
+    let o = CudaOptions::new(BLOCKS, 0).batch_invariant();
+    let mut g = CudaBackend::load_with(t.path(), CudaOptions { max_graphs: 2, ..o }).expect("load");
+    let mut e = CudaBackend::load_with(t.path(), CudaOptions { graphs: false, ..o }).expect("load");
+    let lens = [37usize, 90, 5, 150, 64, 120, 11, 200];
+    let all: Vec<usize> = (0..SEQS).collect();
+    let prefill = Batch {
+        seqs: all
+            .iter()
+            .map(|&i| SeqChunk {
+                tokens: toks(i, lens[i]),
+                start_pos: 0,
+                block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
+                prefill: true,
+            })
+            .collect(),
+        logit_rows: vec![0],
+        ..Default::default()
+    };
+    g.forward(&prefill).expect("prefill");
+    e.forward(&prefill).expect("prefill");
+    // Three shapes (the same batch each time, so repeating one rewrites the same latents).
+    let a = step(&lens, &all, 1, 0);
+    let b = step(&lens, &all, 4, 1);
+    let c = step(&lens, &all[..3], 4, 2);
+    let mut check = |g: &mut CudaBackend, batch: &Batch, what: &str| {
+        let got = g.forward(batch).expect("graph backend").logits;
+        let want = e.forward(batch).expect("eager backend").logits;
+        assert!(got == want, "{what}: rel {:.2e}, must be bit-identical", rel(&got, &want));
+        g.graph_stats()
+    };
+    check(&mut g, &a, "a, captured");
+    let st = check(&mut g, &b, "b, captured");
+    assert_eq!((st.graphs, st.steps, st.evicted), (2, 2, 0), "{st:?}");
+    let st = check(&mut g, &c, "c while a and b are in use");
+    assert_eq!((st.graphs, st.steps, st.evicted), (2, 2, 0), "c runs eagerly: {st:?}");
+    for _ in 0..mlaserve_cuda::layout::GRAPH_IDLE_STEPS {
+        g.forward(&a).expect("a");
+    }
+    let st = check(&mut g, &a, "a, replayed");
+    let steps = 3 + mlaserve_cuda::layout::GRAPH_IDLE_STEPS;
+    assert_eq!((st.graphs, st.steps, st.evicted), (2, steps, 0), "{st:?}");
+    let st = check(&mut g, &c, "c in b's place");
+    assert_eq!((st.graphs, st.steps, st.evicted), (2, steps + 1, 1), "{st:?}");
+    let st = check(&mut g, &b, "b while a and c are in use");
+    assert_eq!((st.graphs, st.steps, st.evicted), (2, steps + 1, 1), "b runs eagerly: {st:?}");
+    assert_eq!(g.graph_captures(), 3);
+    println!("a full graph cache: {st:?}");
+}

@@ -12,6 +12,11 @@
 //! - Each (stage, bucket, window length, table width, decode split count) is captured
 //!   once, on first use, from the very code the eager path runs (`target_body`,
 //!   `mtp_body`); its intermediates are graph-owned allocations.
+//! - A backend holds at most `CudaOptions::max_graphs` (512). At the cap a new shape
+//!   replaces the least recently used graph if that one has gone unused for
+//!   `layout::GRAPH_IDLE_STEPS` graph steps (a start-up warm-up's shapes give way to
+//!   the longer contexts met later), else it runs eagerly (no capture every step when
+//!   more shapes than that are in use at once).
 //! - Its inputs live in persistent buffers ([`GraphIo`], sized for the largest bucket)
 //!   that each replay refills from the host before the launch; its outputs are copied
 //!   out after, so a returned hidden state never aliases a later step's.
@@ -46,10 +51,9 @@ use super::weights::Ffn;
 use super::{CaptureMode, CudaBackend, Step};
 use crate::dims::DecodeDims;
 use crate::error::{CudaError, Result};
-use crate::layout::{seq_bucket, table_bucket, AttnMeta, StepLayout, MAX_GRAPH_ROWS, MAX_GRAPH_SEQS};
-
-/// Most graphs a backend keeps; later shapes run eagerly.
-const MAX_GRAPHS: usize = 512;
+use crate::layout::{
+    graph_to_evict, seq_bucket, table_bucket, AttnMeta, StepLayout, GRAPH_IDLE_STEPS, MAX_GRAPH_ROWS, MAX_GRAPH_SEQS,
+};
 
 /// Which forward a graph holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -98,12 +102,17 @@ pub(crate) struct GraphIo {
 pub(crate) struct Graphs {
     io: Option<GraphIo>,
     map: HashMap<GraphKey, CudaGraph>,
+    /// The graph step each held graph last ran in (or was captured in).
+    used: HashMap<GraphKey, u64>,
     /// Keys whose capture failed, with why.
     failed: HashMap<GraphKey, String>,
     /// Steps that took the graph path (a key's first one runs eagerly, then is captured).
     pub steps: u64,
     /// Graph launches so far.
     pub replays: u64,
+    /// Captures so far, kept or failed, and graphs dropped to make room for others.
+    captured: u64,
+    evicted: u64,
 }
 
 impl Graphs {
@@ -113,7 +122,15 @@ impl Graphs {
 
     /// Captures so far, kept or failed (`Backend::graph_captures`).
     pub(super) fn captures(&self) -> u64 {
-        (self.map.len() + self.failed.len()) as u64
+        self.captured
+    }
+
+    /// The held graph a new shape would replace once `max` are held ([`graph_to_evict`]).
+    fn victim(&self, max: usize) -> Option<GraphKey> {
+        if self.map.len() < max {
+            return None;
+        }
+        graph_to_evict(self.used.iter().map(|(&k, &t)| (k, t)), self.steps, GRAPH_IDLE_STEPS)
     }
 
     /// Destroys every graph (later steps capture afresh). A graph holding captured NCCL
@@ -122,6 +139,7 @@ impl Graphs {
     /// communicator (`Drop for CudaBackend`).
     pub(super) fn clear(&mut self) {
         self.map.clear();
+        self.used.clear();
     }
 }
 
@@ -129,6 +147,7 @@ impl std::fmt::Debug for Graphs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Graphs")
             .field("graphs", &self.map.len())
+            .field("evicted", &self.evicted)
             .field("failed", &self.failed)
             .field("steps", &self.steps)
             .field("replays", &self.replays)
@@ -147,6 +166,8 @@ pub struct GraphStats {
     pub graphs: usize,
     /// Keys whose capture failed (they run eagerly; the reasons are logged).
     pub failed: usize,
+    /// Graphs dropped to make room for another shape's (`CudaOptions::max_graphs`).
+    pub evicted: u64,
 }
 
 /// What a graph step returns: copies of the graph's outputs for the real rows.
@@ -253,7 +274,9 @@ impl CudaBackend {
         let max_len = batch.seqs.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
         let key = GraphKey { stage, seqs, q_len, bt_stride, splits: self.mla.num_splits(&dims, max_len) };
         let known = self.graphs.map.contains_key(&key);
-        (known || (self.graphs.map.len() < MAX_GRAPHS && !self.graphs.failed.contains_key(&key))).then_some(key)
+        let room =
+            || self.graphs.map.len() < self.opts.max_graphs || self.graphs.victim(self.opts.max_graphs).is_some();
+        (known || (!self.graphs.failed.contains_key(&key) && room())).then_some(key)
     }
 
     /// Longest uniform window a graph of `stage` takes: a decode window (the last token
@@ -342,6 +365,7 @@ impl CudaBackend {
                 Ok(()) => {
                     tracing::debug!(?key, "CUDA graph captured");
                     self.graphs.map.insert(key, g);
+                    self.graphs.used.insert(key, self.graphs.steps);
                     return Ok(true);
                 }
                 Err(e) => format!("upload: {e:?}"),
@@ -424,8 +448,18 @@ impl CudaBackend {
             Some(g) => {
                 g.launch()?;
                 self.graphs.replays += 1;
+                self.graphs.used.insert(key, self.graphs.steps);
             }
             None => {
+                // At the cap, the least recently used idle graph makes room (`graph_key`
+                // took this path only if there is one).
+                if let Some(old) = self.graphs.victim(self.opts.max_graphs) {
+                    self.graphs.map.remove(&old);
+                    self.graphs.used.remove(&old);
+                    self.graphs.evicted += 1;
+                    tracing::debug!(?old, ?key, "CUDA graph dropped for a new shape's");
+                }
+                self.graphs.captured += 1;
                 self.body_on_io(key)?;
                 // A tensor-parallel rank launches the new graph at once: its captured
                 // collectives then run before the communicator's next eager one (the
@@ -454,6 +488,7 @@ impl CudaBackend {
             launches: self.graphs.replays,
             graphs: self.graphs.map.len(),
             failed: self.graphs.failed.len(),
+            evicted: self.graphs.evicted,
         }
     }
 }

@@ -32,6 +32,10 @@ pub struct CudaOptions {
     pub graphs: bool,
     /// The stream capture mode of the graphs (thread-local unless relaxed).
     pub graph_capture: CaptureMode,
+    /// Most graphs held at once ([`crate::layout::MAX_GRAPHS`] by default). At the cap a
+    /// new shape takes the place of the least recently used graph that has gone unused
+    /// for [`crate::layout::GRAPH_IDLE_STEPS`] graph steps, else it runs eagerly.
+    pub max_graphs: usize,
     /// The tensor-core kernels of [`GemmMode::InvariantTc`] and of the MoE experts
     /// ([`TcKernels::Auto`]: by row count on Hopper; the others for comparisons).
     pub linear_tc: TcKernels,
@@ -115,6 +119,7 @@ impl CudaOptions {
             prefill: PrefillPath::Auto,
             graphs: true,
             graph_capture: CaptureMode::ThreadLocal,
+            max_graphs: crate::layout::MAX_GRAPHS,
             linear_tc: TcKernels::Auto,
             prefill_kernel: PrefillKernel::WgmmaTma,
             decode_split_blocks: None,
