@@ -56,6 +56,19 @@ fn step(lens: &[usize], which: &[usize], q_len: usize, round: usize) -> Batch {
     Batch { seqs, logit_rows: (0..n).collect(), ..Default::default() }
 }
 
+/// The prompts of every sequence, `lens[i]` tokens each, in one prefill batch.
+fn prefill(lens: &[usize]) -> Batch {
+    let seqs = (0..SEQS)
+        .map(|i| SeqChunk {
+            tokens: toks(i, lens[i]),
+            start_pos: 0,
+            block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
+            prefill: true,
+        })
+        .collect();
+    Batch { seqs, logit_rows: vec![0], ..Default::default() }
+}
+
 /// The prefill, then the decode rounds, on a graph backend `g` and an eager one `e` of
 /// the same model: each difference beyond what the round allows, and the graph side's
 /// decode calls. `long_mtp`: MTP calls over windows of 5–8 rows run as graphs too (the
@@ -72,19 +85,7 @@ fn run_rounds(
     let mut fails = Vec::new();
     let mut lens = [37usize, 90, 5, 150, 64, 120, 11, 200];
     let all: Vec<usize> = (0..SEQS).collect();
-    let prefill = Batch {
-        seqs: all
-            .iter()
-            .map(|&i| SeqChunk {
-                tokens: toks(i, lens[i]),
-                start_pos: 0,
-                block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
-                prefill: true,
-            })
-            .collect(),
-        logit_rows: vec![0],
-        ..Default::default()
-    };
+    let prefill = prefill(&lens);
     g.forward(&prefill).expect("prefill");
     e.forward(&prefill).expect("prefill");
     let mut decode_calls = 0u64;
@@ -281,19 +282,7 @@ fn a_full_graph_cache_replaces_its_longest_idle_graph() {
     let mut e = CudaBackend::load_with(t.path(), CudaOptions { graphs: false, ..o }).expect("load");
     let lens = [37usize, 90, 5, 150, 64, 120, 11, 200];
     let all: Vec<usize> = (0..SEQS).collect();
-    let prefill = Batch {
-        seqs: all
-            .iter()
-            .map(|&i| SeqChunk {
-                tokens: toks(i, lens[i]),
-                start_pos: 0,
-                block_table: (0..PER_SEQ as u32).map(|b| i as u32 * PER_SEQ as u32 + b).collect(),
-                prefill: true,
-            })
-            .collect(),
-        logit_rows: vec![0],
-        ..Default::default()
-    };
+    let prefill = prefill(&lens);
     g.forward(&prefill).expect("prefill");
     e.forward(&prefill).expect("prefill");
     // Three shapes (the same batch each time, so repeating one rewrites the same latents).
