@@ -356,9 +356,6 @@ fn the_secured_variant_mounts_the_secrets_and_moves_the_probes() {
     let args_of = |c: &Value| -> Vec<String> {
         c["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
     };
-    let after = |args: &[String], flag: &str| -> String {
-        args[args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("no {flag} in {args:?}")) + 1].clone()
-    };
     let mounts = |spec: &Value, c: &Value| -> Vec<(String, String, String)> {
         c["volumeMounts"]
             .as_sequence()
@@ -402,6 +399,11 @@ fn the_secured_variant_mounts_the_secrets_and_moves_the_probes() {
 }
 
 /// The worker container's args in `c` rendered as release `r`.
+/// The value after `flag` in `args` (a panic naming the flag when it is missing).
+fn after(args: &[String], flag: &str) -> String {
+    args[args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("no {flag} in {args:?}")) + 1].clone()
+}
+
 fn worker_args(helm: &Tools, c: &Chart) -> Vec<String> {
     let docs = helm.manifests(c, "r").unwrap_or_else(|e| panic!("{e}"));
     let spec = &find(&docs, "StatefulSet", "r-worker")["spec"]["template"]["spec"];
@@ -417,14 +419,12 @@ fn workers_size_their_cache_from_gpu_memory_unless_kv_blocks_is_set() {
     let base = Chart::load(&chart_dir());
     let worker_args = |c: &Chart| worker_args(helm, c);
     let args = worker_args(&base);
-    let at = args.iter().position(|a| a == "--gpu-memory-utilization").expect("--gpu-memory-utilization");
-    assert_eq!(args[at + 1], "0.9");
+    assert_eq!(after(&args, "--gpu-memory-utilization"), "0.9");
     assert!(!args.iter().any(|a| a == "--kv-blocks"), "{args:?}");
     let mut fixed = base.clone();
     set_value(&mut fixed.values, "worker.kvBlocks", 300);
     let args = worker_args(&fixed);
-    let at = args.iter().position(|a| a == "--kv-blocks").expect("--kv-blocks");
-    assert_eq!(args[at + 1], "300");
+    assert_eq!(after(&args, "--kv-blocks"), "300");
     assert!(!args.iter().any(|a| a == "--gpu-memory-utilization"), "{args:?}");
 }
 
@@ -443,13 +443,11 @@ fn workers_get_the_start_up_flags_only_when_set() {
     set_value(&mut set.values, "worker.speculationCalibrationRows", 64);
     set_value(&mut set.values, "worker.warmUpGraphs", true);
     let args = worker_args(&set);
-    let at = args.iter().position(|a| a == "--speculation-calibration-rows").expect("--speculation-calibration-rows");
-    assert_eq!(args[at + 1], "64");
+    assert_eq!(after(&args, "--speculation-calibration-rows"), "64");
     assert!(args.iter().any(|a| a == "--warm-up-graphs=true"), "{args:?}");
     set_value(&mut set.values, "worker.speculationCalibrationRows", 0);
     set_value(&mut set.values, "worker.warmUpGraphs", false);
     let args = worker_args(&set);
-    let at = args.iter().position(|a| a == "--speculation-calibration-rows").expect("0 is passed on");
-    assert_eq!(args[at + 1], "0");
+    assert_eq!(after(&args, "--speculation-calibration-rows"), "0", "0 is passed on");
     assert!(args.iter().any(|a| a == "--warm-up-graphs=false"), "false is passed on: {args:?}");
 }
