@@ -299,6 +299,20 @@ pub trait Backend {
     /// joins rows kept from the previous step with the current stage's output).
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden>;
 
+    /// Runs a drafting pass's MTP stages over the stage-0 `batch`
+    /// ([`crate::drafting::run_stages`], which says what each argument holds). A
+    /// tensor-parallel leader sends the pass to its followers as one plan first.
+    fn draft_stages(
+        &mut self,
+        pass: &mut crate::drafting::DraftPass,
+        batch: &mut Batch,
+        target: &Self::Hidden,
+        mem: &mut crate::drafting::StageMemory<Self::Hidden>,
+        sc: &mut crate::drafting::StageScratch,
+    ) -> Result<u64> {
+        crate::drafting::run_stages(self, pass, batch, target, mem, sc)
+    }
+
     /// The clock the engine times its steps with (adaptive speculation follows these
     /// times): wall time, unless a test backend keeps a clock of its own.
     fn now(&self) -> std::time::Instant {
@@ -391,6 +405,16 @@ impl<B: Backend + ?Sized> Backend for &mut B {
     }
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden> {
         (**self).concat_hidden(parts)
+    }
+    fn draft_stages(
+        &mut self,
+        pass: &mut crate::drafting::DraftPass,
+        batch: &mut Batch,
+        target: &Self::Hidden,
+        mem: &mut crate::drafting::StageMemory<Self::Hidden>,
+        sc: &mut crate::drafting::StageScratch,
+    ) -> Result<u64> {
+        (**self).draft_stages(pass, batch, target, mem, sc)
     }
     fn now(&self) -> std::time::Instant {
         (**self).now()

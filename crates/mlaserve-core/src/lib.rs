@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod collective;
 pub mod config;
+pub mod drafting;
 pub mod error;
 pub mod kv_cache;
 pub mod logits;

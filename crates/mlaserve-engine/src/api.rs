@@ -8,7 +8,7 @@
 pub use mlaserve_core::SamplingParams;
 
 /// Largest number of draft tokens per decode step the engine supports.
-pub const MAX_SPECULATIVE_TOKENS: usize = 4;
+pub const MAX_SPECULATIVE_TOKENS: usize = mlaserve_core::drafting::MAX_DRAFTS;
 
 /// Engine-wide request identifier, unique for the life of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

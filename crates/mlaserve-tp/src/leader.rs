@@ -11,8 +11,16 @@
 //! all-gathered logits with the same parameters and uniforms; only the leader's ids are
 //! used.)
 //!
+//! A drafting pass crosses as one plan whatever k: the pass's description
+//! ([`DraftPass`]) and its stage-0 batch. Each follower runs the stages itself
+//! ([`mlaserve_core::drafting::run_stages`], the code the leader runs on its shard),
+//! building every later stage's batch from the drafts its own shard computes: every
+//! rank takes the same argmax of the same all-gathered logits, so the batches agree. A
+//! step therefore sends two plans: its target forward and its drafting pass.
+//!
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
-//! the number in an MTP plan; followers keep their own under the same numbers.
+//! the number in a plan; followers keep their own under the same numbers. The stage
+//! outputs a pass keeps for the next stay on each rank too, unnumbered.
 //!
 //! Block tables cross as changes: each sequence's table names how many leading blocks
 //! it keeps from the table at the same index of the previous batch plan, and sends only
@@ -27,6 +35,7 @@
 
 use crate::plans::PlanChannel;
 use mlaserve_core::backend::{Backend, Batch, ForwardOutput, SeqChunk};
+use mlaserve_core::drafting::{run_stages, DraftChunk, DraftPass, StageMemory, StageScratch, MAX_DRAFTS};
 use mlaserve_core::ModelConfig;
 use mlaserve_core::{Error, Result};
 use mlaserve_core::{LogitEdit, LogprobRow, RowEdits, SampleRow};
@@ -38,6 +47,10 @@ const OP_SHUTDOWN: u32 = 3;
 const OP_CONCAT: u32 = 4;
 /// Nothing to run: the leader is idle and the group alive ([`Backend::keep_alive`]).
 const OP_KEEP_ALIVE: u32 = 5;
+/// A drafting pass ([`Backend::draft_stages`]).
+const OP_DRAFT: u32 = 6;
+/// The id of a stage output a pass keeps for the next: no plan names one.
+const NO_ID: u32 = u32::MAX;
 /// Hidden states a follower keeps (the engine only refers back to recent ones).
 const KEEP_HIDDEN: usize = 64;
 
@@ -49,7 +62,7 @@ pub struct TpHidden<H> {
 }
 
 /// The leader's view of a TP group: a backend that mirrors every call to the followers.
-pub struct TpLeader<B, C> {
+pub struct TpLeader<B: Backend, C> {
     inner: B,
     comm: C,
     next_id: u32,
@@ -57,6 +70,10 @@ pub struct TpLeader<B, C> {
     tables: Vec<Vec<u32>>,
     /// When the last plan was sent (a keep-alive is needless sooner than the interval).
     last_sent: std::time::Instant,
+    /// Plans sent so far.
+    plans: u64,
+    /// Rank 0's own stage outputs kept from one drafting pass for the next.
+    stages: StageMemory<B::Hidden>,
 }
 
 impl<B: Backend, C: PlanChannel> std::fmt::Debug for TpLeader<B, C> {
@@ -71,13 +88,27 @@ impl<B: Backend, C: PlanChannel> TpLeader<B, C> {
         if comm.rank() != 0 {
             return Err(Error::Collective(format!("TpLeader on rank {}; the leader is rank 0", comm.rank())));
         }
-        Ok(TpLeader { inner, comm, next_id: 0, tables: Vec::new(), last_sent: std::time::Instant::now() })
+        Ok(TpLeader {
+            inner,
+            comm,
+            next_id: 0,
+            tables: Vec::new(),
+            last_sent: std::time::Instant::now(),
+            plans: 0,
+            stages: StageMemory::default(),
+        })
     }
 
     fn send(&mut self, words: &[u32]) -> Result<()> {
         self.comm.send_plan(words)?;
         self.last_sent = std::time::Instant::now();
+        self.plans += 1;
         Ok(())
+    }
+
+    /// Plans sent to the followers so far (keep-alives included).
+    pub fn plans_sent(&self) -> u64 {
+        self.plans
     }
 
     /// Tells the followers to leave their loop.
@@ -188,6 +219,27 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         let inner: Vec<(&B::Hidden, &[u32])> = parts.iter().map(|(h, r)| (&h.inner, *r)).collect();
         Ok(TpHidden { id, inner: self.inner.concat_hidden(&inner)? })
     }
+
+    /// One plan for the whole pass, then the same stages on rank 0's shard.
+    fn draft_stages(
+        &mut self,
+        pass: &mut DraftPass,
+        batch: &mut Batch,
+        target: &Self::Hidden,
+        mem: &mut StageMemory<Self::Hidden>,
+        sc: &mut StageScratch,
+    ) -> Result<u64> {
+        let mut w = vec![OP_DRAFT, target.id];
+        encode_pass(pass, &mut w);
+        encode_batch(batch, &mut self.tables, &mut w);
+        self.send(&w)?;
+        // The engine's kept outputs are rank 0's own, under no plan's number.
+        self.stages.prev.clear();
+        self.stages.prev.extend(mem.prev.drain(..).map(|h| h.inner));
+        let r = run_stages(&mut self.inner, pass, batch, &target.inner, &mut self.stages, sc);
+        mem.prev.extend(self.stages.prev.drain(..).map(|inner| TpHidden { id: NO_ID, inner }));
+        r
+    }
 }
 
 /// A follower rank's loop: executes the leader's plans on `backend` until the leader
@@ -195,6 +247,7 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
 pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Result<()> {
     let mut hidden: VecDeque<(u32, B::Hidden)> = VecDeque::new();
     let mut tables: Vec<Vec<u32>> = Vec::new();
+    let (mut stages, mut scratch) = (StageMemory::default(), StageScratch::default());
     loop {
         let w = comm.receive_plan()?;
         let mut r = Reader { w: &w, i: 0 };
@@ -214,11 +267,16 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
                 let n = r.next()? as usize;
                 let rows = r.take(n)?.to_vec();
                 let batch = decode_batch(&mut r, &mut tables)?;
-                let prev = hidden.iter().find(|(i, _)| *i == prev_id).map(|(_, h)| h).ok_or_else(|| {
-                    Error::Collective(format!("plan refers to hidden state {prev_id}, no longer kept"))
-                })?;
+                let prev = find(&hidden, prev_id)?;
                 let out = backend.mtp_forward(layer, &batch, prev, &rows)?;
                 hidden.push_back((id, out.hidden));
+            }
+            OP_DRAFT => {
+                let target_id = r.next()?;
+                let mut pass = decode_pass(&mut r)?;
+                let mut batch = decode_batch(&mut r, &mut tables)?;
+                let target = find(&hidden, target_id)?;
+                run_stages(backend, &mut pass, &mut batch, target, &mut stages, &mut scratch)?;
             }
             OP_CONCAT => {
                 let id = r.next()?;
@@ -231,10 +289,7 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
                 }
                 let mut parts = Vec::with_capacity(n);
                 for (hid, rows) in &spec {
-                    let h = hidden.iter().find(|(i, _)| i == hid).map(|(_, h)| h).ok_or_else(|| {
-                        Error::Collective(format!("plan refers to hidden state {hid}, no longer kept"))
-                    })?;
-                    parts.push((h, rows.as_slice()));
+                    parts.push((find(&hidden, *hid)?, rows.as_slice()));
                 }
                 let out = backend.concat_hidden(&parts)?;
                 hidden.push_back((id, out));
@@ -245,6 +300,69 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
             hidden.pop_front();
         }
     }
+}
+
+/// The hidden state a plan names.
+fn find<H>(hidden: &VecDeque<(u32, H)>, id: u32) -> Result<&H> {
+    hidden
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map(|(_, h)| h)
+        .ok_or_else(|| Error::Collective(format!("plan refers to hidden state {id}, no longer kept")))
+}
+
+/// Words of one [`DraftChunk`] in a plan, besides its kept rows (one per full stage
+/// after the first).
+const CHUNK_WORDS: usize = 7;
+
+/// Writes `p` into `w` (its `check` stays behind, and `ext` and `chain`, which the
+/// stages set).
+fn encode_pass(p: &DraftPass, w: &mut Vec<u32>) {
+    let n_kept = p.full_stages().saturating_sub(1);
+    w.extend_from_slice(&[p.k as u32, p.n_mtp as u32, u32::from(p.keep), p.chunks.len() as u32]);
+    for c in &p.chunks {
+        w.extend_from_slice(&[
+            c.start as u32,
+            c.len as u32,
+            u32::from(c.cont),
+            c.draft_off.map_or(u32::MAX, |o| o as u32),
+            c.n_tok as u32,
+            c.last_tok,
+            c.tok_off as u32,
+        ]);
+        w.extend_from_slice(&c.kept[..n_kept]);
+    }
+    w.push(p.next_tokens.len() as u32);
+    w.extend_from_slice(&p.next_tokens);
+}
+
+/// Reads a pass written by [`encode_pass`].
+fn decode_pass(r: &mut Reader) -> Result<DraftPass> {
+    let (k, n_mtp, keep, n) = (r.next()? as usize, r.next()? as usize, r.next()? != 0, r.next()? as usize);
+    if k == 0 || k > MAX_DRAFTS || n_mtp == 0 {
+        return Err(Error::Collective(format!("a drafting plan of k = {k} with {n_mtp} MTP layers")));
+    }
+    let mut p = DraftPass { k, n_mtp, keep, ..Default::default() };
+    let n_kept = p.full_stages() - 1;
+    for _ in 0..n {
+        let w = r.take(CHUNK_WORDS + n_kept)?;
+        let mut kept = [0; MAX_DRAFTS];
+        kept[..n_kept].copy_from_slice(&w[CHUNK_WORDS..]);
+        p.chunks.push(DraftChunk {
+            start: w[0] as usize,
+            len: w[1] as usize,
+            cont: w[2] != 0,
+            draft_off: (w[3] != u32::MAX).then_some(w[3] as usize),
+            n_tok: w[4] as usize,
+            last_tok: w[5],
+            tok_off: w[6] as usize,
+            kept,
+            ..Default::default()
+        });
+    }
+    let nt = r.next()? as usize;
+    p.next_tokens = r.take(nt)?.to_vec();
+    Ok(p)
 }
 
 /// Writes `b` into `w`; `tables` holds the previous batch plan's block tables and is left
@@ -427,6 +545,40 @@ mod tests {
         let got = decode_batch(&mut Reader { w: &w, i: 0 }, &mut Vec::new()).unwrap();
         assert_eq!(got, b);
         assert!(decode_batch(&mut Reader { w: &w[..w.len() - 1], i: 0 }, &mut Vec::new()).is_err());
+    }
+
+    /// A drafting pass crosses whole, but for what stays with the leader (`check`) and
+    /// what the stages set; a cut plan is refused.
+    #[test]
+    fn pass_round_trip() {
+        let chunk = |start: usize, draft_off: Option<usize>, kept: [u32; MAX_DRAFTS]| DraftChunk {
+            start,
+            len: 4,
+            cont: draft_off.is_some(),
+            draft_off,
+            kept,
+            n_tok: start + 3,
+            last_tok: 77,
+            tok_off: 2,
+            ..Default::default()
+        };
+        for (k, n_mtp) in [(3, 3), (4, 2), (2, 1), (1, 3)] {
+            let n_kept = n_mtp.min(k) - 1;
+            let mut kept = [0; MAX_DRAFTS];
+            kept[..n_kept].copy_from_slice(&[5, 9, 11][..n_kept]);
+            let p = DraftPass {
+                k,
+                n_mtp,
+                keep: k % 2 == 0,
+                chunks: vec![chunk(100, Some(2), kept), chunk(0, None, [0; MAX_DRAFTS])],
+                next_tokens: vec![3, 4, 5, 6],
+                check: Vec::new(),
+            };
+            let mut w = Vec::new();
+            encode_pass(&DraftPass { check: vec![vec![1, 2]], ..p.clone() }, &mut w);
+            assert_eq!(decode_pass(&mut Reader { w: &w, i: 0 }).unwrap(), p, "k = {k}, {n_mtp} MTP layers");
+            assert!(decode_pass(&mut Reader { w: &w[..w.len() - 1], i: 0 }).is_err());
+        }
     }
 
     /// Block tables cross as changes against the previous batch plan's: grown, cut,

@@ -1,7 +1,8 @@
 //! A tensor-parallel group running the engine: rank 0 drives `Engine<TpLeader<..>>`,
 //! the other ranks follow its plans. Greedy outputs of TP > 1 must equal TP = 1 token for
 //! token (32 concurrent requests, speculation on and off, plans over the collective and
-//! over shared memory).
+//! over shared memory), with at most two plans per step: the target forward and the
+//! drafting pass.
 //!
 //! CI runs the group as threads over `LocalGroup`; with `--features nccl` on a machine
 //! with GPUs, the same check runs with one OS process per rank over real NCCL, and a
@@ -37,6 +38,11 @@ fn workload() -> Vec<Request> {
 
 /// Runs every request to completion; returns each one's tokens, in submission order.
 fn run<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<Vec<Vec<u32>>> {
+    Ok(run_engine(backend, k)?.0)
+}
+
+/// [`run`], also returning the engine.
+fn run_engine<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<(Vec<Vec<u32>>, Engine<B>)> {
     let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).map_err(|e| mlaserve_core::Error::Backend(e.to_string()))?;
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
@@ -57,7 +63,7 @@ fn run<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<Vec<Vec<u32>>>
             }
         }
     }
-    Ok(ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect())
+    Ok((ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), e))
 }
 
 fn load(dir: &Path, comm: Box<dyn Collective>) -> CpuBackend {
@@ -91,14 +97,20 @@ fn tp_2_and_4_threads_equal_tp_1_with_and_without_speculation() {
                 let plans = channel(plans.pop().expect("rank 0"));
                 assert_eq!(matches!(plans, Plans::Shared(_)), shared && Path::new("/dev/shm").is_dir());
                 let leader = TpLeader::new(load(dir, Box::new(inner.pop().expect("rank 0"))), plans).expect("leader");
-                let got = run(leader, k);
+                let got = run_engine(leader, k).map(|(got, e)| (got, e.backend().plans_sent(), e.stats().times.steps));
                 // Dropping the leader's plan channel releases the followers.
                 for f in followers {
                     let _ = f.join();
                 }
                 got.expect("tp run")
             });
+            let (got, plans, steps) = got;
             assert_eq!(got, want, "TP={world} k={k} (shared-memory plans: {shared}) differs from TP=1");
+            // A step crosses as two plans at most, its target forward and its drafting
+            // pass: here three stages (two MTP layers, then the last reused), joined
+            // with rows kept from the step before.
+            let most = if k == 0 { steps } else { 2 * steps };
+            assert!(plans <= most && plans > steps * u64::from(k > 0), "{plans} plans for {steps} steps, k = {k}");
         }
     }
 }

@@ -1,0 +1,180 @@
+//! A drafting pass crosses to a follower as one plan, and the follower builds every
+//! later stage's batch itself. On the synthetic backend (deterministic, no collectives
+//! needed) the follower's calls must equal the leader's call for call — every batch,
+//! hidden-row list and joined hidden state — with drafts read back to the host and
+//! kept in device slots, for every k and number of MTP layers and with k changing from
+//! step to step; and the output equals one rank's alone.
+
+use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig};
+use mlaserve_engine::testing::SyntheticBackend;
+use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Speculation};
+use mlaserve_tp::{LocalGroup, TpLeader};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// One backend call, as the backend received it.
+#[derive(Debug, Clone, PartialEq)]
+enum Call {
+    Forward(Batch),
+    Mtp { layer: usize, batch: Batch, prev: Vec<u64>, rows: Vec<u32> },
+    Concat(Vec<(Vec<u64>, Vec<u32>)>),
+}
+
+type Log = Arc<Mutex<Vec<Call>>>;
+
+/// The synthetic backend, logging every call.
+struct Recording {
+    inner: SyntheticBackend,
+    log: Log,
+}
+
+impl Recording {
+    fn new(n_mtp: usize, keep: bool) -> (Self, Log) {
+        let mut inner = SyntheticBackend::new(64, n_mtp, 256, 4096);
+        inner.keep_drafts = keep;
+        let log = Log::default();
+        (Recording { inner, log: log.clone() }, log)
+    }
+
+    fn note(&self, c: Call) {
+        self.log.lock().expect("log").push(c);
+    }
+}
+
+impl Backend for Recording {
+    type Hidden = Vec<u64>;
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn forward(&mut self, batch: &Batch) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
+        self.note(Call::Forward(batch.clone()));
+        self.inner.forward(batch)
+    }
+    fn mtp_forward(
+        &mut self,
+        layer: usize,
+        batch: &Batch,
+        prev: &Vec<u64>,
+        rows: &[u32],
+    ) -> mlaserve_core::Result<ForwardOutput<Vec<u64>>> {
+        self.note(Call::Mtp { layer, batch: batch.clone(), prev: prev.clone(), rows: rows.to_vec() });
+        self.inner.mtp_forward(layer, batch, prev, rows)
+    }
+    fn hidden_to_host(&self, h: &Vec<u64>) -> mlaserve_core::Result<Vec<f32>> {
+        self.inner.hidden_to_host(h)
+    }
+    fn concat_hidden(&mut self, parts: &[(&Vec<u64>, &[u32])]) -> mlaserve_core::Result<Vec<u64>> {
+        self.note(Call::Concat(parts.iter().map(|(h, r)| ((*h).clone(), r.to_vec())).collect()));
+        self.inner.concat_hidden(parts)
+    }
+    fn keeps_drafts(&self) -> bool {
+        self.inner.keeps_drafts()
+    }
+    fn read_drafts(&mut self, n: usize) -> mlaserve_core::Result<Vec<u32>> {
+        self.inner.read_drafts(n)
+    }
+}
+
+/// Prompts of 1 to 150 tokens (the longer ones prefilled in chunks), greedy and
+/// seeded sampling.
+fn workload() -> Vec<Request> {
+    let mut s = 777u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    (0..12)
+        .map(|i| {
+            let len = 1 + (next() % 150) as usize;
+            let prompt = (0..len).map(|_| 2 + (next() % 60) as u32).collect();
+            let mut params = SamplingParams { max_new_tokens: 8 + (next() % 40) as u32, ..Default::default() };
+            if i % 3 == 0 {
+                params.temperature = 0.8;
+                params.seed = Some(i);
+            }
+            Request::new(prompt, params)
+        })
+        .collect()
+}
+
+/// Runs the workload with k forced through `pattern`; returns each request's tokens.
+fn run<B: Backend>(e: &mut Engine<B>, pattern: &[usize]) -> Vec<Vec<u32>> {
+    e.force_k(pattern);
+    let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
+    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
+    let mut done = 0;
+    while done < ids.len() {
+        for (id, ev) in e.step() {
+            match ev {
+                Event::Tokens(t) => out.entry(id).or_default().extend(t),
+                Event::Finished { reason, .. } => {
+                    use mlaserve_engine::FinishReason::{Error, Unavailable};
+                    assert!(!matches!(reason, Error(_) | Unavailable(_)), "{reason:?}");
+                    done += 1;
+                }
+                Event::Logprobs(_) => {}
+            }
+        }
+    }
+    ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
+}
+
+fn config(k: usize) -> EngineConfig {
+    EngineConfig {
+        num_speculative_tokens: Some(k),
+        speculation: Speculation::Adaptive,
+        max_batch_tokens: 96,
+        max_num_seqs: 8,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_follower_builds_every_stage_as_the_leader_does() {
+    for n_mtp in 1..=3 {
+        for k in 1..=4 {
+            // k changes between steps (0 included), so requests go on with rows kept
+            // from a pass of another k, or from none.
+            let pattern = [k, k, 0, k, k.max(2) - 1, k];
+            for keep in [false, true] {
+                let what = format!("{n_mtp} MTP layer(s), k = {k}, drafts kept on the device: {keep}");
+                let mut alone = Engine::new(Recording::new(n_mtp, keep).0, config(k)).expect("engine");
+                let want = run(&mut alone, &pattern);
+                let (leader, leader_log) = Recording::new(n_mtp, keep);
+                let (mut follower, follower_log) = Recording::new(n_mtp, keep);
+                let mut g = LocalGroup::new(2, Duration::from_secs(30));
+                let (c1, c0) = (g.pop().expect("rank 1"), g.pop().expect("rank 0"));
+                let got = std::thread::scope(|s| {
+                    let f = s.spawn(move || mlaserve_tp::run_follower(&mut follower, &c1));
+                    let mut e = Engine::new(TpLeader::new(leader, c0).expect("leader"), config(k)).expect("engine");
+                    let got = run(&mut e, &pattern);
+                    let (plans, steps) = (e.backend().plans_sent(), e.stats().times.steps);
+                    e.backend_mut().shutdown().expect("shutdown");
+                    f.join().expect("follower thread").expect("follower");
+                    assert!(plans <= 2 * steps, "{what}: {plans} plans for {steps} steps");
+                    got
+                });
+                assert_eq!(got, want, "{what}: TP output differs from one rank's");
+                let (l, f) = (leader_log.lock().expect("log"), follower_log.lock().expect("log"));
+                assert_eq!(l.len(), f.len(), "{what}: calls");
+                for (i, (a, b)) in l.iter().zip(f.iter()).enumerate() {
+                    assert_eq!(a, b, "{what}: call {i}");
+                }
+                // The passes ran what this case is about.
+                let mtp = |p: &dyn Fn(usize, &Batch) -> bool| {
+                    l.iter().any(|c| matches!(c, Call::Mtp { layer, batch, .. } if p(*layer, batch)))
+                };
+                assert!(mtp(&|layer, _| layer + 1 == n_mtp.min(k)), "{what}: every full stage ran");
+                assert_eq!(mtp(&|_, b| !b.draft_links.is_empty()), keep && k > 1, "{what}: linked drafts");
+                let joined = l.iter().any(|c| matches!(c, Call::Concat(_)));
+                assert_eq!(joined, n_mtp > 1 && k > 1, "{what}: rows kept from the pass before");
+            }
+        }
+    }
+}
