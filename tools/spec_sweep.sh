@@ -24,10 +24,12 @@
 # behind a router, as in a deployment, and the servers run one after another (groups
 # sharing GPUs would spin their NCCL kernels on the same SMs); SEQUENTIAL=1 runs them one
 # after another at TP 1 too (each alone on the GPU, as deployed; no interleaving, so the
-# rounds of a server are consecutive); RESTART=1 (with either) gives every round fresh
-# server processes, started in an order rotated per round, each warmed up again: a
-# process's speed at the same k can differ from another's by a few percent for its life,
-# which more rounds on the same processes do not average out. SERVE_FLAGS: more flags
+# rounds of a server are consecutive); RESTART=1 (with either; the default with
+# BACKEND=cuda) gives every round fresh server processes, started in an order rotated per
+# round, each warmed up again: a GPU process's speed at the same k can differ from
+# another's by a few percent for its life (TP 2 at 64 streams: adaptive / better fixed k
+# 0.911 with one group per server, 1.053 with fresh groups), which more rounds on the
+# same processes do not average out. RESTART=0 keeps one set of servers for the sweep. SERVE_FLAGS: more flags
 # for every server (e.g. --drafts-to-host). ALT_FLAGS: a fourth server, adaptive with
 # these flags as well ("alt"), beside the others in the same rounds (an A/B of an
 # option of the adaptive policy; FIXED=0 leaves the fixed-k servers out).
@@ -49,6 +51,7 @@ rounds="${ROUNDS:-3}"
 warmup="${WARMUP:-1}"
 warmup_more="${WARMUP_MORE:-3}"
 logs="${LOGS:-$(mktemp -d)}"
+restart="${RESTART:-$([[ $backend == cuda ]] && echo 1 || echo 0)}"
 mkdir -p "$logs"
 [[ -x "$bin" ]] || { echo "no mlaserve binary at $bin (cargo build --release -p mlaserve)"; exit 1; }
 
@@ -221,7 +224,7 @@ serve_rounds() {
     graphs[$m]=$(($(graphs_now "$m") + ${graphs[$m]:-0}))
     stop "$m"
 }
-if [[ ${RESTART:-0} == 1 ]]; then
+if [[ $restart == 1 ]]; then
     # Fresh processes every round, one server at a time, in an order rotated per round.
     nm=${#modes[@]}
     for ((r = 0; r < rounds; r++)); do
@@ -267,7 +270,7 @@ prompts="$prompt-token prompts"
 [[ -n "${PROMPTS:-}" ]] && prompts="prompts of $PROMPTS"
 how="interleaved runs"
 ((tp > 1)) || [[ ${SEQUENTIAL:-0} == 1 ]] && how="runs, one server at a time"
-[[ ${RESTART:-0} == 1 ]] && how="runs, one server at a time, each round on fresh processes"
+[[ $restart == 1 ]] && how="runs, one server at a time, each round on fresh processes"
 echo "backend $backend, TP $tp, $prompts, $new new tokens, median of $rounds $how;"
 echo "generated tokens/s (logs: $logs)"
 echo "| streams | k = 0 | k = 3 | adaptive | adaptive / better fixed | adaptive / k = 0 | decisions at k = 0/1/2/3 |"
