@@ -17,6 +17,7 @@ pub mod local_group;
 pub mod plans;
 pub mod rendezvous;
 pub mod shm;
+mod wait;
 
 #[cfg(feature = "nccl")]
 pub mod nccl;

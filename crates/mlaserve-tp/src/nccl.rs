@@ -10,10 +10,11 @@
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use crate::wait::Waiter;
 use mlaserve_core::{Collective, Error, Result};
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Bytes of NCCL's unique id (what the rendezvous hands around).
 pub const ID_BYTES: usize = 128;
@@ -94,24 +95,16 @@ impl NcclComm {
     /// on a timeout or a CUDA error the communicator is aborted.
     pub fn wait(&self, what: &str) -> Result<()> {
         let event = self.stream.record_event(None).map_err(|e| Error::Backend(format!("cuEventRecord: {e:?}")))?;
-        let start = Instant::now();
-        let deadline = start + self.timeout;
+        let wait = Waiter::new(Some(self.timeout));
         loop {
             match event.try_is_complete() {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => return Err(self.abort(what, &format!("CUDA error {e:?}"))),
             }
-            if Instant::now() >= deadline {
+            if !wait.pause() {
                 let why = format!("no completion within {:?}: a peer rank died or stalls", self.timeout);
                 return Err(self.abort(what, &why));
-            }
-            // Spin (yielding) through a step's usual wait, then nap: a stalled peer must
-            // not cost a core, a healthy step must not pay a sleep's latency.
-            if start.elapsed() < Duration::from_millis(50) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
             }
         }
     }

@@ -21,12 +21,13 @@
 //! containers that do not share `/dev/shm`, cannot open it and keep the collective.
 
 use memmap2::MmapMut;
+use crate::wait::Waiter;
 use mlaserve_core::{Collective, Error, Result};
 use std::cell::Cell;
 use std::hash::{BuildHasher, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The ring's words in [`SharedPlans::connect`]'s default (16 MiB; longer plans stream).
 pub const DEFAULT_CAPACITY: usize = 1 << 22;
@@ -57,33 +58,6 @@ pub struct SharedPlans {
     timeout: Option<Duration>,
     /// This rank's position: where the leader writes next, where a follower reads next.
     pos: Cell<u64>,
-}
-
-/// A wait that spins briefly, then yields, then naps: a plan that comes soon is seen at
-/// once, an idle rank does not take a core.
-struct Waiter {
-    start: Instant,
-    deadline: Option<Instant>,
-}
-
-impl Waiter {
-    fn new(timeout: Option<Duration>) -> Self {
-        let start = Instant::now();
-        Waiter { start, deadline: timeout.map(|t| start + t) }
-    }
-
-    /// Pauses once; false when the deadline has passed.
-    fn pause(&self) -> bool {
-        let waited = self.start.elapsed();
-        if waited < Duration::from_micros(20) {
-            std::hint::spin_loop();
-        } else if waited < Duration::from_millis(50) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        self.deadline.is_none_or(|d| Instant::now() < d)
-    }
 }
 
 /// A random 64-bit token (std's hash keys are seeded from the OS), mixed with the time.
