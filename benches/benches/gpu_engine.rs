@@ -5,11 +5,11 @@
 //! none runs both. Run from the repository root (the bundled model is read from
 //! `models/mla-tiny-code`, or `$MLASERVE_BUNDLED_MODEL`). Needs a GPU (device 0).
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
 use mlaserve_cuda::{CudaBackend, CudaOptions};
+use mlaserve_engine::testing::{random_requests, run_to_completion};
 use mlaserve_engine::{Engine, EngineConfig, Event, FinishReason, Request, SamplingParams};
 
 fn main() {
@@ -25,21 +25,7 @@ fn main() {
 
 /// 64 requests of random prompts (1..=200 tokens) and lengths (1..=48 new tokens).
 fn workload() -> Vec<Request> {
-    let mut s = 987654321u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    (0..64)
-        .map(|_| {
-            let len = 1 + (next() % 200) as usize;
-            let prompt = (0..len).map(|_| 2 + (next() % 510) as u32).collect();
-            let params = SamplingParams { max_new_tokens: 1 + (next() % 48) as u32, ..Default::default() };
-            Request::new(prompt, params)
-        })
-        .collect()
+    random_requests(987654321, 64, 200, 48, 512)
 }
 
 /// Every request's tokens, in submission order.
@@ -47,19 +33,7 @@ fn run(backend: CudaBackend, k: usize) -> Vec<Vec<u32>> {
     let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
-    let mut done = 0;
-    while done < ids.len() {
-        for (id, ev) in e.step() {
-            match ev {
-                Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
-                Event::Finished { .. } => done += 1,
-                Event::Logprobs(_) => {}
-            }
-        }
-    }
-    ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
+    run_to_completion(&mut e, &ids).expect("run")
 }
 
 fn greedy_k3_vs_k0_default_options() {

@@ -23,26 +23,13 @@ use std::time::Duration;
 
 use mlaserve_core::Backend;
 use mlaserve_cuda::{CudaBackend, CudaOptions, TpInit};
+use mlaserve_engine::testing::{random_requests, run_to_completion};
 use mlaserve_engine::{Engine, EngineConfig, Request, SamplingParams, Speculation};
 
 const BLOCKS: usize = 512;
 
 fn workload() -> Vec<Request> {
-    let mut s = 987654321u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    (0..64)
-        .map(|_| {
-            let len = 1 + (next() % 200) as usize;
-            let prompt = (0..len).map(|_| 2 + (next() % 510) as u32).collect();
-            let params = SamplingParams { max_new_tokens: 1 + (next() % 48) as u32, ..Default::default() };
-            Request::new(prompt, params)
-        })
-        .collect()
+    random_requests(987654321, 64, 200, 48, 512)
 }
 
 /// Runs every request to completion; each one's tokens in submission order.
@@ -62,7 +49,7 @@ fn run_with<B: Backend>(backend: B, k: usize, speculation: Speculation) -> (Vec<
         EngineConfig { num_speculative_tokens: Some(k), speculation, max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).expect("engine");
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let out = common::run_to_completion(&mut e, &ids);
+    let out = run_to_completion(&mut e, &ids).expect("run");
     let st = e.stats();
     (out, st.totals.preemptions, st.speculation.steps_per_k)
 }
@@ -229,7 +216,7 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
     }
     assert_eq!((st.totals.generated_tokens, st.prefix.queried_tokens, st.times.steps), (0, 0, 0));
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let calibrated = common::run_to_completion(&mut e, &ids);
+    let calibrated = run_to_completion(&mut e, &ids).expect("run");
     println!("calibrated: decisions per k {:?}", e.stats().speculation.steps_per_k);
     assert_eq!(calibrated, k0, "greedy output after a calibration differs from k = 0");
     // Every graph batch size up to 64 at every k first (`Engine::warm_up_graphs`): the
@@ -241,7 +228,7 @@ fn greedy_adaptive_k_equals_k0_fast_batch_invariant_options() {
     println!("warm-up: sizes {:?} in {} steps, {:.2} s, {warmed} graphs", w.rows, w.steps, t0.elapsed().as_secs_f64());
     assert_eq!(w.rows, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64], "{w:?}");
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let out = common::run_to_completion(&mut e, &ids);
+    let out = run_to_completion(&mut e, &ids).expect("run");
     println!("after the warm-up, serving captured {} graphs", e.backend().graph_captures() - warmed);
     assert_eq!(out, k0, "greedy output after a graph warm-up differs from k = 0");
 }
@@ -261,7 +248,7 @@ fn bundled_run(
     let mut e = Engine::new(b, cfg).expect("engine");
     e.force_k(pattern);
     let ids: Vec<_> = work.into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let out = common::run_to_completion(&mut e, &ids);
+    let out = run_to_completion(&mut e, &ids).expect("run");
     let t = e.stats().totals;
     (out, t.draft_tokens, t.accepted_per_position, e.backend().graph_stats().launches)
 }
@@ -508,7 +495,7 @@ fn tp2_kept_drafts_equal_drafts_read_back_per_stage() {
             let mut e = Engine::new(leader, cfg).expect("engine");
             e.force_k(pattern);
             let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-            let out = common::run_to_completion(&mut e, &ids);
+            let out = run_to_completion(&mut e, &ids).expect("run");
             let t = e.stats().totals;
             (out, t.draft_tokens, t.accepted_per_position, keeps)
         })

@@ -242,7 +242,7 @@ fn engine_run(dir: &std::path::Path, graphs: bool, k: usize) -> (Vec<Vec<u32>>, 
             e.add_request(Request::new(toks(100 + i, 20 + 9 * i), params)).expect("admit")
         })
         .collect();
-    let out = common::run_to_completion(&mut e, &ids);
+    let out = mlaserve_engine::testing::run_to_completion(&mut e, &ids).expect("run");
     (out, e.backend().graph_stats())
 }
 

@@ -12,8 +12,13 @@
 //! A [`SynthCost`] gives its calls a duration on the backend's own clock
 //! ([`Backend::now`]), for tests of choices that follow the measured step times
 //! (adaptive speculation): the times are the same on a loaded machine as on an idle one.
+//!
+//! Also what the backends' engine tests share: [`random_requests`], a seeded workload,
+//! and [`run_to_completion`].
 
+use crate::{Engine, Event, FinishReason, Request, RequestId, SamplingParams};
 use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig, BLOCK_SIZE};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 const NO_TOKEN: u32 = u32::MAX;
@@ -398,4 +403,44 @@ impl Backend for SyntheticBackend {
     fn graph_batch_sizes(&self) -> Vec<usize> {
         self.graph_sizes.clone()
     }
+}
+
+/// `n` greedy requests drawn from a xorshift stream seeded with `seed`: each a prompt of
+/// 1 to `max_prompt` ids in `2..vocab`, then 1 to `max_new` new tokens.
+pub fn random_requests(seed: u64, n: usize, max_prompt: usize, max_new: u32, vocab: u32) -> Vec<Request> {
+    let mut s = seed;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    (0..n)
+        .map(|_| {
+            let len = 1 + (next() % max_prompt as u64) as usize;
+            let prompt = (0..len).map(|_| 2 + (next() % (vocab as u64 - 2)) as u32).collect();
+            let params = SamplingParams { max_new_tokens: 1 + (next() % max_new as u64) as u32, ..Default::default() };
+            Request::new(prompt, params)
+        })
+        .collect()
+}
+
+/// Steps `e` until every request of `ids` finishes; each one's tokens, in `ids` order,
+/// or the message of the first request that ended in an error (the group's too).
+pub fn run_to_completion<B: Backend>(e: &mut Engine<B>, ids: &[RequestId]) -> Result<Vec<Vec<u32>>, String> {
+    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
+    let mut done = 0;
+    while done < ids.len() {
+        for (id, ev) in e.step() {
+            match ev {
+                Event::Tokens(t) => out.entry(id).or_default().extend(t),
+                Event::Finished { reason: FinishReason::Error(m) | FinishReason::Unavailable(m), .. } => {
+                    return Err(format!("request {id} failed: {m}"))
+                }
+                Event::Finished { .. } => done += 1,
+                Event::Logprobs(_) => {}
+            }
+        }
+    }
+    Ok(ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect())
 }

@@ -8,9 +8,9 @@
 //! and this and every later call fail with an error naming the operation — a group never
 //! hangs forever.
 
+use crate::wait::Waiter;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
-use crate::wait::Waiter;
 use mlaserve_core::{Collective, Error, Result};
 use std::cell::RefCell;
 use std::sync::Arc;

@@ -20,8 +20,8 @@
 //! did. The file is then unlinked (the mappings stay). Ranks on different hosts, or in
 //! containers that do not share `/dev/shm`, cannot open it and keep the collective.
 
-use memmap2::MmapMut;
 use crate::wait::Waiter;
+use memmap2::MmapMut;
 use mlaserve_core::{Collective, Error, Result};
 use std::cell::Cell;
 use std::hash::{BuildHasher, Hasher};

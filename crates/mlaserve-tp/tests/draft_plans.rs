@@ -6,10 +6,9 @@
 //! step to step; and the output equals one rank's alone.
 
 use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig};
-use mlaserve_engine::testing::SyntheticBackend;
-use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams, Speculation};
+use mlaserve_engine::testing::{random_requests, run_to_completion, SyntheticBackend};
+use mlaserve_engine::{Engine, EngineConfig, Request, Speculation};
 use mlaserve_tp::{LocalGroup, TpLeader};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -79,50 +78,22 @@ impl Backend for Recording {
     }
 }
 
-/// Prompts of 1 to 150 tokens (the longer ones prefilled in chunks), greedy and
-/// seeded sampling.
+/// Prompts of 1 to 150 tokens (the longer ones prefilled in chunks), every third
+/// request sampled with a seed.
 fn workload() -> Vec<Request> {
-    let mut s = 777u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    (0..12)
-        .map(|i| {
-            let len = 1 + (next() % 150) as usize;
-            let prompt = (0..len).map(|_| 2 + (next() % 60) as u32).collect();
-            let mut params = SamplingParams { max_new_tokens: 8 + (next() % 40) as u32, ..Default::default() };
-            if i % 3 == 0 {
-                params.temperature = 0.8;
-                params.seed = Some(i);
-            }
-            Request::new(prompt, params)
-        })
-        .collect()
+    let mut r = random_requests(777, 12, 150, 48, 64);
+    for (i, x) in r.iter_mut().enumerate().step_by(3) {
+        x.sampling.temperature = 0.8;
+        x.sampling.seed = Some(i as u64);
+    }
+    r
 }
 
 /// Runs the workload with k forced through `pattern`; returns each request's tokens.
 fn run<B: Backend>(e: &mut Engine<B>, pattern: &[usize]) -> Vec<Vec<u32>> {
     e.force_k(pattern);
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
-    let mut done = 0;
-    while done < ids.len() {
-        for (id, ev) in e.step() {
-            match ev {
-                Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                Event::Finished { reason, .. } => {
-                    use mlaserve_engine::FinishReason::{Error, Unavailable};
-                    assert!(!matches!(reason, Error(_) | Unavailable(_)), "{reason:?}");
-                    done += 1;
-                }
-                Event::Logprobs(_) => {}
-            }
-        }
-    }
-    ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
+    run_to_completion(e, &ids).expect("run")
 }
 
 fn config(k: usize) -> EngineConfig {

@@ -10,30 +10,17 @@
 
 use mlaserve_core::{Backend, Collective};
 use mlaserve_cpu::{CpuBackend, CpuOptions};
-use mlaserve_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
+use mlaserve_engine::testing::{random_requests, run_to_completion};
+use mlaserve_engine::{Engine, EngineConfig, Event, Request};
 use mlaserve_tp::{LocalGroup, Plans, TpLeader};
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
 const BLOCKS: usize = 128;
 
+/// 32 requests of random prompts (1..=100 tokens) and lengths (1..=32 new tokens).
 fn workload() -> Vec<Request> {
-    let mut s = 12345u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    (0..32)
-        .map(|_| {
-            let len = 1 + (next() % 100) as usize;
-            let prompt = (0..len).map(|_| 2 + (next() % 510) as u32).collect();
-            let params = SamplingParams { max_new_tokens: 1 + (next() % 32) as u32, ..Default::default() };
-            Request::new(prompt, params)
-        })
-        .collect()
+    random_requests(12345, 32, 100, 32, 512)
 }
 
 /// Runs every request to completion; returns each one's tokens, in submission order.
@@ -46,24 +33,8 @@ fn run_engine<B: Backend>(backend: B, k: usize) -> mlaserve_core::Result<(Vec<Ve
     let cfg = EngineConfig { num_speculative_tokens: Some(k), max_batch_tokens: 256, ..Default::default() };
     let mut e = Engine::new(backend, cfg).map_err(|e| mlaserve_core::Error::Backend(e.to_string()))?;
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
-    let mut done = 0;
-    while done < ids.len() {
-        for (id, ev) in e.step() {
-            match ev {
-                Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                Event::Finished {
-                    reason: mlaserve_engine::FinishReason::Error(m) | mlaserve_engine::FinishReason::Unavailable(m),
-                    ..
-                } => {
-                    return Err(mlaserve_core::Error::Backend(m));
-                }
-                Event::Finished { .. } => done += 1,
-                Event::Logprobs(_) => {}
-            }
-        }
-    }
-    Ok((ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), e))
+    let out = run_to_completion(&mut e, &ids).map_err(mlaserve_core::Error::Backend)?;
+    Ok((out, e))
 }
 
 fn load(dir: &Path, comm: Box<dyn Collective>) -> CpuBackend {

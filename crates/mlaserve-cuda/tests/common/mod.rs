@@ -8,7 +8,6 @@ use mlaserve_cpu::attention::{AttnMode, LayerCache, Mla, StepLayout};
 use mlaserve_cpu::moe::{Mlp, Moe};
 use mlaserve_cpu::ops::{rms_norm, Rope};
 use mlaserve_model::{names, Weights};
-use std::collections::HashMap;
 
 /// Smallest gap that decides the choice: between the k-th and (k+1)-th allowed choice
 /// score, and (grouped methods) between the last kept and the first dropped group.
@@ -128,28 +127,6 @@ pub fn require_gpus(world: usize) -> bool {
     assert!(want < world, "MLASERVE_REQUIRE_GPUS={want} but only {have} GPUs");
     eprintln!("skipping TP={world} test: {have} GPU(s)");
     false
-}
-
-/// Steps `e` until every request of `ids` finishes; each one's tokens, in `ids` order. A
-/// request that ends in an error fails the test.
-pub fn run_to_completion<B: mlaserve_core::Backend>(
-    e: &mut mlaserve_engine::Engine<B>,
-    ids: &[mlaserve_engine::RequestId],
-) -> Vec<Vec<u32>> {
-    use mlaserve_engine::{Event, FinishReason};
-    let mut out: HashMap<_, Vec<u32>> = HashMap::new();
-    let mut done = 0;
-    while done < ids.len() {
-        for (id, ev) in e.step() {
-            match ev {
-                Event::Tokens(t) => out.entry(id).or_default().extend(t),
-                Event::Finished { reason: FinishReason::Error(m), .. } => panic!("request failed: {m}"),
-                Event::Finished { .. } => done += 1,
-                Event::Logprobs(_) => {}
-            }
-        }
-    }
-    ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
 }
 
 /// Largest absolute difference over the largest |want| (NaN when `got` has a non-finite
