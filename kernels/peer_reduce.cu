@@ -64,12 +64,33 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
+// One spin of a wait for a peer, `spins` its count so far (`start` 0 at the wait's
+// start): every 1024 spins it reads the clock, and once `timeout_ns` has passed since
+// the first reading it marks the rank failed (`failed`, then `status` for the host) and
+// returns true: the peer died or stalls, and the wait must end.
+__device__ __forceinline__ bool wait_timed_out(uint32_t spins, uint64_t& start, unsigned long long timeout_ns,
+                                               volatile uint32_t* failed, unsigned int* status) {
+    if ((spins & 1023) != 1023) return false;
+    const uint64_t t = global_ns();
+    if (start == 0) {
+        start = t;
+        return false;
+    }
+    if (t - start <= timeout_ns) return false;
+    *failed = 1;
+    *reinterpret_cast<volatile unsigned int*>(status) = 1;
+    __threadfence_system();
+    return true;
+}
+
 // `out` may be `in` (the in-place all-reduce): a block reads only its own slice of `in`,
 // before the barrier, and writes only that slice of `out`, after it. With `gather`, `out`
-// holds `world` × n floats (rank-major) and must not overlap `in`.
+// holds `world` × n floats (rank-major) and must not overlap `in`. Both kernels take the
+// same arguments: `offset` is where their region of the buffer starts (PR_DATA_OFFSET
+// here), `cap` a slot's size in their units (floats here, lines there).
 extern "C" __global__ void __launch_bounds__(PR_THREADS)
-    peer_all_reduce_f32(float* out, const float* in, size_t n, PeerBases bases, int rank, int world, size_t cap,
-                        unsigned long long timeout_ns, unsigned int* status, int gather) {
+    peer_all_reduce_f32(float* out, const float* in, size_t n, PeerBases bases, int rank, int world, size_t offset,
+                        size_t cap, unsigned long long timeout_ns, unsigned int* status, int gather) {
     char* mine = reinterpret_cast<char*>(bases.p[rank]);
     uint32_t* flags = reinterpret_cast<uint32_t*>(mine);
     uint32_t* counters = flags + PR_BLOCKS * PR_MAX_WORLD;
@@ -84,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(PR_THREADS)
     const size_t lo = min(n, b * per), hi = min(n, lo + per);
 
     for (int p = 0; p < world; ++p) {
-        float* dst = reinterpret_cast<float*>(reinterpret_cast<char*>(bases.p[p]) + PR_DATA_OFFSET) + half +
+        float* dst = reinterpret_cast<float*>(reinterpret_cast<char*>(bases.p[p]) + offset) + half +
                      static_cast<size_t>(rank) * cap;
         for (size_t i = lo + 4 * threadIdx.x; i < hi; i += 4 * PR_THREADS) {
             if (i + 4 <= hi) {
@@ -102,23 +123,12 @@ extern "C" __global__ void __launch_bounds__(PR_THREADS)
         const uint32_t* f = flags + b * PR_MAX_WORLD + peer;
         uint64_t start = 0;
         for (uint32_t spins = 0; static_cast<int32_t>(ld_acquire_sys(f) - call) < 0; ++spins) {
-            if ((spins & 1023) == 1023) {
-                const uint64_t t = global_ns();
-                if (start == 0) {
-                    start = t;
-                } else if (t - start > timeout_ns) {
-                    // A peer died or stalls: fail this rank's calls from now on.
-                    *failed = 1;
-                    *reinterpret_cast<volatile unsigned int*>(status) = 1;
-                    __threadfence_system();
-                    break;
-                }
-            }
+            if (wait_timed_out(spins, start, timeout_ns, failed, status)) break;
         }
     }
     __syncthreads();
 
-    const float* src = reinterpret_cast<const float*>(mine + PR_DATA_OFFSET) + half;
+    const float* src = reinterpret_cast<const float*>(mine + offset) + half;
     if (gather) {
         for (int r = 0; r < world; ++r) {
             const float* from = src + static_cast<size_t>(r) * cap;
@@ -175,7 +185,7 @@ __device__ __forceinline__ uint4 ld_line(const uint4* p) {
 extern "C" __global__ void __launch_bounds__(PR_THREADS)
     peer_all_reduce_lines_f32(float* out, const float* in, size_t n, PeerBases bases, int rank, int world,
                               size_t lines_offset, size_t line_cap, unsigned long long timeout_ns,
-                              unsigned int* status, int gather) {
+                              unsigned int* status, int gather) {  // as peer_all_reduce_f32's
     char* mine = reinterpret_cast<char*>(bases.p[rank]);
     uint32_t* flags = reinterpret_cast<uint32_t*>(mine);
     uint32_t* counters = flags + PR_BLOCKS * PR_MAX_WORLD;
@@ -211,18 +221,8 @@ extern "C" __global__ void __launch_bounds__(PR_THREADS)
                 const uint4* at = src + static_cast<size_t>(r) * line_cap + i / 2;
                 uint4 v = ld_line(at);
                 uint64_t start = 0;
-                for (uint32_t spins = 1; (v.y != call || v.w != call) && !timed_out; ++spins) {
-                    if ((spins & 1023) == 0) {
-                        const uint64_t t = global_ns();
-                        if (start == 0) {
-                            start = t;
-                        } else if (t - start > timeout_ns) {
-                            *failed = 1;
-                            *reinterpret_cast<volatile unsigned int*>(status) = 1;
-                            __threadfence_system();
-                            timed_out = true;
-                        }
-                    }
+                for (uint32_t spins = 0; (v.y != call || v.w != call) && !timed_out; ++spins) {
+                    timed_out = wait_timed_out(spins, start, timeout_ns, failed, status);
                     v = ld_line(at);
                 }
                 a0 = __uint_as_float(v.x);

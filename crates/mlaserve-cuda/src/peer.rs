@@ -335,39 +335,29 @@ impl PeerReduce {
         }
         let (rank, world, gather) = (self.rank as i32, self.world as i32, i32::from(gather));
         let cfg = LaunchConfig { grid_dim: (BLOCKS, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        if n <= self.lines_max {
-            // SAFETY: as below, with the lines region of `join`'s layout (`line_cap` lines
-            // a slot, `2 × line_cap >= n`); the arguments match `peer_all_reduce_lines_f32`.
-            unsafe {
-                s.launch_builder(&self.lines_func)
-                    .arg(&out)
-                    .arg(&input)
-                    .arg(&n)
-                    .arg(&self.bases)
-                    .arg(&rank)
-                    .arg(&world)
-                    .arg(&self.lines_offset)
-                    .arg(&self.line_cap)
-                    .arg(&self.timeout_ns)
-                    .arg(&self.status_dev)
-                    .arg(&gather)
-                    .launch(cfg)
-            }?;
-            return Ok(());
-        }
+        // The lines kernel up to `lines_max` floats, over the lines region of `join`'s
+        // layout (`line_cap` lines a slot, `2 × line_cap >= n`); above, the flag kernel
+        // over the data region (`cap >= n` floats a slot).
+        let (func, offset, cap) = if n <= self.lines_max {
+            (&self.lines_func, self.lines_offset, self.line_cap)
+        } else {
+            (&self.func, DATA_OFFSET, self.cap)
+        };
         // SAFETY: `input` holds `n` floats and `out` `n` (in place allowed: each block
-        // touches only its own slice, before and after the barrier) or, gathering, `world`
-        // × n of another buffer (the callers' borrows); every base holds the layout of
-        // `join` with `cap >= n`; the arguments match `peer_all_reduce_f32`'s signature.
+        // touches only its own slice, of its input before it writes its output) or,
+        // gathering, `world` × n of another buffer (the callers' borrows); every base
+        // holds the layout of `join`, whose region at `offset` has slots of `cap` for
+        // `n`; the arguments match both kernels' signature.
         unsafe {
-            s.launch_builder(&self.func)
+            s.launch_builder(func)
                 .arg(&out)
                 .arg(&input)
                 .arg(&n)
                 .arg(&self.bases)
                 .arg(&rank)
                 .arg(&world)
-                .arg(&self.cap)
+                .arg(&offset)
+                .arg(&cap)
                 .arg(&self.timeout_ns)
                 .arg(&self.status_dev)
                 .arg(&gather)
