@@ -450,7 +450,7 @@ fn engine_sampled_k3_equals_k0_batch_invariant() {
                 e.add_request(Request::new(prompt, sp)).expect("admit")
             })
             .collect();
-        common::run_to_completion(&mut e, &ids)
+        mlaserve_engine::testing::run_to_completion(&mut e, &ids).expect("run")
     };
     let (k0, k3) = (run(0), run(3));
     let n: usize = k0.iter().map(Vec::len).sum();
