@@ -3,7 +3,8 @@
 //! needed) the follower's calls must equal the leader's call for call — every batch,
 //! hidden-row list and joined hidden state — with drafts read back to the host and
 //! kept in device slots, for every k and number of MTP layers and with k changing from
-//! step to step; and the output equals one rank's alone.
+//! step to step, through preemptions and prefix-cache hits; and the output equals one
+//! rank's alone.
 
 use mlaserve_core::{Backend, Batch, ForwardOutput, ModelConfig};
 use mlaserve_engine::testing::{random_requests, run_to_completion, SyntheticBackend};
@@ -11,6 +12,10 @@ use mlaserve_engine::{Engine, EngineConfig, Request, Speculation};
 use mlaserve_tp::{LocalGroup, TpLeader};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Cache blocks of a rank: fewer than the requests that run at once need, so some are
+/// preempted.
+const BLOCKS: usize = 16;
 
 /// One backend call, as the backend received it.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,7 +35,7 @@ struct Recording {
 
 impl Recording {
     fn new(n_mtp: usize, keep: bool) -> (Self, Log) {
-        let mut inner = SyntheticBackend::new(64, n_mtp, 256, 4096);
+        let mut inner = SyntheticBackend::new(64, n_mtp, BLOCKS, 4096);
         inner.keep_drafts = keep;
         let log = Log::default();
         (Recording { inner, log: log.clone() }, log)
@@ -79,21 +84,31 @@ impl Backend for Recording {
 }
 
 /// Prompts of 1 to 150 tokens (the longer ones prefilled in chunks), every third
-/// request sampled with a seed.
+/// request sampled with a seed, every fourth (the first included) starting with the
+/// same 140 tokens (two blocks, cached for the later ones).
 fn workload() -> Vec<Request> {
     let mut r = random_requests(777, 12, 150, 48, 64);
-    for (i, x) in r.iter_mut().enumerate().step_by(3) {
-        x.sampling.temperature = 0.8;
-        x.sampling.seed = Some(i as u64);
+    let shared: Vec<u32> = (0..140).map(|i| 2 + (i * 7) % 60).collect();
+    for (i, x) in r.iter_mut().enumerate() {
+        if i % 3 == 0 {
+            x.sampling.temperature = 0.8;
+            x.sampling.seed = Some(i as u64);
+        }
+        if i % 4 == 0 {
+            x.prompt.splice(0..0, shared.iter().copied());
+        }
     }
     r
 }
 
-/// Runs the workload with k forced through `pattern`; returns each request's tokens.
-fn run<B: Backend>(e: &mut Engine<B>, pattern: &[usize]) -> Vec<Vec<u32>> {
+/// Runs the workload with k forced through `pattern`; returns each request's tokens,
+/// and the preemptions and prompt tokens found cached.
+fn run<B: Backend>(e: &mut Engine<B>, pattern: &[usize]) -> (Vec<Vec<u32>>, u64, u64) {
     e.force_k(pattern);
     let ids: Vec<_> = workload().into_iter().map(|r| e.add_request(r).expect("admit")).collect();
-    run_to_completion(e, &ids).expect("run")
+    let out = run_to_completion(e, &ids).expect("run");
+    let t = e.stats().totals;
+    (out, t.preemptions, t.cached_prompt_tokens)
 }
 
 fn config(k: usize) -> EngineConfig {
@@ -108,6 +123,7 @@ fn config(k: usize) -> EngineConfig {
 
 #[test]
 fn a_follower_builds_every_stage_as_the_leader_does() {
+    let (mut preempted, mut cached) = (0, 0);
     for n_mtp in 1..=3 {
         for k in 1..=4 {
             // k changes between steps (0 included), so requests go on with rows kept
@@ -116,7 +132,8 @@ fn a_follower_builds_every_stage_as_the_leader_does() {
             for keep in [false, true] {
                 let what = format!("{n_mtp} MTP layer(s), k = {k}, drafts kept on the device: {keep}");
                 let mut alone = Engine::new(Recording::new(n_mtp, keep).0, config(k)).expect("engine");
-                let want = run(&mut alone, &pattern);
+                let (want, p, c) = run(&mut alone, &pattern);
+                (preempted, cached) = (preempted + p, cached + c);
                 let (leader, leader_log) = Recording::new(n_mtp, keep);
                 let (mut follower, follower_log) = Recording::new(n_mtp, keep);
                 let mut g = LocalGroup::new(2, Duration::from_secs(30));
@@ -124,7 +141,7 @@ fn a_follower_builds_every_stage_as_the_leader_does() {
                 let got = std::thread::scope(|s| {
                     let f = s.spawn(move || mlaserve_tp::run_follower(&mut follower, &c1));
                     let mut e = Engine::new(TpLeader::new(leader, c0).expect("leader"), config(k)).expect("engine");
-                    let got = run(&mut e, &pattern);
+                    let got = run(&mut e, &pattern).0;
                     let (plans, steps) = (e.backend().plans_sent(), e.stats().times.steps);
                     e.backend_mut().shutdown().expect("shutdown");
                     f.join().expect("follower thread").expect("follower");
@@ -148,4 +165,5 @@ fn a_follower_builds_every_stage_as_the_leader_does() {
             }
         }
     }
+    assert!(preempted > 0 && cached > 0, "{preempted} preemptions, {cached} prompt tokens cached");
 }
