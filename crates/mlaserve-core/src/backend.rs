@@ -299,6 +299,19 @@ pub trait Backend {
     /// joins rows kept from the previous step with the current stage's output).
     fn concat_hidden(&mut self, parts: &[(&Self::Hidden, &[u32])]) -> Result<Self::Hidden>;
 
+    /// The target forward, told the drafting pass that will follow it (`None`: none
+    /// will; [`crate::drafting::PassPlan`]). A tensor-parallel leader sends the plan
+    /// with the forward, so its followers run the pass without another plan; other
+    /// backends only run the forward.
+    fn forward_planned(
+        &mut self,
+        batch: &Batch,
+        plan: Option<&crate::drafting::PassPlan>,
+    ) -> Result<ForwardOutput<Self::Hidden>> {
+        let _ = plan;
+        self.forward(batch)
+    }
+
     /// Runs a drafting pass's MTP stages over the stage-0 `batch`
     /// ([`crate::drafting::run_stages`], which says what each argument holds). A
     /// tensor-parallel leader sends the pass to its followers as one plan first.
@@ -415,6 +428,13 @@ impl<B: Backend + ?Sized> Backend for &mut B {
         sc: &mut crate::drafting::StageScratch,
     ) -> Result<u64> {
         (**self).draft_stages(pass, batch, target, mem, sc)
+    }
+    fn forward_planned(
+        &mut self,
+        batch: &Batch,
+        plan: Option<&crate::drafting::PassPlan>,
+    ) -> Result<ForwardOutput<Self::Hidden>> {
+        (**self).forward_planned(batch, plan)
     }
     fn now(&self) -> std::time::Instant {
         (**self).now()

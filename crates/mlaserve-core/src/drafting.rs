@@ -73,7 +73,8 @@ pub struct DraftPass {
     /// Per chunk, the tokens after its first position that stages 1.. read.
     pub next_tokens: Vec<u32>,
     /// In the engine's debug builds, each chunk's whole token list, which every stage's
-    /// tokens are checked against; empty elsewhere (it never crosses to a follower).
+    /// tokens are checked against (an empty one is not checked); empty elsewhere (it
+    /// never crosses to a follower).
     pub check: Vec<Vec<u32>>,
 }
 
@@ -86,6 +87,186 @@ impl DraftPass {
     /// Requests that draft in this pass.
     pub fn drafting(&self) -> usize {
         self.chunks.iter().filter(|c| c.draft_off.is_some()).count()
+    }
+}
+
+/// What a chunk of the target forward is to the pass that follows it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ChunkKind {
+    /// A decode window `[last, d1..dk]`: verification accepts `a` drafts, and the first
+    /// draft comes from window index `a`.
+    #[default]
+    Window,
+    /// A prefill chunk that ends the sequence's tokens: the forward chooses the next
+    /// token at its last row, where the first draft comes from too.
+    Last,
+    /// A prefill chunk short of the end: it only fills the MTP caches.
+    Mid,
+}
+
+/// A chunk of the target forward, as the pass that follows it will see it: everything
+/// but what the forward's choices decide.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlannedChunk {
+    pub kind: ChunkKind,
+    /// As [`DraftChunk::cont`] and [`DraftChunk::kept`].
+    pub cont: bool,
+    pub kept: [u32; MAX_DRAFTS],
+    /// Its later stages build their tokens from the stage before (the request redoes
+    /// its positions at every stage), so it needs no [`DraftPass::next_tokens`].
+    pub in_place: bool,
+    /// The sequence's token count and last token before the step.
+    pub n_tok: usize,
+    pub last_tok: u32,
+}
+
+/// A drafting pass planned before the target forward it follows: with the forward's
+/// batch and choices, [`PassPlan::resolve`] gives the [`DraftPass`] and the stage-0
+/// batch. A tensor-parallel leader sends it with the forward, so a follower runs the
+/// pass without another plan. Every chunk that ends in a choice drafts, requests that
+/// the choice finishes included (their drafts are dropped): which ones finish is
+/// decided on the leader alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassPlan {
+    pub k: usize,
+    pub n_mtp: usize,
+    pub keep: bool,
+    /// One per chunk of the forward's batch, in order.
+    pub chunks: Vec<PlannedChunk>,
+    /// The `Mid` chunks' tokens after their ends (sequence indices `start + len` on, up
+    /// to `full_stages` of them, fewer at the end of the tokens), in chunk order.
+    pub beyond: Vec<u32>,
+}
+
+impl PassPlan {
+    /// Stages that run over full rows with their own MTP layer.
+    pub fn full_stages(&self) -> usize {
+        self.n_mtp.min(self.k)
+    }
+
+    /// How many tokens after a `Mid` chunk's end [`PassPlan::beyond`] holds.
+    pub fn beyond_len(&self, end: usize, n_tok: usize) -> usize {
+        self.full_stages().min(n_tok - end)
+    }
+
+    /// Requests that draft in the pass.
+    pub fn drafting(&self) -> usize {
+        self.chunks.iter().filter(|c| c.kind != ChunkKind::Mid).count()
+    }
+
+    /// The pass, once the forward over `batch` chose `argmax` and `sampled` for its
+    /// rows (in the order of its `argmax_rows` and `sample_rows`): fills `pass` and turns
+    /// `batch` into the stage-0 batch (its tokens shifted, its `argmax_rows` the first
+    /// drafts' rows, no other rows asked). Decode windows accept the drafts their rows'
+    /// choices confirm, as verification does: the longest prefix of `d1..dk` equal to
+    /// the choices of rows `0..k`.
+    pub fn resolve(&self, batch: &mut Batch, argmax: &[u32], sampled: &[u32], pass: &mut DraftPass) -> Result<()> {
+        if self.chunks.len() != batch.seqs.len()
+            || argmax.len() != batch.argmax_rows.len()
+            || sampled.len() != batch.sample_rows.len()
+        {
+            return Err(Error::Batch(format!(
+                "a pass planned over {} chunks for {} sequences, {} argmax ids for {} rows, {} sampled for {}",
+                self.chunks.len(),
+                batch.seqs.len(),
+                argmax.len(),
+                batch.argmax_rows.len(),
+                sampled.len(),
+                batch.sample_rows.len()
+            )));
+        }
+        // Each row's choice, by row.
+        let mut chosen = vec![u32::MAX; batch.num_tokens()];
+        for (&r, &t) in batch.argmax_rows.iter().zip(argmax) {
+            chosen[r as usize] = t;
+        }
+        for (s, &t) in batch.sample_rows.iter().zip(sampled) {
+            chosen[s.row as usize] = t;
+        }
+        let n_full = self.full_stages();
+        pass.k = self.k;
+        pass.n_mtp = self.n_mtp;
+        pass.keep = self.keep;
+        pass.chunks.clear();
+        pass.next_tokens.clear();
+        batch.logit_rows.clear();
+        batch.argmax_rows.clear();
+        batch.sample_rows.clear();
+        batch.edits.clear();
+        batch.logprob_rows.clear();
+        batch.draft_links.clear();
+        batch.argmax_slots.clear();
+        let (mut row, mut beyond) = (0usize, 0usize);
+        for (c, p) in batch.seqs.iter_mut().zip(&self.chunks) {
+            let (start, len) = (c.start_pos, c.tokens.len());
+            let choice = |j: usize| match chosen.get(row + j) {
+                Some(&t) if t != u32::MAX => Ok(t),
+                _ => Err(Error::Batch(format!("row {} of a drafting chunk has no choice", row + j))),
+            };
+            let tok_off = pass.next_tokens.len();
+            let (draft_off, n_tok, last_tok) = match p.kind {
+                ChunkKind::Window | ChunkKind::Last => {
+                    let a = match p.kind {
+                        ChunkKind::Window => {
+                            let mut a = 0;
+                            while a + 1 < len && choice(a)? == c.tokens[a + 1] {
+                                a += 1;
+                            }
+                            a
+                        }
+                        _ => len.checked_sub(1).ok_or_else(|| Error::Batch("an empty prefill chunk".into()))?,
+                    };
+                    let next = choice(a)?;
+                    // The sequence's tokens from start + 1 on: the accepted drafts (or the
+                    // chunk's prompt), then the choice.
+                    if n_full > 1 && !p.in_place {
+                        pass.next_tokens.extend_from_slice(&c.tokens[1..=a]);
+                        pass.next_tokens.push(next);
+                    }
+                    c.tokens.copy_within(1..=a, 0);
+                    c.tokens[a..].fill(next);
+                    batch.argmax_rows.push((row + a) as u32);
+                    let n_tok = match p.kind {
+                        ChunkKind::Window => start + a + 2,
+                        _ => p.n_tok + 1,
+                    };
+                    (Some(a), n_tok, next)
+                }
+                ChunkKind::Mid => {
+                    let end = start + len;
+                    let n = self.beyond_len(end, p.n_tok);
+                    let after = self
+                        .beyond
+                        .get(beyond..beyond + n)
+                        .ok_or_else(|| Error::Batch("a planned pass without the tokens after a chunk".into()))?;
+                    beyond += n;
+                    if n_full > 1 {
+                        pass.next_tokens.extend_from_slice(&c.tokens[1..]);
+                        pass.next_tokens.extend_from_slice(after);
+                    }
+                    let take = after.len().min(1);
+                    c.tokens.copy_within(1.., 0);
+                    let tail = len - 1;
+                    c.tokens.truncate(tail);
+                    c.tokens.extend_from_slice(&after[..take]);
+                    c.tokens.resize(len, p.last_tok);
+                    (None, p.n_tok, p.last_tok)
+                }
+            };
+            pass.chunks.push(DraftChunk {
+                start,
+                len,
+                cont: p.cont,
+                draft_off,
+                kept: p.kept,
+                n_tok,
+                last_tok,
+                tok_off,
+                ..Default::default()
+            });
+            row += len;
+        }
+        Ok(())
     }
 }
 
@@ -375,7 +556,7 @@ pub fn run_stages<B: Backend + ?Sized>(
             } else {
                 fill_shifted(&mut c.tokens, ch, c.start_pos + d + 1, n, next_tokens, drafts, last);
             }
-            if let Some(all) = check.get(ci) {
+            if let Some(all) = check.get(ci).filter(|a| !a.is_empty()) {
                 debug_assert_eq!(c.tokens, shifted(all, drafts, c.start_pos + d + 1, n), "stage {d}");
             }
             if let Some(off) = ch.draft_off {

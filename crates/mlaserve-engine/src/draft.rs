@@ -23,24 +23,19 @@
 //! own entries are not overwritten. Batch shapes never depend on `a`.
 
 use crate::api::MAX_SPECULATIVE_TOKENS;
-use crate::sequence::Sequence;
+use crate::sequence::{Sched, Sequence};
 pub(crate) use mlaserve_core::drafting::chunk_at;
-use mlaserve_core::drafting::{fill_tokens, shifted, DraftChunk, DraftPass, StageMemory, StageScratch};
+use mlaserve_core::drafting::{shifted, ChunkKind, DraftPass, PassPlan, PlannedChunk, StageMemory, StageScratch};
 use mlaserve_core::{Backend, Batch, MAX_DRAFT_SLOTS};
 use std::time::Instant;
 
-/// One sequence's share of the step, for drafting.
+/// A scheduled sequence that goes on after the step.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DraftJob {
     /// Index into the running list.
     pub seq: usize,
     /// First cache position of the step's chunk.
     pub start: usize,
-    /// First row of the chunk in the target forward's output.
-    pub target_row: usize,
-    /// Window index whose MTP logits give the first draft; `None` for a prefill chunk
-    /// that does not reach the end of the prompt (it only fills the MTP cache).
-    pub draft_off: Option<usize>,
 }
 
 /// What the drafter keeps from one step to the next.
@@ -80,6 +75,8 @@ pub(crate) struct MtpTail {
 /// Buffers reused by every step's drafting (no per-chunk allocation in steady state).
 #[derive(Debug, Default)]
 pub(crate) struct DraftScratch {
+    /// The pass planned before this step's target forward.
+    pub plan: PassPlan,
     pass: DraftPass,
     /// Per chunk of the pass: its request's index in the running list, and whether the
     /// request goes on after this step (it has a drafting job).
@@ -87,106 +84,103 @@ pub(crate) struct DraftScratch {
     stages: StageScratch,
 }
 
-/// Runs the MTP stages and stores k drafts in each sequence of `jobs` that has a
-/// draft row. `batch` is the step's target batch (chunk `i` belongs to the `i`-th
-/// scheduled sequence of `running`, and holds its block table, lent by
-/// `Engine::build_batch`); stage 0 reuses it in place, tokens shifted, so the block
-/// tables are not copied again. On success the tables are back in their sequences; on
-/// an error they are still in `batch`. `jobs` are in running order, one per scheduled
-/// sequence that goes on. Sequences that finished in this step ride along in stage 0
-/// (their rows are padding) and get no drafts. Returns the microseconds spent inside
-/// the backend.
+/// Plans, before the step's target forward over `batch` (chunk `i` belongs to the
+/// `i`-th scheduled sequence of `running`), the pass that will follow it with `k`
+/// drafts, into `plan`.
+pub(crate) fn plan_pass<B: Backend>(
+    backend: &B,
+    running: &[Sequence],
+    batch: &Batch,
+    k: usize,
+    n_mtp: usize,
+    mem: &MtpMemory<B::Hidden>,
+    plan: &mut PassPlan,
+) {
+    plan.k = k;
+    plan.n_mtp = n_mtp;
+    plan.chunks.clear();
+    plan.beyond.clear();
+    let n_full = plan.full_stages();
+    // The pass will be drafting step `mem.step + 1`.
+    let step = mem.step + 1;
+    let scheduled = running.iter().filter(|s| s.sched.is_some());
+    for (c, s) in batch.seqs.iter().zip(scheduled) {
+        let kind = match s.sched {
+            Some(Sched::Prefill { last: false, .. }) => ChunkKind::Mid,
+            Some(Sched::Prefill { last: true, .. }) => ChunkKind::Last,
+            _ => ChunkKind::Window,
+        };
+        let tail = s.mtp_tail.filter(|t| t.step + 1 == step && t.next_start == c.start_pos);
+        let n_tok = s.tokens.len();
+        if kind == ChunkKind::Mid {
+            let end = c.start_pos + c.tokens.len();
+            plan.beyond.extend_from_slice(&s.tokens[end..end + plan.beyond_len(end, n_tok)]);
+        }
+        plan.chunks.push(PlannedChunk {
+            kind,
+            cont: tail.is_some(),
+            kept: tail.map_or([0; MAX_SPECULATIVE_TOKENS], |t| t.rows),
+            // A drafting request that redoes its positions at every stage builds each
+            // stage's tokens from the previous stage's; the others read `next_tokens`.
+            in_place: kind != ChunkKind::Mid && tail.is_some() && mem.stages.prev.len() + 1 >= n_full,
+            n_tok,
+            last_tok: s.last_token,
+        });
+    }
+    // Drafts stay on the device between the stages where the backend can keep them (a
+    // pass of prompt chunks short of their prompts' ends drafts nothing and reads none).
+    let m = plan.drafting();
+    plan.keep = backend.keeps_drafts() && m > 0 && m * k <= MAX_DRAFT_SLOTS;
+}
+
+/// Runs the pass planned before the step's forward (`sc.plan`) and stores k drafts in
+/// each sequence of `jobs` that has a draft row. `batch` is the step's target batch
+/// (its chunks hold the scheduled sequences' block tables, lent by
+/// `Engine::build_batch`), `argmax` and `sampled` the forward's choices; stage 0 reuses
+/// the batch in place, tokens shifted, so the block tables are not copied again. On
+/// success the tables are back in their sequences; on an error they are still in
+/// `batch`. `jobs` are in running order, one per scheduled sequence that goes on.
+/// Sequences that finished in this step draft too (the plan was made before the forward
+/// said who finishes) and get no drafts. Returns the microseconds spent inside the
+/// backend.
 pub(crate) fn draft<B: Backend>(
     backend: &mut B,
     running: &mut [Sequence],
     jobs: &[DraftJob],
     batch: &mut Batch,
-    target_hidden: &B::Hidden,
-    k: usize,
-    n_mtp: usize,
+    out: &mlaserve_core::ForwardOutput<B::Hidden>,
     sc: &mut DraftScratch,
     mem: &mut MtpMemory<B::Hidden>,
 ) -> Result<u64, mlaserve_core::Error> {
     mem.step += 1;
     let step = mem.step;
-    // Stages that run over full rows with their own MTP layer.
-    let n_full = n_mtp.min(k);
-    let DraftScratch { pass, owners, stages } = sc;
-    pass.chunks.clear();
-    pass.next_tokens.clear();
-    pass.check.clear();
+    let DraftScratch { plan, pass, owners, stages } = sc;
+    let (k, n_full) = (plan.k, plan.full_stages());
+    plan.resolve(batch, &out.argmax, &out.sampled, pass)?;
     owners.clear();
-    // Drafts are argmaxes: the backend returns those ids, never the logits.
-    batch.logit_rows.clear();
-    batch.argmax_rows.clear();
-    batch.sample_rows.clear();
-    batch.edits.clear();
-    batch.logprob_rows.clear();
+    pass.check.clear();
     // Jobs and chunks are both in running order: walk them together.
     let mut next_job = jobs.iter().peekable();
-    let mut m = 0usize;
     let scheduled = running.iter().enumerate().filter(|(_, s)| s.sched.is_some());
-    for (c, (idx, s)) in batch.seqs.iter_mut().zip(scheduled) {
-        let job = next_job.next_if(|j| j.seq == idx);
-        let draft_off = job.and_then(|j| j.draft_off);
-        if let (Some(job), Some(off)) = (job, draft_off) {
-            batch.argmax_rows.push((job.target_row + off) as u32);
-            m += 1;
-        }
-        let tail = s.mtp_tail.filter(|t| t.step + 1 == step && t.next_start == c.start_pos);
-        let n_tok = s.tokens.len();
-        let tok_off = pass.next_tokens.len();
-        // A drafting request that redoes its positions at every stage builds each
-        // stage's tokens from the previous stage's; the others read these.
-        let in_place = draft_off.is_some() && tail.is_some() && mem.stages.prev.len() + 1 >= n_full;
-        if n_full > 1 && !in_place {
-            // Stage d reads sequence indices start + 1 ..= start + len + d.
-            let end = (c.start_pos + c.tokens.len() + n_full).min(n_tok);
-            pass.next_tokens.extend_from_slice(&s.tokens[c.start_pos + 1..end]);
-        }
-        pass.chunks.push(DraftChunk {
-            start: c.start_pos,
-            len: c.tokens.len(),
-            cont: tail.is_some(),
-            draft_off,
-            kept: tail.map_or([0; MAX_SPECULATIVE_TOKENS], |t| t.rows),
-            n_tok,
-            last_tok: s.last_token,
-            tok_off,
-            ..Default::default()
-        });
-        owners.push((idx, job.is_some()));
+    for (c, (idx, s)) in batch.seqs.iter().zip(scheduled) {
+        let going_on = next_job.next_if(|j| j.seq == idx).is_some();
+        owners.push((idx, going_on));
         if cfg!(debug_assertions) {
-            pass.check.push(s.tokens.clone());
-        }
-        // Embedding input of position p: the token after it (padded), i.e.
-        // `tokens[min(p + 1, len − 1)]`.
-        let len = c.tokens.len();
-        match draft_off {
-            // The chunk's tokens up to the draft row were verified (accepted drafts, or
-            // the prompt), the sampled token follows them: shift, then pad with it.
-            Some(off) => {
-                c.tokens.copy_within(1..=off, 0);
-                c.tokens[off..].fill(s.last_token);
+            // The stages' tokens are checked against the sequences that go on (a
+            // finished one's tokens stop at its stop condition; its drafts are dropped).
+            let whole = if going_on { s.tokens.clone() } else { Vec::new() };
+            if going_on {
+                debug_assert_eq!(c.tokens, shifted(&whole, &[], c.start_pos + 1, c.tokens.len()), "stage 0");
             }
-            None => {
-                let after = &s.tokens[c.start_pos + 1..(c.start_pos + 1 + len).min(n_tok)];
-                fill_tokens(&mut c.tokens, len, after, &[], s.last_token);
-            }
+            pass.check.push(whole);
         }
-        debug_assert_eq!(c.tokens, shifted(&s.tokens, &[], c.start_pos + 1, len), "stage 0");
     }
     debug_assert!(next_job.next().is_none(), "every job has a scheduled chunk, in running order");
-    pass.k = k;
-    pass.n_mtp = n_mtp;
-    // Drafts stay on the device between the stages where the backend can keep them (a
-    // pass of prompt chunks short of their prompts' ends drafts nothing and reads none).
-    pass.keep = backend.keeps_drafts() && m > 0 && m * k <= MAX_DRAFT_SLOTS;
-    let mut backend_us = backend.draft_stages(pass, batch, target_hidden, &mut mem.stages, stages)?;
+    let mut backend_us = backend.draft_stages(pass, batch, &out.hidden, &mut mem.stages, stages)?;
     if pass.keep {
         // The one wait of the pass: every draft's id, slot i × k + d.
         let t = Instant::now();
-        let ids = backend.read_drafts(m * k)?;
+        let ids = backend.read_drafts(plan.drafting() * k)?;
         backend_us += t.elapsed().as_micros() as u64;
         stages.set_drafts(&ids)?;
     }
@@ -198,7 +192,7 @@ pub(crate) fn draft<B: Backend>(
     for ((ch, &(idx, going_on)), c) in pass.chunks.iter().zip(owners.iter()).zip(&mut batch.seqs) {
         let s = &mut running[idx];
         std::mem::swap(&mut c.block_table, &mut s.block_table);
-        if let Some(ci) = ch.chain {
+        if let (Some(ci), true) = (ch.chain, going_on) {
             s.drafts.set(&stages.drafts()[ci * k..(ci + 1) * k]);
         }
         if n_full > 1 {

@@ -7,7 +7,7 @@ use crate::api::{
     MAX_SPECULATIVE_TOKENS,
 };
 use crate::block::{blocks_for, BlockManager};
-use crate::draft::{chunk_at, draft, DraftJob, DraftScratch, MtpMemory};
+use crate::draft::{chunk_at, draft, plan_pass, DraftJob, DraftScratch, MtpMemory};
 use crate::error::{EngineError, Result};
 use crate::rng::mix64;
 use crate::sampling::{sample_row, verify_ids_into};
@@ -350,8 +350,15 @@ impl<B: Backend> Engine<B> {
         }
         let (windows, step_k) = self.build_batch();
         let decode_only = windows == self.batch.seqs.len();
+        // The next drafting pass's k, and its plan, before the forward: a TP leader sends
+        // the plan with it, so the step crosses to the followers as one plan.
+        let next_k = self.choose_k(decode_only);
+        if next_k > 0 {
+            let (running, batch, plan) = (&self.running, &self.batch, &mut self.scratch.plan);
+            plan_pass(&self.backend, running, batch, next_k, self.n_mtp, &self.mtp, plan);
+        }
         let t1 = self.backend.now();
-        let fwd = self.backend.forward(&self.batch);
+        let fwd = self.backend.forward_planned(&self.batch, (next_k > 0).then_some(&self.scratch.plan));
         let t2 = self.backend.now();
         self.times.steps += 1;
         self.times.schedule_us += (t1 - t0).as_micros() as u64;
@@ -395,22 +402,15 @@ impl<B: Backend> Engine<B> {
         self.policy.stepped(step_k, windows, step_us, decode_only && !captured);
         let mut draft_err = None;
         let mut drafted = false;
-        if !jobs.is_empty() {
-            // The next step's k, for the requests that will decode in it.
-            let running = &self.running;
-            let decoding = jobs.iter().filter(|j| j.draft_off.is_some()).map(|j| {
-                let s = &running[j.seq];
-                let whole = if s.whole_mtp >= self.n_mtp { MAX_SPECULATIVE_TOKENS } else { s.whole_mtp };
-                Counts { offered: &s.offered_at, accepted: &s.verified_at, whole }
-            });
-            let k = self.policy.choose(decoding, decode_only);
+        // A planned pass runs whoever finished (a TP group's followers run it already).
+        if next_k > 0 || !jobs.is_empty() {
+            let k = next_k;
             self.last_k = k;
             self.mark_mtp_holes(&jobs, k);
             if k > 0 {
-                let n_mtp = self.n_mtp;
                 let (running, batch, sc, mem) = (&mut self.running, &mut self.batch, &mut self.scratch, &mut self.mtp);
                 // Drafting gives the block tables back in its last pass, unless it fails.
-                match draft(&mut self.backend, running, &jobs, batch, &out.hidden, k, n_mtp, sc, mem) {
+                match draft(&mut self.backend, running, &jobs, batch, &out, sc, mem) {
                     Ok(fwd_us) => self.times.draft_forward_us += fwd_us,
                     Err(e) => draft_err = Some(e),
                 }
@@ -453,6 +453,25 @@ impl<B: Backend> Engine<B> {
         }
         self.times.verify_us += (self.backend.now() - t4).as_micros() as u64;
         events
+    }
+
+    /// The k of the pass that will follow this step's forward (0: none), chosen before
+    /// it for the requests that will decode after it: the decode windows and the chunks
+    /// that end their prompts (some may finish in the step; the forward has not said).
+    fn choose_k(&mut self, decode_only: bool) -> usize {
+        if self.lim.k == 0 {
+            return 0;
+        }
+        let n_mtp = self.n_mtp;
+        let decoding = self
+            .running
+            .iter()
+            .filter(|s| matches!(s.sched, Some(Sched::Decode) | Some(Sched::Prefill { last: true, .. })))
+            .map(|s| {
+                let whole = if s.whole_mtp >= n_mtp { MAX_SPECULATIVE_TOKENS } else { s.whole_mtp };
+                Counts { offered: &s.offered_at, accepted: &s.verified_at, whole }
+            });
+        self.policy.choose(decoding, decode_only)
     }
 
     /// Notes where the step leaves MTP entries that are not final, before it drafts
@@ -595,12 +614,11 @@ impl<B: Backend> Engine<B> {
         let (argmax, sampled) = (&out.argmax, &out.sampled);
         // And into the log-probabilities (requests that asked for them), in the same order.
         let (mut arow, mut srow, mut lrow) = (0usize, 0usize, 0usize);
-        let mut trow = 0usize;
         for (idx, s) in self.running.iter_mut().enumerate() {
             let Some(sched) = s.sched else { continue };
             let start = s.num_cached;
             let mut fin = None;
-            let (rows, draft_off) = match sched {
+            match sched {
                 Sched::Decode => {
                     let k = s.drafts.as_slice().len();
                     let emitted = tokens_event(events, s.id, 1 + k);
@@ -645,7 +663,6 @@ impl<B: Backend> Engine<B> {
                     let whole = if s.whole_mtp >= self.n_mtp { k } else { s.whole_mtp };
                     self.policy.observe(k, accepted, whole);
                     s.num_cached = start + 1 + accepted;
-                    (1 + k, Some(accepted))
                 }
                 Sched::Prefill { len, last } => {
                     s.num_cached = start + len;
@@ -664,23 +681,19 @@ impl<B: Backend> Engine<B> {
                         }
                         fin = s.push_token(tok, &self.eos, self.max_model_len);
                         s.decoding = true;
-                        (len, Some(len - 1))
-                    } else {
-                        (len, None)
                     }
                 }
-            };
+            }
             match fin {
                 Some(reason) => {
-                    // It rides along in this step's drafting as padding: its MTP entries
-                    // from the last redone ones on are not final.
+                    // It drafts in this step's pass too (its drafts are dropped): its MTP
+                    // entries from the last redone ones on are not final.
                     s.holes_from = s.holes_from.min(start.saturating_sub(used));
                     finished.push((idx, reason))
                 }
-                None if k_max > 0 => jobs.push(DraftJob { seq: idx, start, target_row: trow, draft_off }),
+                None if k_max > 0 => jobs.push(DraftJob { seq: idx, start }),
                 None => {}
             }
-            trow += rows;
         }
     }
 

@@ -11,12 +11,15 @@
 //! all-gathered logits with the same parameters and uniforms; only the leader's ids are
 //! used.)
 //!
-//! A drafting pass crosses as one plan whatever k: the pass's description
-//! ([`DraftPass`]) and its stage-0 batch. Each follower runs the stages itself
+//! A step crosses as one plan: its target forward, with the drafting pass that will
+//! follow it planned before it ([`PassPlan`], [`Backend::forward_planned`]). After the
+//! forward each follower resolves the plan with its own choices
+//! ([`PassPlan::resolve`]: the accepted drafts, the next tokens) and runs the stages
 //! ([`mlaserve_core::drafting::run_stages`], the code the leader runs on its shard),
 //! building every later stage's batch from the drafts its own shard computes: every
-//! rank takes the same argmax of the same all-gathered logits, so the batches agree. A
-//! step therefore sends two plans: its target forward and its drafting pass.
+//! rank takes the same argmax (and samples the same ids) of the same all-gathered
+//! logits, so the batches agree. Requests the step finishes draft too, since only the
+//! leader knows which they are.
 //!
 //! Hidden states stay on each rank: the leader numbers the ones it returns and names
 //! the number in a plan; followers keep their own under the same numbers. The stage
@@ -35,7 +38,9 @@
 
 use crate::plans::PlanChannel;
 use mlaserve_core::backend::{Backend, Batch, ForwardOutput, SeqChunk};
-use mlaserve_core::drafting::{run_stages, DraftChunk, DraftPass, StageMemory, StageScratch, MAX_DRAFTS};
+use mlaserve_core::drafting::{
+    run_stages, ChunkKind, DraftPass, PassPlan, PlannedChunk, StageMemory, StageScratch, MAX_DRAFTS,
+};
 use mlaserve_core::ModelConfig;
 use mlaserve_core::{Error, Result};
 use mlaserve_core::{LogitEdit, LogprobRow, RowEdits, SampleRow};
@@ -47,8 +52,6 @@ const OP_SHUTDOWN: u32 = 3;
 const OP_CONCAT: u32 = 4;
 /// Nothing to run: the leader is idle and the group alive ([`Backend::keep_alive`]).
 const OP_KEEP_ALIVE: u32 = 5;
-/// A drafting pass ([`Backend::draft_stages`]).
-const OP_DRAFT: u32 = 6;
 /// The id of a stage output a pass keeps for the next: no plan names one.
 const NO_ID: u32 = u32::MAX;
 /// Hidden states a follower keeps (the engine only refers back to recent ones).
@@ -74,6 +77,8 @@ pub struct TpLeader<B: Backend, C> {
     plans: u64,
     /// Rank 0's own stage outputs kept from one drafting pass for the next.
     stages: StageMemory<B::Hidden>,
+    /// The last forward's plan announced the pass the engine runs next.
+    announced: bool,
 }
 
 impl<B: Backend, C: PlanChannel> std::fmt::Debug for TpLeader<B, C> {
@@ -96,6 +101,7 @@ impl<B: Backend, C: PlanChannel> TpLeader<B, C> {
             last_sent: std::time::Instant::now(),
             plans: 0,
             stages: StageMemory::default(),
+            announced: false,
         })
     }
 
@@ -132,10 +138,19 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
     }
 
     fn forward(&mut self, batch: &Batch) -> Result<ForwardOutput<Self::Hidden>> {
+        self.forward_planned(batch, None)
+    }
+
+    /// The forward's plan carries the pass's plan, which the followers run after it.
+    fn forward_planned(&mut self, batch: &Batch, plan: Option<&PassPlan>) -> Result<ForwardOutput<Self::Hidden>> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
-        let mut w = vec![OP_FORWARD, id];
+        let mut w = vec![OP_FORWARD, id, u32::from(plan.is_some())];
+        if let Some(p) = plan {
+            encode_plan(p, &mut w);
+        }
         encode_batch(batch, &mut self.tables, &mut w);
+        self.announced = plan.is_some();
         self.send(&w)?;
         let out = self.inner.forward(batch)?;
         Ok(ForwardOutput {
@@ -220,7 +235,8 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         Ok(TpHidden { id, inner: self.inner.concat_hidden(&inner)? })
     }
 
-    /// One plan for the whole pass, then the same stages on rank 0's shard.
+    /// The pass the last forward's plan announced (the followers run it already), on
+    /// rank 0's shard.
     fn draft_stages(
         &mut self,
         pass: &mut DraftPass,
@@ -229,10 +245,9 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
         mem: &mut StageMemory<Self::Hidden>,
         sc: &mut StageScratch,
     ) -> Result<u64> {
-        let mut w = vec![OP_DRAFT, target.id];
-        encode_pass(pass, &mut w);
-        encode_batch(batch, &mut self.tables, &mut w);
-        self.send(&w)?;
+        if !std::mem::take(&mut self.announced) {
+            return Err(Error::Collective("a drafting pass its forward did not plan (forward_planned)".into()));
+        }
         // The engine's kept outputs are rank 0's own, under no plan's number.
         self.stages.prev.clear();
         self.stages.prev.extend(mem.prev.drain(..).map(|h| h.inner));
@@ -247,7 +262,7 @@ impl<B: Backend, C: PlanChannel> Backend for TpLeader<B, C> {
 pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Result<()> {
     let mut hidden: VecDeque<(u32, B::Hidden)> = VecDeque::new();
     let mut tables: Vec<Vec<u32>> = Vec::new();
-    let (mut stages, mut scratch) = (StageMemory::default(), StageScratch::default());
+    let (mut stages, mut scratch, mut pass) = (StageMemory::default(), StageScratch::default(), DraftPass::default());
     loop {
         let w = comm.receive_plan()?;
         let mut r = Reader { w: &w, i: 0 };
@@ -256,8 +271,13 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
             OP_KEEP_ALIVE => {}
             OP_FORWARD => {
                 let id = r.next()?;
-                let batch = decode_batch(&mut r, &mut tables)?;
+                let plan = if r.next()? != 0 { Some(decode_plan(&mut r)?) } else { None };
+                let mut batch = decode_batch(&mut r, &mut tables)?;
                 let out = backend.forward(&batch)?;
+                if let Some(plan) = plan {
+                    plan.resolve(&mut batch, &out.argmax, &out.sampled, &mut pass)?;
+                    run_stages(backend, &mut pass, &mut batch, &out.hidden, &mut stages, &mut scratch)?;
+                }
                 hidden.push_back((id, out.hidden));
             }
             OP_MTP => {
@@ -270,13 +290,6 @@ pub fn run_follower<B: Backend, C: PlanChannel>(backend: &mut B, comm: &C) -> Re
                 let prev = find(&hidden, prev_id)?;
                 let out = backend.mtp_forward(layer, &batch, prev, &rows)?;
                 hidden.push_back((id, out.hidden));
-            }
-            OP_DRAFT => {
-                let target_id = r.next()?;
-                let mut pass = decode_pass(&mut r)?;
-                let mut batch = decode_batch(&mut r, &mut tables)?;
-                let target = find(&hidden, target_id)?;
-                run_stages(backend, &mut pass, &mut batch, target, &mut stages, &mut scratch)?;
             }
             OP_CONCAT => {
                 let id = r.next()?;
@@ -311,57 +324,56 @@ fn find<H>(hidden: &VecDeque<(u32, H)>, id: u32) -> Result<&H> {
         .ok_or_else(|| Error::Collective(format!("plan refers to hidden state {id}, no longer kept")))
 }
 
-/// Words of one [`DraftChunk`] in a plan, besides its kept rows (one per full stage
+/// Words of one [`PlannedChunk`] in a plan, besides its kept rows (one per full stage
 /// after the first).
-const CHUNK_WORDS: usize = 7;
+const CHUNK_WORDS: usize = 5;
 
-/// Writes `p` into `w` (its `check` stays behind, and `ext` and `chain`, which the
-/// stages set).
-fn encode_pass(p: &DraftPass, w: &mut Vec<u32>) {
+/// Writes `p` into `w`.
+fn encode_plan(p: &PassPlan, w: &mut Vec<u32>) {
     let n_kept = p.full_stages().saturating_sub(1);
     w.extend_from_slice(&[p.k as u32, p.n_mtp as u32, u32::from(p.keep), p.chunks.len() as u32]);
     for c in &p.chunks {
-        w.extend_from_slice(&[
-            c.start as u32,
-            c.len as u32,
-            u32::from(c.cont),
-            c.draft_off.map_or(u32::MAX, |o| o as u32),
-            c.n_tok as u32,
-            c.last_tok,
-            c.tok_off as u32,
-        ]);
+        let kind = match c.kind {
+            ChunkKind::Window => 0,
+            ChunkKind::Last => 1,
+            ChunkKind::Mid => 2,
+        };
+        w.extend_from_slice(&[kind, u32::from(c.cont), u32::from(c.in_place), c.n_tok as u32, c.last_tok]);
         w.extend_from_slice(&c.kept[..n_kept]);
     }
-    w.push(p.next_tokens.len() as u32);
-    w.extend_from_slice(&p.next_tokens);
+    w.push(p.beyond.len() as u32);
+    w.extend_from_slice(&p.beyond);
 }
 
-/// Reads a pass written by [`encode_pass`].
-fn decode_pass(r: &mut Reader) -> Result<DraftPass> {
+/// Reads a plan written by [`encode_plan`].
+fn decode_plan(r: &mut Reader) -> Result<PassPlan> {
     let (k, n_mtp, keep, n) = (r.next()? as usize, r.next()? as usize, r.next()? != 0, r.next()? as usize);
     if k == 0 || k > MAX_DRAFTS || n_mtp == 0 {
         return Err(Error::Collective(format!("a drafting plan of k = {k} with {n_mtp} MTP layers")));
     }
-    let mut p = DraftPass { k, n_mtp, keep, ..Default::default() };
+    let mut p = PassPlan { k, n_mtp, keep, ..Default::default() };
     let n_kept = p.full_stages() - 1;
     for _ in 0..n {
         let w = r.take(CHUNK_WORDS + n_kept)?;
+        let kind = match w[0] {
+            0 => ChunkKind::Window,
+            1 => ChunkKind::Last,
+            2 => ChunkKind::Mid,
+            x => return Err(Error::Collective(format!("a planned chunk of kind {x}"))),
+        };
         let mut kept = [0; MAX_DRAFTS];
         kept[..n_kept].copy_from_slice(&w[CHUNK_WORDS..]);
-        p.chunks.push(DraftChunk {
-            start: w[0] as usize,
-            len: w[1] as usize,
-            cont: w[2] != 0,
-            draft_off: (w[3] != u32::MAX).then_some(w[3] as usize),
-            n_tok: w[4] as usize,
-            last_tok: w[5],
-            tok_off: w[6] as usize,
+        p.chunks.push(PlannedChunk {
+            kind,
+            cont: w[1] != 0,
+            in_place: w[2] != 0,
+            n_tok: w[3] as usize,
+            last_tok: w[4],
             kept,
-            ..Default::default()
         });
     }
-    let nt = r.next()? as usize;
-    p.next_tokens = r.take(nt)?.to_vec();
+    let nb = r.next()? as usize;
+    p.beyond = r.take(nb)?.to_vec();
     Ok(p)
 }
 
@@ -547,37 +559,36 @@ mod tests {
         assert!(decode_batch(&mut Reader { w: &w[..w.len() - 1], i: 0 }, &mut Vec::new()).is_err());
     }
 
-    /// A drafting pass crosses whole, but for what stays with the leader (`check`) and
-    /// what the stages set; a cut plan is refused.
+    /// A planned pass crosses whole; a cut plan is refused.
     #[test]
-    fn pass_round_trip() {
-        let chunk = |start: usize, draft_off: Option<usize>, kept: [u32; MAX_DRAFTS]| DraftChunk {
-            start,
-            len: 4,
-            cont: draft_off.is_some(),
-            draft_off,
+    fn pass_plan_round_trip() {
+        let chunk = |kind, kept: [u32; MAX_DRAFTS]| PlannedChunk {
+            kind,
+            cont: kind == ChunkKind::Window,
+            in_place: kind != ChunkKind::Mid,
             kept,
-            n_tok: start + 3,
+            n_tok: 103,
             last_tok: 77,
-            tok_off: 2,
-            ..Default::default()
         };
         for (k, n_mtp) in [(3, 3), (4, 2), (2, 1), (1, 3)] {
             let n_kept = n_mtp.min(k) - 1;
             let mut kept = [0; MAX_DRAFTS];
             kept[..n_kept].copy_from_slice(&[5, 9, 11][..n_kept]);
-            let p = DraftPass {
+            let p = PassPlan {
                 k,
                 n_mtp,
                 keep: k % 2 == 0,
-                chunks: vec![chunk(100, Some(2), kept), chunk(0, None, [0; MAX_DRAFTS])],
-                next_tokens: vec![3, 4, 5, 6],
-                check: Vec::new(),
+                chunks: vec![
+                    chunk(ChunkKind::Window, kept),
+                    chunk(ChunkKind::Mid, [0; MAX_DRAFTS]),
+                    chunk(ChunkKind::Last, kept),
+                ],
+                beyond: vec![3, 4, 5],
             };
             let mut w = Vec::new();
-            encode_pass(&DraftPass { check: vec![vec![1, 2]], ..p.clone() }, &mut w);
-            assert_eq!(decode_pass(&mut Reader { w: &w, i: 0 }).unwrap(), p, "k = {k}, {n_mtp} MTP layers");
-            assert!(decode_pass(&mut Reader { w: &w[..w.len() - 1], i: 0 }).is_err());
+            encode_plan(&p, &mut w);
+            assert_eq!(decode_plan(&mut Reader { w: &w, i: 0 }).unwrap(), p, "k = {k}, {n_mtp} MTP layers");
+            assert!(decode_plan(&mut Reader { w: &w[..w.len() - 1], i: 0 }).is_err());
         }
     }
 
