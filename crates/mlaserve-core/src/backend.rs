@@ -75,6 +75,18 @@ pub struct Batch {
 pub const MAX_DRAFT_SLOTS: usize = 1 << 16;
 
 impl Batch {
+    /// Asks nothing of any row: no logits, choices, edits, log-probabilities, draft
+    /// links or slots (the chunks stay).
+    pub fn clear_rows(&mut self) {
+        self.logit_rows.clear();
+        self.argmax_rows.clear();
+        self.sample_rows.clear();
+        self.edits.clear();
+        self.logprob_rows.clear();
+        self.draft_links.clear();
+        self.argmax_slots.clear();
+    }
+
     /// The token a row chose: its argmax or sampled id, given the answers to
     /// `argmax_rows` and `sample_rows`.
     pub fn chosen(&self, row: u32, argmax: &[u32], sampled: &[u32]) -> Option<u32> {

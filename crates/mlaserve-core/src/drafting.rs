@@ -83,11 +83,6 @@ impl DraftPass {
     pub fn full_stages(&self) -> usize {
         self.n_mtp.min(self.k)
     }
-
-    /// Requests that draft in this pass.
-    pub fn drafting(&self) -> usize {
-        self.chunks.iter().filter(|c| c.draft_off.is_some()).count()
-    }
 }
 
 /// What a chunk of the target forward is to the pass that follows it.
@@ -189,13 +184,7 @@ impl PassPlan {
         pass.keep = self.keep;
         pass.chunks.clear();
         pass.next_tokens.clear();
-        batch.logit_rows.clear();
-        batch.argmax_rows.clear();
-        batch.sample_rows.clear();
-        batch.edits.clear();
-        batch.logprob_rows.clear();
-        batch.draft_links.clear();
-        batch.argmax_slots.clear();
+        batch.clear_rows();
         let (mut row, mut beyond) = (0usize, 0usize);
         for (c, p) in batch.seqs.iter_mut().zip(&self.chunks) {
             let (start, len) = (c.start_pos, c.tokens.len());
@@ -327,7 +316,7 @@ impl StageScratch {
 }
 
 /// The rows `0..n`, from `buf` (grown as needed).
-pub fn identity(buf: &mut Vec<u32>, n: usize) -> &[u32] {
+fn identity(buf: &mut Vec<u32>, n: usize) -> &[u32] {
     if buf.len() < n {
         let from = buf.len() as u32;
         buf.extend(from..n as u32);
@@ -337,7 +326,7 @@ pub fn identity(buf: &mut Vec<u32>, n: usize) -> &[u32] {
 
 /// Sets `out` to `n` tokens: `tokens`, then `drafts`, then `pad` repeated (written in
 /// place: no per-token `push`).
-pub fn fill_tokens(out: &mut Vec<u32>, n: usize, tokens: &[u32], drafts: &[u32], pad: u32) {
+fn fill_tokens(out: &mut Vec<u32>, n: usize, tokens: &[u32], drafts: &[u32], pad: u32) {
     out.resize(n, pad);
     let (head, rest) = out.split_at_mut(tokens.len());
     head.copy_from_slice(tokens);
@@ -628,11 +617,7 @@ fn chain_stages<B: Backend + ?Sized>(
 ) -> Result<u64> {
     let m = sc.chain.len();
     let mut backend_us = 0;
-    sc.batch.logit_rows.clear();
-    sc.batch.sample_rows.clear();
-    sc.batch.edits.clear();
-    sc.batch.logprob_rows.clear();
-    sc.batch.argmax_rows.clear();
+    sc.batch.clear_rows();
     sc.batch.argmax_rows.extend_from_slice(identity(&mut sc.identity, m));
     for d in n_mtp.min(k)..k {
         let shift = d + 1 - n_mtp;

@@ -532,13 +532,7 @@ impl<B: Backend> Engine<B> {
         // Only the chosen token of a row comes back (computed by the backend, on the
         // device for the GPU): the argmax for greedy requests, a sample for the others,
         // with the uniform of the position the row decides — never the logits.
-        b.logit_rows.clear();
-        b.argmax_rows.clear();
-        b.sample_rows.clear();
-        b.edits.clear();
-        b.logprob_rows.clear();
-        b.draft_links.clear();
-        b.argmax_slots.clear();
+        b.clear_rows();
         for s in self.running.iter_mut().filter(|s| s.sched.is_some()) {
             let c = chunk_at(&mut b.seqs, n);
             n += 1;
