@@ -202,9 +202,11 @@ decided() {  # decided MODE STREAMS: server MODE's decisions since `before[MODE,
     IFS=/ read -r -a c <<<"${choice[$1,$2]:-0/0/0/0}"
     choice[$1,$2]="$((c[0] + b[0] - a[0]))/$((c[1] + b[1] - a[1]))/$((c[2] + b[2] - a[2]))/$((c[3] + b[3] - a[3]))"
     # What the adaptive server's choices weighed by then: cycle µs per decode row per
-    # (rows, k), the rates.
+    # (rows, k), the rates; and where its choices fell (decisions per (rows, k), over the
+    # process's life).
     [[ $1 == adaptive ]] && weighed[$2]=$(curl -s "http://127.0.0.1:$((port[adaptive] + 1))/metrics" |
-        grep -E '^mlaserve_speculation_(cycle_us_per_row|acceptance_rate)' | sed 's/^mlaserve_speculation_/  /')
+        grep -E '^mlaserve_speculation_(cycle_us_per_row|acceptance_rate|steps_by_rows_total)' |
+        sed 's/^mlaserve_speculation_/  /' | sort -V)
 }
 # One server process's share of the sweep: every concurrency, ROUNDS rounds (or the
 # single round R with RESTART).
@@ -308,6 +310,6 @@ printf 'CUDA graphs captured by the end:'
 for m in "${modes[@]}"; do printf ' %s %s' "$m" "${graphs[$m]:-?}"; done
 echo
 for c in $conc; do
-    echo "the adaptive server's estimates after $c streams (per (rows bucket, k): cycle us per decode row):"
+    echo "the adaptive server's estimates after $c streams (per (rows bucket, k): cycle us per decode row; decisions per (rows bucket, k)):"
     echo "${weighed[$c]}"
 done

@@ -415,6 +415,18 @@ async fn health_reflection_metrics_and_drain() {
     ] {
         assert!(text.contains(name), "metric {name} missing from:\n{text}");
     }
+    // The engine's next report (once a second) brings the adaptive policy's decisions,
+    // per bucket of decode rows: the request decoded alone.
+    let series = "mlaserve_speculation_steps_by_rows_total{rows=\"1\",k=\"";
+    let mut text = text;
+    for _ in 0..50 {
+        if text.contains(series) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        text = http_get(m).await;
+    }
+    assert!(text.contains(series), "{series} missing from:\n{text}");
 
     // Drain: NOT_SERVING, new requests UNAVAILABLE.
     h.router.drain(Duration::from_millis(100)).await;

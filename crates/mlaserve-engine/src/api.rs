@@ -189,6 +189,9 @@ pub struct SpecStats {
     pub costs: Vec<(usize, Vec<Option<f64>>)>,
     /// The overall acceptance rate of each draft position (posterior means).
     pub rates: Vec<f64>,
+    /// The decisions per bucket of decode rows (its largest row count, a power of two):
+    /// how many chose each k (adaptive speculation only).
+    pub decisions: Vec<(usize, Vec<u64>)>,
 }
 
 /// Engine statistics: load, totals over finished and running requests, step times.

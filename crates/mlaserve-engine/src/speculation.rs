@@ -101,6 +101,8 @@ impl Costs {
 struct Bucket {
     per_k: [Costs; KMAX + 1],
     decisions: u64,
+    /// The choices made in this bucket, per k (explorations and probes included).
+    chosen: [u64; KMAX + 1],
     /// The bucket's last choice (not counting explorations).
     current: Option<usize>,
 }
@@ -192,7 +194,14 @@ impl Policy {
             .filter(|(_, b)| b.per_k.iter().any(|c| c.len > 0))
             .map(|(i, b)| (1 << i, b.per_k[..=self.k_max].iter().map(|c| (c.len > 0).then(|| c.estimate())).collect()))
             .collect();
-        SpecStats { costs, rates: self.rates()[..self.k_max].to_vec(), ..self.stats.clone() }
+        let decisions = self
+            .buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.chosen.iter().any(|&n| n > 0))
+            .map(|(i, b)| (1 << i, b.chosen[..=self.k_max].to_vec()))
+            .collect();
+        SpecStats { costs, decisions, rates: self.rates()[..self.k_max].to_vec(), ..self.stats.clone() }
     }
 
     /// One decode window of `k` drafts, `accepted` of them accepted by the verifier.
@@ -320,6 +329,11 @@ impl Policy {
             let i = self.stats.steps_per_k.iter().sum::<u64>() as usize;
             self.forced[i % self.forced.len()].min(self.k_max)
         };
+        let b = bucket_of(n);
+        if self.buckets.len() <= b {
+            self.buckets.resize(b + 1, Bucket::default());
+        }
+        self.buckets[b].chosen[k] += 1;
         self.stats.steps_per_k[k] += 1;
         self.stats.expected_accepted += at_mean[k] - n as f64;
         k
@@ -604,6 +618,23 @@ mod tests {
         let mut p = Policy::new(3, true);
         let chosen = run(&mut p, 16, 1000, 0.9, |k| cost[k]);
         assert!(chosen[3] > 950, "{chosen:?}");
+    }
+
+    /// The decisions are counted per bucket of decode rows, every one of them.
+    #[test]
+    fn decisions_are_counted_per_row_bucket() {
+        let mut p = Policy::new(3, true);
+        run(&mut p, 3, 50, 0.8, |k| 1000.0 + 50.0 * k as f64);
+        run(&mut p, 16, 70, 0.8, |k| 1000.0 + 50.0 * k as f64);
+        let d = p.stats().decisions;
+        assert_eq!(d.iter().map(|(rows, _)| *rows).collect::<Vec<_>>(), vec![4, 16]);
+        assert_eq!(d.iter().map(|(_, per_k)| per_k.iter().sum::<u64>()).collect::<Vec<_>>(), vec![50, 70]);
+        let total: Vec<u64> = (0..=3).map(|k| d.iter().map(|(_, per_k)| per_k[k]).sum()).collect();
+        assert_eq!(total, p.stats().steps_per_k);
+        // A fixed k counts none.
+        let mut fixed = Policy::new(3, false);
+        run(&mut fixed, 4, 10, 0.8, |_| 1000.0);
+        assert!(fixed.stats().decisions.is_empty());
     }
 
     /// A fixed cost per step plus a cost per token (the CPU): drafts pay at one row and

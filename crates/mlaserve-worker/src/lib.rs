@@ -256,6 +256,13 @@ async fn export_stats(engine: EngineHandle, health: tonic_health::server::Health
                 }
             }
         }
+        // Where the choices fell: per (row bucket, k), the decisions that took k.
+        for (rows, per_k) in &sp.decisions {
+            for (k, n) in per_k.iter().enumerate() {
+                let labels = [("rows", rows.to_string()), ("k", k.to_string())];
+                metrics::counter!("mlaserve_speculation_steps_by_rows_total", &labels).absolute(*n);
+            }
+        }
         for (j, r) in sp.rates.iter().enumerate() {
             metrics::gauge!("mlaserve_speculation_acceptance_rate", "position" => (j + 1).to_string()).set(*r);
         }
