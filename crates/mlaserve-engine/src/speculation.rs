@@ -185,22 +185,29 @@ impl Policy {
         self.k_max
     }
 
+    /// Bucket `b`, created (with those below it) if new.
+    fn bucket_mut(&mut self, b: usize) -> &mut Bucket {
+        if self.buckets.len() <= b {
+            self.buckets.resize(b + 1, Bucket::default());
+        }
+        &mut self.buckets[b]
+    }
+
+    /// What each bucket `f` gives something for, as (the bucket's largest row count, it).
+    fn by_bucket<T>(&self, f: impl Fn(&Bucket) -> Option<T>) -> Vec<(usize, T)> {
+        self.buckets.iter().enumerate().filter_map(|(i, b)| Some((1 << i, f(b)?))).collect()
+    }
+
     /// The choices so far, with the current cost and acceptance estimates.
     pub fn stats(&self) -> SpecStats {
-        let costs = self
-            .buckets
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.per_k.iter().any(|c| c.len > 0))
-            .map(|(i, b)| (1 << i, b.per_k[..=self.k_max].iter().map(|c| (c.len > 0).then(|| c.estimate())).collect()))
-            .collect();
-        let decisions = self
-            .buckets
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.chosen.iter().any(|&n| n > 0))
-            .map(|(i, b)| (1 << i, b.chosen[..=self.k_max].to_vec()))
-            .collect();
+        let ks = ..=self.k_max;
+        let costs = self.by_bucket(|b| {
+            b.per_k
+                .iter()
+                .any(|c| c.len > 0)
+                .then(|| b.per_k[ks].iter().map(|c| (c.len > 0).then(|| c.estimate())).collect())
+        });
+        let decisions = self.by_bucket(|b| b.chosen.iter().any(|&n| n > 0).then(|| b.chosen[ks].to_vec()));
         SpecStats { costs, decisions, rates: self.rates()[..self.k_max].to_vec(), ..self.stats.clone() }
     }
 
@@ -329,11 +336,7 @@ impl Policy {
             let i = self.stats.steps_per_k.iter().sum::<u64>() as usize;
             self.forced[i % self.forced.len()].min(self.k_max)
         };
-        let b = bucket_of(n);
-        if self.buckets.len() <= b {
-            self.buckets.resize(b + 1, Bucket::default());
-        }
-        self.buckets[b].chosen[k] += 1;
+        self.bucket_mut(bucket_of(n)).chosen[k] += 1;
         self.stats.steps_per_k[k] += 1;
         self.stats.expected_accepted += at_mean[k] - n as f64;
         k
@@ -352,9 +355,7 @@ impl Policy {
     ) -> usize {
         let k_max = self.k_max;
         let b = bucket_of(n);
-        if self.buckets.len() <= b {
-            self.buckets.resize(b + 1, Bucket::default());
-        }
+        self.bucket_mut(b);
         let Some(cost) = self.costs(b) else {
             // Nothing to compare with yet: try each k here once, the most drafts first
             // (the requests' MTP caches are still whole, so their drafts measure the
@@ -457,12 +458,7 @@ impl Policy {
         if !self.adaptive || n == 0 || p.k != k || !p.decode_only || !decode_only {
             return;
         }
-        let b = bucket_of(n);
-        if self.buckets.len() <= b {
-            self.buckets.resize(b + 1, Bucket::default());
-        }
-        let bucket = &mut self.buckets[b];
-        bucket.per_k[k].push((p.draft_us + us as f64) / n as f64);
+        self.bucket_mut(bucket_of(n)).per_k[k].push((p.draft_us + us as f64) / n as f64);
     }
 
     /// Whether the choice is the policy's (not a fixed k).
