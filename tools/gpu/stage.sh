@@ -13,7 +13,7 @@
 #
 # Needs nvcc (CUDA_HOME, NVCC or PATH; tools/ci/install-nvcc.sh installs one).
 #
-# `--pack DIR`: also writes DIR/gpu.tar.xz (bin, tests, benches, kernels; ~4% of their size)
+# `--pack DIR`: also writes DIR/gpu.tar.xz (bin, tests, benches, kernels; ~3% of their size)
 # for a device call whose working tree would be too large with .gpu/: carry DIR (add it
 # to .git/info/exclude) and run `GPU_PACK=DIR/gpu.tar.xz tools/gpu/check.sh`.
 set -euo pipefail
@@ -69,8 +69,9 @@ strip --strip-debug .gpu/bin/* .gpu/tests/* .gpu/benches/*  # line tables would 
 du -sh .gpu/* ; ls -la .gpu/tests
 if [[ "${1:-}" == "--pack" && -n "${2:-}" ]]; then
     mkdir -p "$2"
-    # xz -9: a 64 MiB window spans several binaries, whose embedded kernels are the same
-    # (a 27 MB archive at the default level, 8 MB at this one).
-    tar -C .gpu -cf - bin tests benches kernels | xz -9 -T2 > "$2/gpu.tar.xz"
+    # One xz stream with a 384 MiB window (about 4 GB to compress, 400 MB to unpack): the
+    # binaries embed the same kernels, and the window spans them all (16.0 MB with xz -9
+    # -T2, whose threads each see a block of their own; 12.6 MB so, in about 3 minutes).
+    tar -C .gpu -cf - bin tests benches kernels | xz -T1 --lzma2=preset=9,dict=384MiB > "$2/gpu.tar.xz"
     ls -la "$2/gpu.tar.xz"
 fi
